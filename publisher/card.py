@@ -1,0 +1,136 @@
+"""Stage 5: the model card: typed metadata (ModelCardData) + a jinja2 template shipped with the package.
+
+The template renders with StrictUndefined, so a missing value is a bug caught by tests, not a blank
+in a published card. Licence fields are copied from the base card, never invented.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import __version__
+from .plan import Plan
+from .quantize import Artifacts
+from .verify import VerifyReport
+
+TEMPLATE_NAME = "modelcard.md.j2"
+_LICENSE_FILE_PREFIXES = ("LICENSE", "LICENCE", "NOTICE")
+
+
+def template_path() -> Path:
+    """The card template: inside the installed package, or templates/ at the root of a source checkout."""
+    here = Path(__file__).resolve().parent
+    for candidate in (here / "templates" / TEMPLATE_NAME, here.parent / "templates" / TEMPLATE_NAME):
+        if candidate.is_file():
+            return candidate
+    raise FileNotFoundError(f"card template {TEMPLATE_NAME} is missing from the installation; reinstall hf-ao-publish")
+
+
+@dataclass
+class CardInputs:
+    """What the card needs beyond the plan and the artifacts."""
+
+    command: str  # the exact command line (token never included)
+    sample: dict[str, Any] = field(default_factory=lambda: {"prompt": "a photo of a cat", "steps": 28, "size": 1024})
+    variants: list[dict[str, Any]] = field(default_factory=list)  # sibling repos of a multi-recipe run
+    produced_on: str = "cpu"
+    sample_image: str | None = None  # file name of the side-by-side PNG in the repo
+    psnr: float | None = None
+    extra_notes: list[str] = field(default_factory=list)
+
+
+def licence_fields(plan: Plan) -> tuple[dict[str, str], str | None]:
+    """(YAML licence fields, note). Relative links become absolute URLs on the base repo."""
+    data = plan.source.card_data
+    lic = data.get("license")
+    if not lic or not isinstance(lic, str):
+        return {"license": "other"}, "The base model's licence could not be read; check the base repository before use."
+    fields = {"license": lic}
+    if isinstance(data.get("license_name"), str):
+        fields["license_name"] = data["license_name"]
+    link = data.get("license_link")
+    if isinstance(link, str) and link:
+        if not link.startswith(("http://", "https://")):
+            base_url = plan.source.url()
+            if base_url:
+                link = f"{base_url}/blob/{plan.source.sha}/{link.lstrip('./')}"
+        fields["license_link"] = link
+    return fields, None
+
+
+def licence_files(plan: Plan) -> list[str]:
+    return [f for f in plan.base_files if "/" not in f and f.upper().startswith(_LICENSE_FILE_PREFIXES)]
+
+
+def card_data(plan: Plan, artifacts: Artifacts) -> Any:
+    from huggingface_hub import ModelCardData
+
+    lic, _ = licence_fields(plan)
+    base_tags = [t for t in plan.source.card_data.get("tags") or [] if isinstance(t, str)]
+    tags = list(dict.fromkeys(["torchao", artifacts.recipe.name, "hf-ao-publish", "quantized", *base_tags]))
+    return ModelCardData(
+        base_model=plan.source.repo_id,
+        base_model_relation="quantized",
+        library_name=plan.library_name,
+        pipeline_tag=plan.pipeline_tag,
+        tags=tags,
+        **lic,
+    )
+
+
+def _human(n: int | float | None) -> str:
+    if n is None:
+        return "n/a"
+    n = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"
+
+
+def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str, inputs: CardInputs) -> str:
+    import jinja2
+
+    recipe = artifacts.recipe
+    data = card_data(plan, artifacts)
+    _, licence_note = licence_fields(plan)
+    files = artifacts.files()
+    current = next((r.versions for r in report.results if r.env == "current" and r.versions), {})
+    first = artifacts.components[0]
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
+    env.filters["human"] = _human
+    template = env.from_string(template_path().read_text(encoding="utf-8"))
+    causal = plan.kind == "transformers" and first.class_name.endswith("ForCausalLM")
+    return template.render(
+        card_data=data.to_yaml(),
+        title=f"{(plan.source.repo_id or plan.source.local_dir.name).split('/')[-1]} (torchao {recipe.name})",  # type: ignore[union-attr]
+        repo_id=target,
+        base={
+            "repo_id": plan.source.repo_id,
+            "sha": plan.source.sha,
+            "url": plan.source.url(),
+            "local": str(plan.source.local_dir) if plan.source.local_dir else None,
+        },
+        kind=plan.kind,
+        pipeline_class=plan.pipeline_class or "",
+        recipe=recipe,
+        quant_config_json=json.dumps(first.quantization_config.get("quant_type", first.quantization_config), indent=2, sort_keys=True),
+        quantized=artifacts.components,
+        kept=[c for c in plan.kept if c.class_name],
+        exclude=list(plan.exclude),
+        sizes={c.label: (c.bytes_before, c.bytes_after) for c in artifacts.components},
+        total_download=sum(files.values()),
+        files=files,
+        report=report,
+        versions=current,
+        licence_note=licence_note,
+        licence_files=licence_files(plan),
+        auto_class="AutoModelForCausalLM" if causal else "AutoModel",
+        causal=causal,
+        inputs=inputs,
+        tool_version=__version__,
+    )

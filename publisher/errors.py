@@ -1,0 +1,42 @@
+"""The library's error family. The CLI turns these (and huggingface_hub's) into one-line messages.
+
+Every message names the thing that failed and the fix, so it can be shown to a user as is.
+"""
+
+from __future__ import annotations
+
+
+class PublishError(Exception):
+    """Base class: anything the user can act on. Exit code 1 unless a subclass says otherwise."""
+
+    exit_code = 1
+
+
+class UsageError(PublishError):
+    """Bad command-line input detected after parsing (malformed id, unknown recipe...). Exit 2."""
+
+    exit_code = 2
+
+
+class HardwareError(PublishError):
+    """The recipe cannot run on this machine (e.g. FP8 dynamic needs CUDA CC >= 8.9)."""
+
+
+class SourceError(PublishError):
+    """The base model cannot be used: missing, gated, wrong layout, unknown component..."""
+
+
+class TargetError(PublishError):
+    """The target repo or output folder cannot be written."""
+
+
+class QuantizeError(PublishError):
+    """Quantization or saving failed."""
+
+
+class VerificationError(PublishError):
+    """The saved result does not reload, or differs from the in-memory quantized model."""
+
+
+class ResourceError(PublishError):
+    """Not enough disk or memory for the plan."""

@@ -1,0 +1,323 @@
+"""Stage 1: validate the whole job and turn it into a Plan before anything heavy happens.
+
+Checks run in the order a user would want them answered (recipe and hardware first, then the
+base repo, its layout, components and exclusions). Components are built on the meta device so
+module names, Linear counts and sizes are known without reading a weight.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import recipes as recipe_registry
+from .errors import SourceError, UsageError
+from .recipes import Recipe
+from .source import Source
+
+log = logging.getLogger(__name__)
+
+DENOISERS = ("transformer", "unet", "prior", "decoder")
+_TARGET_RE = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}$")
+
+
+@dataclass(frozen=True)
+class Component:
+    """One model of the base: a pipeline component, or the whole transformers model (name "")."""
+
+    name: str
+    library: str  # "diffusers" | "transformers"
+    class_name: str
+    quantize: bool
+    linear_names: tuple[str, ...] = ()  # every nn.Linear, from the meta-device build
+    module_names: frozenset[str] = frozenset()
+    param_bytes: int = 0  # parameters at the load dtype (bf16)
+    weight_files: tuple[str, ...] = ()  # the base files that hold its weights
+
+    @property
+    def subfolder(self) -> str | None:
+        return self.name or None
+
+    @property
+    def label(self) -> str:
+        return self.name or "model"
+
+    def path(self, root: Path) -> Path:
+        return root / self.name if self.name else root
+
+
+@dataclass(frozen=True)
+class Plan:
+    source: Source
+    kind: str  # "pipeline" | "transformers"
+    pipeline_class: str | None
+    components: tuple[Component, ...]
+    recipes: tuple[Recipe, ...]
+    exclude: tuple[str, ...]
+    targets: dict[str, str]  # recipe name -> target repo id
+    base_files: tuple[str, ...]  # what the snapshot stage downloads
+    library_name: str
+    pipeline_tag: str | None
+    trust_remote_code: bool = False
+    options: dict[str, Any] = field(default_factory=dict)  # the user's options, for the card and fingerprint
+
+    @property
+    def quantized(self) -> list[Component]:
+        return [c for c in self.components if c.quantize]
+
+    @property
+    def kept(self) -> list[Component]:
+        return [c for c in self.components if not c.quantize]
+
+
+def parse_recipes(values: tuple[str, ...] | list[str]) -> list[Recipe]:
+    """`--quant a --quant b` and `--quant a,b` both work; order kept, duplicates dropped."""
+    found: list[Recipe] = []
+    for value in values:
+        for name in filter(None, (v.strip() for v in value.split(","))):
+            recipe = recipe_registry.get(name)
+            if recipe not in found:
+                found.append(recipe)
+    if not found:
+        raise UsageError("--quant is required; choose one of: " + ", ".join(recipe_registry.names()))
+    return found
+
+
+def check_target_id(repo_id: str) -> str:
+    if not _TARGET_RE.match(repo_id) or ".." in repo_id or "--" in repo_id or repo_id.endswith((".git", ".")):
+        raise UsageError(f"--repo-id {repo_id!r} is not a valid Hub repo id; use NAMESPACE/NAME (letters, digits, '-', '_', '.')")
+    return repo_id
+
+
+def target_ids(source: Source, recipes: list[Recipe], repo_id: str | None, user: str | None) -> dict[str, str]:
+    """Default target: <token user>/<base name>-torchao-<recipe>. With several recipes an explicit
+    --repo-id gets "-<recipe>" appended unless it contains "{recipe}"."""
+    out: dict[str, str] = {}
+    base_name = (source.repo_id or str(source.local_dir)).rstrip("/").split("/")[-1]
+    for recipe in recipes:
+        if repo_id:
+            if "{recipe}" in repo_id:
+                rid = repo_id.replace("{recipe}", recipe.name)
+            elif len(recipes) > 1:
+                rid = f"{repo_id}-{recipe.name}"
+            else:
+                rid = repo_id
+        else:
+            rid = f"{user or 'your-username'}/{base_name}-torchao-{recipe.name}"
+        out[recipe.name] = check_target_id(rid)
+    return out
+
+
+def detect_layout(source: Source, token: str | None, trust_remote_code: bool) -> tuple[str, str | None, list[tuple[str, str, str]]]:
+    """(kind, pipeline class, [(component name, library, class name)]) for the base."""
+    files = set(source.sizes)
+    if "model_index.json" in files:
+        index = source.read_json("model_index.json", token)
+        pipeline_class = index.get("_class_name")
+        if isinstance(pipeline_class, list):  # [module, class] means a custom (remote-code) pipeline
+            _refuse_remote_code(source, f"custom pipeline {pipeline_class}", trust_remote_code)
+            pipeline_class = pipeline_class[-1]
+        comps: list[tuple[str, str, str]] = []
+        for name, value in index.items():
+            if name.startswith("_") or not isinstance(value, list) or len(value) != 2 or value[0] is None:
+                continue
+            library, class_name = value
+            if library not in ("diffusers", "transformers"):
+                _refuse_remote_code(source, f"component {name} from {library!r}", trust_remote_code)
+            comps.append((name, library, class_name))
+        return "pipeline", pipeline_class, comps
+    if "config.json" in files:
+        config = source.read_json("config.json", token)
+        if "_class_name" in config or "_diffusers_version" in config:
+            raise SourceError(
+                f"{source.display} is a single diffusers model ({config.get('_class_name')}), not a pipeline; "
+                "publish the pipeline repo that contains it"
+            )
+        if "model_type" not in config and "architectures" not in config:
+            raise SourceError(f"{source.display}: config.json has no model_type or architectures; it is not a transformers model")
+        if config.get("auto_map"):
+            _refuse_remote_code(source, "auto_map in config.json", trust_remote_code)
+        archs = config.get("architectures") or ["AutoModel"]
+        return "transformers", None, [("", "transformers", archs[0])]
+    raise SourceError(
+        f"{source.display} is neither a diffusers pipeline (model_index.json) nor a transformers model (config.json)"
+    )
+
+
+def _refuse_remote_code(source: Source, what: str, trust: bool) -> None:
+    if not trust:
+        raise SourceError(
+            f"{source.display} needs remote code ({what}); review that code, then re-run with --trust-remote-code"
+        )
+
+
+def _model_class(library: str, class_name: str) -> type | None:
+    """The torch model class of a component, or None when it is not a model (tokenizer, scheduler...)."""
+    if library == "diffusers":
+        import diffusers
+
+        cls = getattr(diffusers, class_name, None)
+        return cls if isinstance(cls, type) and issubclass(cls, diffusers.ModelMixin) else None
+    import transformers
+
+    cls = getattr(transformers, class_name, None)
+    return cls if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel) else None
+
+
+def weight_files(source: Source, folder: str) -> tuple[str, ...]:
+    """Weights of one model folder: safetensors when present (never also .bin), no variants, no stray single files."""
+    prefix = f"{folder}/" if folder else ""
+    direct = [f for f in source.files if f.startswith(prefix) and "/" not in f[len(prefix):]]
+    st = [f for f in direct if f.endswith(".safetensors") or f.endswith(".safetensors.index.json")]
+    index = [f for f in st if f.endswith(".index.json")]
+    if index:
+        # a sharded checkpoint: exactly the shards its index names (read later) plus the index
+        return tuple(sorted(index))
+    standard = [f for f in st if Path(f).name in ("model.safetensors", "diffusion_pytorch_model.safetensors")]
+    return tuple(standard or st[:1])
+
+
+def build_plan(
+    source: Source,
+    recipes: list[Recipe],
+    *,
+    components: list[str] | None,
+    exclude: list[str],
+    targets: dict[str, str],
+    token: str | None,
+    trust_remote_code: bool = False,
+    options: dict[str, Any] | None = None,
+) -> Plan:
+    kind, pipeline_class, found = detect_layout(source, token, trust_remote_code)
+    model_comps = {name: (lib, cls) for name, lib, cls in found if _model_class(lib, cls) is not None}
+    if kind == "transformers":
+        if components:
+            raise UsageError(f"--components applies to diffusers pipelines; {source.display} is a transformers model (it is quantized whole)")
+        if not model_comps:
+            raise SourceError(f"{source.display}: transformers has no model class {found[0][2]!r}; upgrade transformers or pass --trust-remote-code")
+        chosen = [""]
+    else:
+        if components:
+            chosen = list(dict.fromkeys(components))
+            for name in chosen:
+                if name not in {n for n, _, _ in found}:
+                    raise UsageError(
+                        f"--components: {source.display} has no component {name!r}; valid: {', '.join(sorted(model_comps))}"
+                    )
+                if name not in model_comps:
+                    raise UsageError(
+                        f"--components: {name!r} is not a model and cannot be quantized; quantizable: {', '.join(sorted(model_comps))}"
+                    )
+        else:
+            chosen = [d for d in DENOISERS if d in model_comps][:1]
+            if not chosen:
+                raise UsageError(
+                    f"{source.display} has no transformer or unet; choose with --components from: {', '.join(sorted(model_comps))}"
+                )
+
+    comps: list[Component] = []
+    for name, library, class_name in found:
+        quantize = name in chosen
+        files = weight_files(source, name) if name in model_comps else ()
+        if quantize and not files:
+            raise SourceError(f"{source.display}: component {name or 'model'} has no safetensors weights; only safetensors bases are supported")
+        comp = Component(name=name, library=library, class_name=class_name, quantize=quantize, weight_files=files)
+        if quantize:
+            comp = _with_meta_structure(source, comp, token)
+        comps.append(comp)
+    _check_excludes(exclude, [c for c in comps if c.quantize])
+
+    pipeline_tag = source.card_data.get("pipeline_tag")
+    library_name = "diffusers" if kind == "pipeline" else "transformers"
+    files = _base_files(source, kind, comps, token)
+    return Plan(
+        source=source,
+        kind=kind,
+        pipeline_class=pipeline_class,
+        components=tuple(comps),
+        recipes=tuple(recipes),
+        exclude=tuple(exclude),
+        targets=targets,
+        base_files=tuple(files),
+        library_name=library_name,
+        pipeline_tag=pipeline_tag,
+        trust_remote_code=trust_remote_code,
+        options=options or {},
+    )
+
+
+def _check_excludes(exclude: list[str], quantized: list[Component]) -> None:
+    for name in exclude:
+        if not any(name in c.module_names for c in quantized):
+            hint = ", ".join(sorted(c.linear_names[0] for c in quantized if c.linear_names)[:2])
+            raise UsageError(
+                f"--exclude {name!r} matches no module of the quantized components "
+                f"({', '.join(c.label for c in quantized)}); give a full module name such as {hint}"
+            )
+
+
+def _with_meta_structure(source: Source, comp: Component, token: str | None) -> Component:
+    """Build the component on the meta device to learn its modules without reading weights."""
+    import torch
+    from accelerate import init_empty_weights
+
+    cls = _model_class(comp.library, comp.class_name)
+    assert cls is not None  # checked by the caller
+    config_path = f"{comp.name}/config.json" if comp.name else "config.json"
+    config_dict = source.read_json(config_path, token)
+    with init_empty_weights():
+        if comp.library == "diffusers":
+            model = cls.from_config(config_dict)
+        else:
+            config = cls.config_class.from_dict(config_dict)
+            model = cls._from_config(config, dtype=torch.bfloat16)
+    linears = tuple(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear))
+    modules = frozenset(n for n, _ in model.named_modules() if n)
+    # bf16 is the load dtype for every quantized component (2 bytes per parameter)
+    nbytes = sum(p.numel() * 2 for p in model.parameters())
+    return Component(
+        name=comp.name, library=comp.library, class_name=comp.class_name, quantize=True,
+        linear_names=linears, module_names=modules, param_bytes=nbytes, weight_files=comp.weight_files,
+    )
+
+
+_TOKENIZER_LIKE = (
+    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json", "vocab.json",
+    "vocab.txt", "merges.txt", "spiece.model", "tokenizer.model", "sentencepiece.bpe.model",
+    "preprocessor_config.json", "processor_config.json", "chat_template.jinja", "chat_template.json",
+    "generation_config.json", "config.json", "scheduler_config.json", "model_index.json",
+)
+
+
+def _base_files(source: Source, kind: str, comps: list[Component], token: str | None) -> list[str]:
+    """Exactly the files a standalone result needs: configs, tokenizers, scheduler, each model's
+    weights (safetensors only), the base card and licence files. Never a root single-file checkpoint."""
+    wanted: set[str] = {"README.md"} if "README.md" in source.sizes else set()
+    wanted |= {f for f in source.files if "/" not in f and Path(f).stem.upper().startswith(("LICENSE", "LICENCE", "NOTICE"))}
+    if kind == "pipeline":
+        wanted.add("model_index.json")
+    folders = [c.name for c in comps] if kind == "pipeline" else [""]
+    for folder in folders:
+        prefix = f"{folder}/" if folder else ""
+        for f in source.files:
+            rest = f[len(prefix):]
+            if f.startswith(prefix) and "/" not in rest and (rest in _TOKENIZER_LIKE or (folder and rest.endswith((".json", ".txt", ".model", ".jinja")) and "index" not in rest)):
+                wanted.add(f)
+    for comp in comps:
+        for wf in comp.weight_files:
+            wanted.add(wf)
+            if wf.endswith(".index.json"):
+                index = source.read_json(wf, token)
+                base = str(Path(wf).parent) if "/" in wf else ""
+                for shard in sorted(set(index.get("weight_map", {}).values())):
+                    wanted.add(f"{base}/{shard}" if base else shard)
+    missing = sorted(f for f in wanted if f not in source.sizes)
+    if missing:
+        raise SourceError(f"{source.display} is incomplete: {', '.join(missing[:3])} listed but not present")
+    for f in wanted:
+        if f.startswith("/") or ".." in Path(f).parts:
+            raise SourceError(f"{source.display} has an unsafe file name {f!r} (escapes the folder); refusing to download it")
+    return sorted(wanted)

@@ -1,0 +1,283 @@
+"""The publish job: plan -> snapshot -> quantize -> verify -> card -> push, with typed hand-offs.
+
+This module sequences the stages; each stage lives in its own module. Library code raises
+PublishError (or huggingface_hub's errors); the CLI turns them into one-line messages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import __version__, card, plan as planning, push as pushing, recipes as recipe_registry, snapshot, source as sources
+from .errors import PublishError, TargetError
+from .quantize import Artifacts, prepare_output, quantize_recipe
+from .recipes import Recipe
+from .verify import VerifyReport, require_passed, verify
+
+log = logging.getLogger(__name__)
+
+GITATTRIBUTES = "*.safetensors filter=lfs diff=lfs merge=lfs -text\n*.png filter=lfs diff=lfs merge=lfs -text\n"
+
+
+@dataclass
+class PublishRequest:
+    model: str
+    quant: list[str]
+    components: list[str] | None = None
+    exclude: list[str] = field(default_factory=list)
+    repo_id: str | None = None
+    revision: str | None = None
+    private: bool = False
+    token: str | None = field(default=None, repr=False)
+    output_dir: Path | None = None
+    push: bool = True
+    create_pr: bool = False
+    trust_remote_code: bool = False
+    keep_going: bool = False
+    verify_envs: tuple[str, ...] = ()
+    sample_prompt: str | None = None
+    sample_steps: int = 28
+    sample_size: int = 1024
+    command: str = "hf-ao-publish"
+
+
+@dataclass
+class Outcome:
+    """What happened to one recipe: the --json result and the summary line come from this."""
+
+    recipe: str
+    repo_id: str
+    folder: Path | None = None
+    url: str | None = None
+    commit: str | None = None
+    pr_url: str | None = None
+    verified: bool = False
+    up_to_date: bool = False
+    pushed: bool = False
+    error: str | None = None
+    files: dict[str, int] = field(default_factory=dict)
+    components: list[dict[str, Any]] = field(default_factory=list)
+    report: VerifyReport | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "repo_id": self.repo_id,
+            "url": self.url,
+            "commit": self.commit,
+            "pr_url": self.pr_url,
+            "recipe": self.recipe,
+            "components": self.components,
+            "files": [{"name": k, "size": v} for k, v in sorted(self.files.items())],
+            "verified": self.verified,
+            "pushed": self.pushed,
+            "up_to_date": self.up_to_date,
+            "folder": str(self.folder) if self.folder else None,
+            "card_path": str(self.folder / "README.md") if self.folder else None,
+            "verification": self.report.to_dict() if self.report else None,
+            "error": self.error,
+        }
+
+
+def resolve_token(token: str | None) -> str | None:
+    """--token, else HF_TOKEN / the stored login (huggingface_hub's own lookup)."""
+    if token:
+        return token
+    from huggingface_hub import get_token
+
+    return get_token()
+
+
+def state_for(plan: planning.Plan, recipe: Recipe) -> dict[str, Any]:
+    """Everything that determines the published bytes; its hash decides whether a re-run is a no-op."""
+    import importlib.metadata as md
+
+    state = {
+        "tool": "hf-ao-publish",
+        "tool_version": __version__,
+        "base_model": plan.source.repo_id or str(plan.source.local_dir),
+        "base_sha": plan.source.sha or _local_digest(plan),
+        "recipe": recipe.name,
+        "config": recipe.python,
+        "components": [c.name or "model" for c in plan.quantized],
+        "exclude": sorted(plan.exclude),
+        "versions": {n: md.version(n) for n in ("torch", "torchao", "diffusers", "transformers")},
+    }
+    state["fingerprint"] = hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
+    return state
+
+
+def _local_digest(plan: planning.Plan) -> str:
+    listing = json.dumps({f: plan.source.sizes[f] for f in plan.base_files}, sort_keys=True)
+    return "local-" + hashlib.sha256(listing.encode()).hexdigest()[:40]
+
+
+def _changes(previous: dict[str, Any] | None, state: dict[str, Any]) -> str:
+    if not previous:
+        return "First publication."
+    changed = [k for k in state if k != "fingerprint" and previous.get(k) != state.get(k)]
+    return "Changed since the previous publication: " + (", ".join(changed) or "unknown") + "."
+
+
+def make_plan(req: PublishRequest, token: str | None) -> planning.Plan:
+    """Everything that can fail cheaply fails here, before any weight is downloaded."""
+    recipes = planning.parse_recipes(req.quant)
+    for recipe in recipes:
+        recipe_registry.check_can_quantize(recipe)
+    if req.repo_id:
+        planning.check_target_id(req.repo_id.replace("{recipe}", "x"))
+    if req.push and not token:
+        raise TargetError("pushing needs a Hub token with write access; set HF_TOKEN (or pass --token), or use --no-push")
+    if req.output_dir is not None:
+        _check_output_dir(req.output_dir)
+    src = sources.resolve(req.model, req.revision, token)
+    user = None
+    if token:
+        from huggingface_hub import HfApi
+
+        user = HfApi(token=token).whoami().get("name")
+    targets = planning.target_ids(src, recipes, req.repo_id, user)
+    if req.push:
+        for target in targets.values():
+            pushing.check_writable(target, token)
+    options = {"components": req.components, "exclude": req.exclude}
+    return planning.build_plan(
+        src, recipes, components=req.components, exclude=list(req.exclude), targets=targets, token=token,
+        trust_remote_code=req.trust_remote_code, options=options,
+    )
+
+
+def _check_output_dir(path: Path) -> None:
+    if path.exists() and not path.is_dir():
+        raise TargetError(f"--output-dir {path} is a file; give a folder")
+    if path.is_dir() and any(path.iterdir()):
+        raise TargetError(f"--output-dir {path} is not empty; choose an empty or new folder")
+
+
+def run(req: PublishRequest) -> list[Outcome]:
+    token = resolve_token(req.token)
+    plan = make_plan(req, token)
+    outcomes = [Outcome(recipe=r.name, repo_id=plan.targets[r.name]) for r in plan.recipes]
+    states = {r.name: state_for(plan, r) for r in plan.recipes}
+
+    # A re-run with nothing changed is a no-op: checked before any download.
+    todo: list[Recipe] = []
+    previous: dict[str, dict[str, Any] | None] = {}
+    for recipe, outcome in zip(plan.recipes, outcomes):
+        if req.push and not req.create_pr:
+            head, prev = pushing.published_state(outcome.repo_id, token)
+            previous[recipe.name] = prev
+            if prev and prev.get("fingerprint") == states[recipe.name]["fingerprint"]:
+                outcome.up_to_date, outcome.verified, outcome.commit = True, bool(prev.get("verified", True)), head
+                outcome.url = f"{_endpoint()}/{outcome.repo_id}"
+                log.info("%s is up to date (same base sha, recipe, options and versions); nothing to do", outcome.repo_id)
+                continue
+        todo.append(recipe)
+    if not todo:
+        return outcomes
+
+    auto_dir = req.output_dir is None
+    out_root = Path(tempfile.mkdtemp(prefix="hf-ao-publish-")) if auto_dir else req.output_dir
+    assert out_root is not None
+    several = len(plan.recipes) > 1
+    base_dir = snapshot.fetch(plan, token)
+    done: dict[str, tuple[Artifacts, VerifyReport]] = {}
+    try:
+        for recipe in todo:
+            outcome = next(o for o in outcomes if o.recipe == recipe.name)
+            try:
+                folder = prepare_output(out_root, recipe, several)
+                outcome.folder = folder
+                artifacts = quantize_recipe(plan, base_dir, recipe, folder)
+                outcome.components = [_component_json(c) for c in artifacts.components]
+                with tempfile.TemporaryDirectory(prefix="hf-ao-verify-") as work:
+                    report = verify(artifacts, Path(work), envs=req.verify_envs, base_dir=base_dir, token=token)
+                outcome.report = report
+                outcome.verified = report.passed
+                require_passed(report)
+                (folder / ".gitattributes").write_text(GITATTRIBUTES)
+                done[recipe.name] = (artifacts, report)
+            except PublishError as exc:
+                outcome.error = str(exc)
+                if not req.keep_going:
+                    raise
+                log.error("%s: %s (continuing: --keep-going)", recipe.name, exc)
+        _write_cards(plan, req, done, outcomes)
+        for outcome in outcomes:
+            if outcome.folder is not None:
+                outcome.files = _files(outcome.folder)
+        if req.push:
+            for outcome in outcomes:
+                if outcome.recipe not in done:
+                    continue
+                artifacts, report = done[outcome.recipe]
+                state = dict(states[outcome.recipe], verified=report.passed)
+                src = plan.source
+                message = f"Quantize {src.repo_id or src.local_dir.name}@{(src.sha or 'local')[:12]} with torchao {outcome.recipe}"  # type: ignore[union-attr]
+                result = pushing.push(
+                    artifacts.folder, report, repo_id=outcome.repo_id, token=token, private=req.private,
+                    create_pr=req.create_pr, message=message,
+                    description=_changes(previous.get(outcome.recipe), state) + f"\n\nMade with hf-ao-publish {__version__}.",
+                    state=state,
+                )
+                outcome.url, outcome.commit, outcome.pr_url = result.url, result.commit, result.pr_url
+                outcome.up_to_date, outcome.pushed = result.up_to_date, not result.up_to_date
+                outcome.files = _files(artifacts.folder)
+    finally:
+        if auto_dir and req.push:
+            shutil.rmtree(out_root, ignore_errors=True)
+            for outcome in outcomes:
+                outcome.folder = None
+    return outcomes
+
+
+def _endpoint() -> str:
+    from huggingface_hub import constants
+
+    return constants.ENDPOINT.rstrip("/")
+
+
+def _files(folder: Path) -> dict[str, int]:
+    return {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _component_json(c: Any) -> dict[str, Any]:
+    return {
+        "name": c.label,
+        "class": c.class_name,
+        "quantized_layers": len(c.quantized),
+        "skipped_layers": c.skipped,
+        "excluded_layers": len(c.excluded),
+        "tensor_classes": c.tensor_classes,
+        "bytes_before": c.bytes_before,
+        "bytes_after": c.bytes_after,
+    }
+
+
+def _write_cards(plan: planning.Plan, req: PublishRequest, done: dict[str, tuple[Artifacts, VerifyReport]], outcomes: list[Outcome]) -> None:
+    """Cards are written once every recipe is done, so each can link to its sibling variants."""
+    variants = []
+    if len(done) > 1:
+        for name, (artifacts, report) in done.items():
+            recipe = recipe_registry.get(name)
+            quality = ", ".join(f"{q.component} {q.rel_error:.4f}" for q in report.quality) or "n/a"
+            variants.append({
+                "recipe": name, "repo_id": plan.targets[name], "url": f"{_endpoint()}/{plan.targets[name]}",
+                "size": sum(_files(artifacts.folder).values()), "runs_on": recipe.run.describe(), "quality": quality,
+            })
+    for name, (artifacts, report) in done.items():
+        inputs = card.CardInputs(
+            command=req.command,
+            sample={"prompt": req.sample_prompt or ("a photo of a cat" if plan.kind == "pipeline" else "The capital of France is"),
+                    "steps": req.sample_steps, "size": req.sample_size},
+            variants=variants,
+        )
+        text = card.render(plan, artifacts, report, plan.targets[name], inputs)
+        (artifacts.folder / "README.md").write_text(text, encoding="utf-8")
+        report.write(artifacts.folder)

@@ -1,0 +1,188 @@
+"""Stage 3: quantize the planned components with the libraries' own loaders and save a standalone repo folder.
+
+The folder is built under a ".partial" name and renamed only when complete, so an interrupted
+run never leaves something that looks finished.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import QuantizeError, TargetError
+from .plan import Component, Plan
+from .recipes import Recipe, build_config
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class QuantizedComponent:
+    name: str
+    library: str
+    class_name: str
+    quantized: list[str]  # Linear layers whose weight is now a torchao tensor
+    skipped: list[str]  # Linear layers meant to be quantized that torchao left as they were
+    excluded: list[str]  # Linear layers kept on purpose (--exclude, library defaults)
+    tensor_classes: dict[str, int]  # torchao tensor class -> count
+    bytes_before: int  # bf16 weights
+    bytes_after: int  # saved weight files
+    quantization_config: dict[str, Any]  # as stored in config.json
+    engine: str = "library"
+
+    @property
+    def label(self) -> str:
+        return self.name or "model"
+
+
+@dataclass
+class Artifacts:
+    recipe: Recipe
+    folder: Path
+    components: list[QuantizedComponent]
+    models: dict[str, Any] = field(default_factory=dict, repr=False)  # in-memory quantized models, for verify
+
+    def files(self) -> dict[str, int]:
+        return {
+            p.relative_to(self.folder).as_posix(): p.stat().st_size
+            for p in sorted(self.folder.rglob("*"))
+            if p.is_file()
+        }
+
+    def release_models(self) -> None:
+        self.models.clear()
+
+
+def prepare_output(output_dir: Path, recipe: Recipe, several: bool) -> Path:
+    """The final folder for a recipe; refuses a non-empty folder we did not create."""
+    folder = output_dir / recipe.name if several else output_dir
+    if folder.exists() and any(folder.iterdir()):
+        raise TargetError(f"output folder {folder} is not empty; choose an empty or new --output-dir")
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        probe = folder.parent / f".{folder.name}.write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise TargetError(f"output folder {folder.parent} is not writable ({exc.strerror}); pass a writable --output-dir") from None
+    return folder
+
+
+def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, folder: Path) -> Artifacts:
+    """Quantize every planned component with ``recipe`` and write the standalone repo into ``folder``."""
+    partial = folder.with_name(folder.name + ".partial")
+    if partial.exists():
+        shutil.rmtree(partial)
+    partial.mkdir(parents=True)
+    try:
+        _copy_unchanged(plan, base_dir, partial)
+        done: list[QuantizedComponent] = []
+        models: dict[str, Any] = {}
+        for comp in plan.quantized:
+            log.info("quantizing %s (%s) with %s", comp.label, comp.class_name, recipe.name)
+            model, qc = _quantize_component(plan, base_dir, comp, recipe, partial)
+            done.append(qc)
+            models[comp.name] = model
+        if folder.exists():
+            folder.rmdir()  # empty (checked by prepare_output)
+        partial.rename(folder)
+    except OSError as exc:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise QuantizeError(f"writing the quantized folder {folder} failed: {exc}") from exc
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
+    return Artifacts(recipe=recipe, folder=folder, components=done, models=models)
+
+
+def _copy_unchanged(plan: Plan, base_dir: Path, out: Path) -> None:
+    """Everything but the quantized components' weights and the base card (replaced by ours)."""
+    skip_prefixes = [f"{c.name}/" if c.name else "" for c in plan.quantized]
+    for rel in plan.base_files:
+        if rel == "README.md":
+            continue
+        in_quantized = any(rel.startswith(p) and "/" not in rel[len(p):] for p in skip_prefixes)
+        if in_quantized and (rel.endswith(".safetensors") or rel.endswith(".index.json") or Path(rel).name == "config.json"):
+            continue  # rewritten by save_pretrained
+        dst = out / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(base_dir / rel, dst)  # copyfile follows the cache's symlinks
+
+
+def _quantize_component(plan: Plan, base_dir: Path, comp: Component, recipe: Recipe, out: Path) -> tuple[Any, QuantizedComponent]:
+    import torch
+
+    config = build_config(recipe)
+    exclude = list(plan.exclude) or None
+    src = base_dir / comp.name if comp.name else base_dir
+    try:
+        if comp.library == "diffusers":
+            import diffusers
+
+            cls = getattr(diffusers, comp.class_name)
+            qconf = diffusers.TorchAoConfig(config, modules_to_not_convert=exclude)
+            model = cls.from_pretrained(src, quantization_config=qconf, torch_dtype=torch.bfloat16)
+        else:
+            import transformers
+            from transformers.quantizers.base import get_keys_to_not_convert
+
+            cls = getattr(transformers, comp.class_name)
+            if exclude:
+                # transformers drops its default skips (lm_head, tied embeddings) once a list is
+                # given; keep them, as the user only asked for more exclusions
+                with __import__("accelerate").init_empty_weights():
+                    meta = cls._from_config(cls.config_class.from_pretrained(src))
+                exclude = sorted(set(get_keys_to_not_convert(meta)) | set(exclude))
+            qconf = transformers.TorchAoConfig(config, modules_to_not_convert=exclude)
+            model = cls.from_pretrained(src, quantization_config=qconf, dtype=torch.bfloat16)
+        model.eval()
+        dst = out / comp.name if comp.name else out
+        model.save_pretrained(dst, safe_serialization=True)
+    except (ValueError, RuntimeError, TypeError, ImportError, AssertionError, NotImplementedError) as exc:
+        raise QuantizeError(f"quantizing {comp.label} ({comp.class_name}) with {recipe.name} failed: {exc}") from exc
+    bins = sorted(p.name for p in dst.glob("*.bin"))
+    if bins:
+        raise QuantizeError(f"{comp.label} was saved as a pickle ({bins[0]}); {recipe.name} cannot be published as safetensors")
+    qc = summarize(model, comp, recipe, dst)
+    return model, qc
+
+
+def summarize(model: Any, comp: Component, recipe: Recipe, folder: Path) -> QuantizedComponent:
+    """Count what torchao actually did (it skips some shapes silently) and read back the stored config."""
+    import torch
+    from torchao.utils import TorchAOBaseTensor
+
+    quantized: list[str] = []
+    plain: list[str] = []
+    classes: dict[str, int] = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear):
+            continue
+        weight = module.weight
+        if isinstance(weight, TorchAOBaseTensor):
+            quantized.append(name)
+            classes[type(weight).__name__] = classes.get(type(weight).__name__, 0) + 1
+        else:
+            plain.append(name)
+    config = json.loads((folder / "config.json").read_text())
+    qconfig = config.get("quantization_config", {})
+    not_convert = set(qconfig.get("modules_to_not_convert") or [])
+    excluded = [n for n in plain if any(n == k or n.startswith(k + ".") or n.endswith("." + k) or (comp.library == "diffusers" and k + "." in n + ".") for k in not_convert)]
+    skipped = [n for n in plain if n not in excluded]
+    after = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+    return QuantizedComponent(
+        name=comp.name,
+        library=comp.library,
+        class_name=comp.class_name,
+        quantized=quantized,
+        skipped=skipped,
+        excluded=excluded,
+        tensor_classes=classes,
+        bytes_before=comp.param_bytes,
+        bytes_after=after,
+        quantization_config=qconfig,
+    )

@@ -1,0 +1,205 @@
+"""The recipe registry: one place that names every quantization recipe we publish.
+
+It feeds the CLI choices, the hardware check, the model card and the test parametrisation.
+A recipe is data (which torchao config, what hardware it needs to quantize and to run, which
+library versions can read its output); `build_config` turns it into a torchao ``AOBaseConfig``.
+The config is written as Python source once (``imports`` + ``expression``) so the card shows
+exactly the code that built it; a unit test checks the two agree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import HardwareError, UsageError
+
+
+@dataclass(frozen=True)
+class Needs:
+    """Hardware a step needs. ``cuda=False`` means a CPU is enough."""
+
+    cuda: bool = False
+    min_cc: tuple[int, int] | None = None  # minimum CUDA compute capability
+    packages: tuple[str, ...] = ()  # extra kernel packages (pip names)
+
+    def describe(self) -> str:
+        if not self.cuda:
+            return "CPU or any GPU"
+        text = "CUDA GPU"
+        if self.min_cc:
+            text += f" with compute capability >= {self.min_cc[0]}.{self.min_cc[1]}"
+        if self.packages:
+            text += " and " + ", ".join(self.packages)
+        return text
+
+
+@dataclass(frozen=True)
+class Recipe:
+    name: str
+    summary: str
+    imports: str
+    expression: str
+    tensor_class: str  # torchao tensor subclass every quantized Linear weight must be
+    quantize: Needs
+    run: Needs
+    speedup: str  # where it runs with real speed-ups (card's hardware table)
+    bits: int  # bits per stored weight value (for size estimates)
+    # Minimum versions known to read the published format; the card states these.
+    min_read_versions: dict[str, str] = field(default_factory=dict)
+    notes: tuple[str, ...] = ()
+
+    @property
+    def python(self) -> str:
+        """The Python that builds this recipe's torchao config (shown in the card)."""
+        return f"{self.imports}\n\nconfig = {self.expression}"
+
+
+# Lower bounds shared by every recipe (from shared/reference/torchao-facts.md): diffusers reads
+# torchao safetensors from 0.39; torchao 0.18 deleted version-1 configs and AQT tensors, so the
+# version-2 tensors we write need a torchao of the same generation; torch >= 2.6 is the
+# weights_only loading path.
+_COMMON_READ = {
+    "torch": "2.6",
+    "torchao": "0.18.0",
+    "diffusers": "0.39.0",
+    "transformers": "5.0.0",
+    "safetensors": "0.4",
+}
+
+_REGISTRY: dict[str, Recipe] = {}
+
+
+def _register(recipe: Recipe) -> Recipe:
+    _REGISTRY[recipe.name] = recipe
+    return recipe
+
+
+_register(Recipe(
+    name="int8wo",
+    summary="int8 weight-only, per-row scales",
+    imports="from torchao.quantization import Int8WeightOnlyConfig",
+    expression="Int8WeightOnlyConfig()",
+    tensor_class="Int8Tensor",
+    quantize=Needs(),
+    run=Needs(),
+    speedup="any CUDA GPU (memory-bound layers); runs on CPU",
+    bits=8,
+    min_read_versions=dict(_COMMON_READ),
+))
+_register(Recipe(
+    name="int8dq",
+    summary="int8 dynamic activations + int8 weights",
+    imports="from torchao.quantization import Int8DynamicActivationInt8WeightConfig",
+    expression="Int8DynamicActivationInt8WeightConfig()",
+    tensor_class="Int8Tensor",
+    quantize=Needs(),
+    run=Needs(),
+    speedup="any CUDA GPU (int8 matmul kernels); runs on CPU",
+    bits=8,
+    min_read_versions=dict(_COMMON_READ),
+))
+_register(Recipe(
+    name="float8wo",
+    summary="float8 (e4m3) weight-only",
+    imports="from torchao.quantization import Float8WeightOnlyConfig",
+    expression="Float8WeightOnlyConfig()",
+    tensor_class="Float8Tensor",
+    quantize=Needs(),
+    run=Needs(),
+    speedup="memory savings on any GPU; no FP8 compute speed-up below compute capability 8.9",
+    bits=8,
+    min_read_versions=dict(_COMMON_READ),
+))
+_register(Recipe(
+    name="float8dq",
+    summary="float8 dynamic activations + float8 weights, per-row scales",
+    imports="from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow",
+    expression="Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())",
+    tensor_class="Float8Tensor",
+    quantize=Needs(cuda=True, min_cc=(8, 9)),
+    run=Needs(cuda=True, min_cc=(8, 9)),
+    speedup="CUDA compute capability >= 8.9 (Ada, Hopper, Blackwell) via torch._scaled_mm",
+    bits=8,
+    min_read_versions=dict(_COMMON_READ),
+    notes=("Per-row scaling wants bfloat16 weights.",),
+))
+_register(Recipe(
+    name="float8dq-tensor",
+    summary="float8 dynamic activations + float8 weights, per-tensor scales",
+    imports="from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerTensor",
+    expression="Float8DynamicActivationFloat8WeightConfig(granularity=PerTensor())",
+    tensor_class="Float8Tensor",
+    quantize=Needs(cuda=True, min_cc=(8, 9)),
+    run=Needs(cuda=True, min_cc=(8, 9)),
+    speedup="CUDA compute capability >= 8.9 (Ada, Hopper, Blackwell) via torch._scaled_mm",
+    bits=8,
+    min_read_versions=dict(_COMMON_READ),
+))
+_register(Recipe(
+    name="int4wo",
+    summary="int4 weight-only, group size 128, HQQ qparams, tinygemm tile-packed layout",
+    imports="from torchao.quantization import Int4WeightOnlyConfig",
+    expression=(
+        'Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d", '
+        'int4_choose_qparams_algorithm="hqq")'
+    ),
+    tensor_class="Int4TilePackedTo4dTensor",
+    quantize=Needs(cuda=True, min_cc=(8, 0)),
+    run=Needs(cuda=True, min_cc=(8, 0)),
+    speedup="CUDA compute capability >= 8.0 (tinygemm kernels), bfloat16 only",
+    bits=4,
+    min_read_versions=dict(_COMMON_READ),
+    notes=("Linear layers whose in_features is not a multiple of 128 are left unquantized.",),
+))
+
+
+def names() -> list[str]:
+    return list(_REGISTRY)
+
+
+def all_recipes() -> list[Recipe]:
+    return list(_REGISTRY.values())
+
+
+def get(name: str) -> Recipe:
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise UsageError(
+            f"unknown recipe {name!r}; choose one of: {', '.join(_REGISTRY)} "
+            "(see `hf-ao-publish recipes`)"
+        ) from None
+
+
+def build_config(recipe: Recipe) -> Any:
+    """Build the torchao AOBaseConfig by running the recipe's own Python (registry data, not user input)."""
+    namespace: dict[str, Any] = {}
+    exec(recipe.imports, namespace)  # noqa: S102 - constant source from this module
+    return eval(recipe.expression, namespace)  # noqa: S307 - constant source from this module
+
+
+def cuda_capability() -> tuple[int, int] | None:
+    """The current CUDA device's compute capability, or None without a usable GPU."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return tuple(torch.cuda.get_device_capability())  # type: ignore[return-value]
+
+
+def check_can_quantize(recipe: Recipe, capability: tuple[int, int] | None = None, *, probe: bool = True) -> None:
+    """Fail before any download when this machine cannot quantize with ``recipe``."""
+    needs = recipe.quantize
+    if not needs.cuda:
+        return
+    cc = capability if capability is not None or not probe else cuda_capability()
+    if cc is None:
+        raise HardwareError(
+            f"{recipe.name} needs a {needs.describe()} to quantize, and this machine has none; "
+            f"run it on such a GPU or pick a CPU recipe ({', '.join(r.name for r in all_recipes() if not r.quantize.cuda)})"
+        )
+    if needs.min_cc and cc < needs.min_cc:
+        raise HardwareError(
+            f"{recipe.name} needs a {needs.describe()} to quantize; this GPU has {cc[0]}.{cc[1]}"
+        )

@@ -1,0 +1,32 @@
+"""Stage 2: bring exactly the planned base files onto local disk (nothing for a local folder)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from .plan import Plan
+
+log = logging.getLogger(__name__)
+
+
+def fetch(plan: Plan, token: str | None) -> Path:
+    """Download the planned files at the pinned sha into the huggingface_hub cache; return the folder.
+
+    allow_patterns lists exact file names, so a root single-file checkpoint (FLUX.1-dev's 23.8 GB
+    flux1-dev.safetensors) or a second weight format is never downloaded.
+    """
+    source = plan.source
+    if source.local_dir is not None:
+        return source.local_dir
+    from huggingface_hub import snapshot_download
+
+    total = sum(source.sizes.get(f, 0) for f in plan.base_files)
+    log.info("downloading %d files (%.1f MB) of %s", len(plan.base_files), total / 1e6, source.display)
+    folder = snapshot_download(
+        source.repo_id,  # type: ignore[arg-type]
+        revision=source.sha,
+        allow_patterns=list(plan.base_files),
+        token=token,
+    )
+    return Path(folder)

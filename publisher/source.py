@@ -1,0 +1,124 @@
+"""Stage 0: resolve the base model (a Hub repo at a pinned sha, or a local folder) without downloading weights.
+
+Everything the plan needs (file list with sizes, model_index.json / config.json, the base card's
+metadata) is read here; weights are only fetched by the snapshot stage.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import SourceError, UsageError
+
+log = logging.getLogger(__name__)
+
+_SHA_RE = re.compile(r"^[0-9a-f]{40}$")
+
+
+@dataclass(frozen=True)
+class Source:
+    """The base model, pinned."""
+
+    model_id: str  # as the user gave it
+    repo_id: str | None  # Hub repo id, None for a local folder
+    local_dir: Path | None  # set for a local folder
+    revision: str | None  # as the user gave it
+    sha: str | None  # resolved commit sha (Hub only)
+    sizes: dict[str, int] = field(default_factory=dict)  # every file of the base -> size in bytes
+    card_data: dict[str, Any] = field(default_factory=dict)  # YAML front matter of the base README
+    endpoint: str | None = None
+
+    @property
+    def files(self) -> list[str]:
+        return sorted(self.sizes)
+
+    @property
+    def display(self) -> str:
+        if self.repo_id:
+            return f"{self.repo_id}@{self.sha}"
+        return str(self.local_dir)
+
+    def url(self) -> str | None:
+        if not self.repo_id:
+            return None
+        from huggingface_hub import constants
+
+        return f"{(self.endpoint or constants.ENDPOINT).rstrip('/')}/{self.repo_id}"
+
+    def read_json(self, path: str, token: str | None) -> dict[str, Any]:
+        return json.loads(self.read_text(path, token))
+
+    def read_text(self, path: str, token: str | None) -> str:
+        """Read a small file of the base (configs, card) at the pinned sha."""
+        if path not in self.sizes:
+            raise SourceError(f"{self.display} has no file {path}")
+        if self.local_dir is not None:
+            return (self.local_dir / path).read_text(encoding="utf-8")
+        from huggingface_hub import hf_hub_download
+
+        local = hf_hub_download(self.repo_id, path, revision=self.sha, token=token)  # type: ignore[arg-type]
+        return Path(local).read_text(encoding="utf-8")
+
+
+def is_local(model_id: str) -> bool:
+    return Path(model_id).expanduser().is_dir()
+
+
+def resolve(model_id: str, revision: str | None, token: str | None) -> Source:
+    """Pin the base model: check it exists, is readable, and resolve the revision to a sha."""
+    if is_local(model_id):
+        if revision:
+            raise UsageError(f"--revision {revision!r} only applies to a Hub repo, not the local folder {model_id}")
+        root = Path(model_id).expanduser().resolve()
+        sizes = {
+            p.relative_to(root).as_posix(): p.stat().st_size
+            for p in sorted(root.rglob("*"))
+            if p.is_file() and ".cache" not in p.relative_to(root).parts and ".git" not in p.relative_to(root).parts
+        }
+        card = _front_matter((root / "README.md").read_text(encoding="utf-8")) if "README.md" in sizes else {}
+        return Source(model_id=model_id, repo_id=None, local_dir=root, revision=None, sha=None, sizes=sizes, card_data=card)
+
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(model_id)
+    except HFValidationError:
+        raise UsageError(
+            f"MODEL_ID {model_id!r} is neither an existing local folder nor a Hub repo id; "
+            "use the form org/name (e.g. black-forest-labs/FLUX.1-dev) or a path to a model folder"
+        ) from None
+    # Hub errors (not found, gated, bad revision, unreachable) propagate as huggingface_hub
+    # exceptions; the CLI maps them to one-line messages in one place.
+    info = HfApi(token=token).model_info(model_id, revision=revision, files_metadata=True)
+    if getattr(info, "disabled", False):
+        raise SourceError(f"{model_id} is disabled on the Hub and cannot be used as a base")
+    if not info.sha or not _SHA_RE.match(info.sha):
+        raise SourceError(f"the Hub returned no commit sha for {model_id}@{revision or 'main'}")
+    sizes = {s.rfilename: int(s.size or 0) for s in (info.siblings or [])}
+    card = dict(info.card_data.to_dict()) if info.card_data else {}
+    return Source(
+        model_id=model_id,
+        repo_id=model_id,
+        local_dir=None,
+        revision=revision,
+        sha=info.sha,
+        sizes=sizes,
+        card_data=card,
+        endpoint=constants.ENDPOINT,
+    )
+
+
+def _front_matter(text: str) -> dict[str, Any]:
+    """The YAML metadata block of a model card, or {} (a broken block is not an error here)."""
+    from huggingface_hub import ModelCard
+
+    try:
+        return dict(ModelCard(text, ignore_metadata_errors=True).data.to_dict())
+    except ValueError:
+        return {}

@@ -1,0 +1,244 @@
+"""Stage 4: prove the saved folder reloads, along every load path, to exactly the in-memory quantized model.
+
+Fixed procedure (as in diffusers' quantizer tests): record inputs, outputs and tensor digests of the
+in-memory model -> free it -> reload in fresh interpreters (library path and manual path, in this
+environment and any --verify-env) -> compare bit for bit -> measure quality against the bf16 base.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from . import verify_worker
+from .errors import VerificationError
+from .inputs import build_inputs
+from .quantize import Artifacts
+
+log = logging.getLogger(__name__)
+
+PATHS = ("library", "manual")
+REPORT_NAME = "verification.json"
+WORKER = Path(verify_worker.__file__).resolve()
+
+
+@dataclass
+class PathResult:
+    component: str
+    path: str  # "library" | "manual"
+    env: str  # "current" or the interpreter given with --verify-env
+    versions: dict[str, str]
+    ok: bool
+    detail: str = ""
+    max_abs_diff: float | None = None
+    quantized_layers: int = 0
+    tensors_checked: int = 0
+    forward_checked: bool = False
+
+
+@dataclass
+class Quality:
+    component: str
+    rel_error: float
+    cosine: float
+
+
+@dataclass
+class VerifyReport:
+    recipe: str
+    location: str
+    passed: bool
+    results: list[PathResult] = field(default_factory=list)
+    quality: list[Quality] = field(default_factory=list)
+    expected_layers: dict[str, int] = field(default_factory=dict)
+    tensor_class: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def write(self, folder: Path) -> Path:
+        path = folder / REPORT_NAME
+        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        return path
+
+    def failures(self) -> list[PathResult]:
+        return [r for r in self.results if not r.ok]
+
+    def summary(self) -> str:
+        bad = self.failures()
+        if not bad:
+            return f"{len(self.results)} load checks passed"
+        first = bad[0]
+        return f"{first.component or 'model'} via the {first.path} path ({first.env}): {first.detail}"
+
+
+@dataclass
+class _Expected:
+    component: str
+    library: str
+    class_name: str
+    inputs: Path | None
+    output: Any
+    digests: dict[str, str]
+    quantized: list[str]
+
+
+def record_expected(artifacts: Artifacts, work: Path) -> list[_Expected]:
+    """Inputs, outputs and digests of every in-memory quantized component; then the models are freed."""
+    import torch
+    from safetensors.torch import save_file
+
+    expected: list[_Expected] = []
+    for comp in artifacts.components:
+        model = artifacts.models[comp.name]
+        config = dict(model.config) if comp.library == "diffusers" else model.config.to_dict()
+        inputs = build_inputs(comp.library, comp.class_name, config)
+        output = None
+        inputs_file = None
+        if inputs is not None:
+            inputs_file = work / f"inputs-{comp.label}.safetensors"
+            save_file({k: v.contiguous() for k, v in inputs.items()}, str(inputs_file))
+            with torch.inference_mode():
+                out = model(**inputs, return_dict=False) if comp.library == "diffusers" else model(**inputs)
+            output = out[0].detach().clone()
+        info = verify_worker.inspect_model(model)
+        expected.append(_Expected(comp.name, comp.library, comp.class_name, inputs_file, output, info["digests"], comp.quantized))
+    artifacts.release_models()
+    gc.collect()
+    return expected
+
+
+def verify(
+    artifacts: Artifacts,
+    work: Path,
+    *,
+    location: str | None = None,
+    revision: str | None = None,
+    envs: tuple[str, ...] = (),
+    base_dir: Path | None = None,
+    token: str | None = None,
+) -> VerifyReport:
+    """Run every load path on ``location`` (default: the saved folder) and compare with the in-memory model."""
+    import torch
+
+    work.mkdir(parents=True, exist_ok=True)
+    expected = record_expected(artifacts, work)
+    where = location or str(artifacts.folder)
+    report = VerifyReport(
+        recipe=artifacts.recipe.name,
+        location=where,
+        passed=False,
+        expected_layers={e.component or "model": len(e.quantized) for e in expected},
+        tensor_class=artifacts.recipe.tensor_class,
+    )
+    interpreters = [("current", sys.executable)] + [(env, env) for env in envs]
+    for exp in expected:
+        for env_name, python in interpreters:
+            for path in PATHS:
+                log.info("verifying %s via the %s path (%s)", exp.component or "model", path, env_name)
+                res = _run_path(exp, path, python, env_name, where, revision, work, token, torch.get_num_threads(), artifacts.recipe.tensor_class)
+                report.results.append(res)
+    if base_dir is not None:
+        report.quality = quality_against_base(expected, base_dir)
+    report.passed = bool(report.results) and not report.failures()
+    return report
+
+
+def _run_path(exp: _Expected, path: str, python: str, env_name: str, where: str, revision: str | None,
+              work: Path, token: str | None, threads: int, tensor_class: str) -> PathResult:
+    import torch
+    from safetensors.torch import load_file
+
+    tag = f"{exp.component or 'model'}-{path}-{abs(hash(env_name)) % 10**6}"
+    request = {
+        "path": path,
+        "library": exp.library,
+        "class_name": exp.class_name,
+        "location": where,
+        "subfolder": exp.component or None,
+        "revision": revision,
+        "inputs": str(exp.inputs) if exp.inputs else None,
+        "output": str(work / f"out-{tag}.safetensors"),
+        "result": str(work / f"result-{tag}.json"),
+        "threads": threads,
+    }
+    req_file = work / f"request-{tag}.json"
+    req_file.write_text(json.dumps(request))
+    env = dict(os.environ)
+    if token:
+        env["HF_TOKEN"] = token  # through the environment, never the command line
+    proc = subprocess.run([python, str(WORKER), str(req_file)], env=env, capture_output=True, text=True, timeout=3600)
+    result_file = Path(request["result"])
+    if proc.returncode != 0 or not result_file.exists():
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        return PathResult(exp.component, path, env_name, {}, False, f"interpreter {python} failed: {last[:300]}")
+    data = json.loads(result_file.read_text())
+    res = PathResult(exp.component, path, env_name, data.get("versions", {}), False)
+    if not data.get("ok"):
+        res.detail = data.get("error", "unknown error")
+        return res
+    classes: dict[str, str] = data["linear_classes"]
+    res.quantized_layers = sum(1 for c in classes.values() if c == tensor_class)
+    wrong = [n for n in exp.quantized if classes.get(n) != tensor_class]
+    if wrong:
+        res.detail = f"layer {wrong[0]} reloaded as {classes.get(wrong[0])}, expected {tensor_class}"
+        return res
+    if res.quantized_layers != len(exp.quantized):
+        res.detail = f"{res.quantized_layers} quantized layers after reload, {len(exp.quantized)} before"
+        return res
+    got = data["digests"]
+    res.tensors_checked = len(got)
+    for name, digest in exp.digests.items():
+        if got.get(name) != digest:
+            res.detail = f"tensor {name} differs from the in-memory quantized model" if name in got else f"tensor {name} missing after reload"
+            return res
+    if exp.output is not None:
+        out = load_file(data["output"])["output"]
+        if out.shape != exp.output.shape or out.dtype != exp.output.dtype:
+            res.detail = f"output shape/dtype {tuple(out.shape)}/{out.dtype} != {tuple(exp.output.shape)}/{exp.output.dtype}"
+            return res
+        res.max_abs_diff = float((out.float() - exp.output.float()).abs().max())
+        res.forward_checked = True
+        if not torch.equal(out, exp.output):
+            res.detail = f"output differs from the in-memory quantized model (max abs diff {res.max_abs_diff:.3g})"
+            return res
+    res.ok = True
+    return res
+
+
+def quality_against_base(expected: list[_Expected], base_dir: Path) -> list[Quality]:
+    """Relative error and cosine similarity of each component's output against the bf16 base."""
+    import torch
+    from safetensors.torch import load_file
+
+    out: list[Quality] = []
+    for exp in expected:
+        if exp.output is None or exp.inputs is None:
+            continue
+        library = __import__(exp.library)
+        cls = getattr(library, exp.class_name)
+        kwargs = {"torch_dtype" if exp.library == "diffusers" else "dtype": torch.bfloat16}
+        src = base_dir / exp.component if exp.component else base_dir
+        base = cls.from_pretrained(src, **kwargs).eval()
+        inputs = load_file(str(exp.inputs))
+        with torch.inference_mode():
+            ref = (base(**inputs, return_dict=False) if exp.library == "diffusers" else base(**inputs))[0].float()
+        del base
+        gc.collect()
+        q = exp.output.float()
+        rel = float((q - ref).norm() / ref.norm().clamp_min(1e-12))
+        cos = float(torch.nn.functional.cosine_similarity(q.flatten(), ref.flatten(), dim=0))
+        out.append(Quality(exp.component or "model", rel, cos))
+    return out
+
+
+def require_passed(report: VerifyReport) -> None:
+    if not report.passed:
+        raise VerificationError(f"verification of {report.recipe} failed: {report.summary()}; nothing was pushed")

@@ -1,0 +1,193 @@
+"""Reload one quantized component in a fresh interpreter, the way a user would, and report what came back.
+
+Run as a *script* (``python verify_worker.py REQUEST.json``), never imported by the package's other
+stages, so that any interpreter with torch/torchao/diffusers/transformers can run it (``--verify-env``):
+it must not import ``publisher``. It never unpickles anything: inputs are safetensors, weights are
+safetensors, and the library loaders run with their default ``weights_only=True``.
+
+Load paths:
+- ``library``: ``<Class>.from_pretrained(folder_or_repo, subfolder=...)`` (torch >= 2.6 route).
+- ``manual``: meta-device model (``accelerate.init_empty_weights`` + ``from_config``), every shard read
+  with ``safetensors.torch.load_file``, torchao tensors rebuilt with
+  ``torchao.prototype.safetensors.safetensors_support.unflatten_tensor_state_dict`` from the header
+  metadata, then ``load_state_dict(strict=True, assign=True)`` (the documented torch <= 2.6 route).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": sys.version.split()[0]}
+    for name in ("torch", "torchao", "diffusers", "transformers", "accelerate", "safetensors", "huggingface_hub"):
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = "absent"
+    return out
+
+
+def _model_class(library: str, class_name: str) -> Any:
+    module = __import__(library)
+    return getattr(module, class_name)
+
+
+def _load_library(req: dict[str, Any]) -> Any:
+    import torch
+
+    cls = _model_class(req["library"], req["class_name"])
+    kwargs: dict[str, Any] = {}
+    if req.get("subfolder"):
+        kwargs["subfolder"] = req["subfolder"]
+    if req.get("revision"):
+        kwargs["revision"] = req["revision"]
+    dtype_key = "torch_dtype" if req["library"] == "diffusers" else "dtype"
+    kwargs[dtype_key] = torch.bfloat16
+    return cls.from_pretrained(req["location"], **kwargs)
+
+
+def _local_folder(req: dict[str, Any]) -> Path:
+    location = req["location"]
+    if Path(location).is_dir():
+        folder = Path(location)
+    else:  # a Hub repo id: fetch the component's files (safetensors + configs only)
+        from huggingface_hub import snapshot_download
+
+        pattern = f"{req['subfolder']}/*" if req.get("subfolder") else "*"
+        folder = Path(snapshot_download(location, revision=req.get("revision"), allow_patterns=[pattern]))
+    return folder / req["subfolder"] if req.get("subfolder") else folder
+
+
+def _load_manual(req: dict[str, Any]) -> Any:
+    import torch
+    from accelerate import init_empty_weights
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
+
+    folder = _local_folder(req)
+    cls = _model_class(req["library"], req["class_name"])
+    with init_empty_weights():
+        if req["library"] == "diffusers":
+            model = cls.from_config(cls.load_config(folder))
+        else:
+            config = cls.config_class.from_pretrained(folder)
+            model = cls._from_config(config, dtype=torch.bfloat16)
+    shards = sorted(folder.glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"no safetensors files in {folder}")
+    index = next(iter(folder.glob("*.safetensors.index.json")), None)
+    if index is not None:
+        named = set(json.loads(index.read_text())["weight_map"].values())
+        missing = sorted(n for n in named if not (folder / n).is_file())
+        if missing:
+            raise FileNotFoundError(f"shard {missing[0]} named in {index.name} is missing")
+    tensors: dict[str, Any] = {}
+    metadata: dict[str, Any] = {}
+    names: list[str] = []
+    for shard in shards:
+        # A quantized tensor's parts may sit in different shards: merge everything, then unflatten once.
+        with safe_open(str(shard), framework="pt") as fh:
+            meta = dict(fh.metadata() or {})
+        names.extend(json.loads(meta.pop("tensor_names", "[]")))
+        metadata.update(meta)
+        tensors.update(load_file(str(shard)))
+    if names:
+        metadata["tensor_names"] = json.dumps(names)
+        state, leftover = unflatten_tensor_state_dict(tensors, metadata)
+        state.update(leftover)
+    else:
+        state = tensors
+    result = model.load_state_dict(state, strict=False, assign=True)
+    # Tied weights (e.g. lm_head = embed_tokens) are saved once; strict=True is applied to the rest.
+    tied = set()
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+        tied = {k for k in result.missing_keys if not model.get_parameter(k).is_meta}
+    missing = [k for k in result.missing_keys if k not in tied]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"state dict mismatch: missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}")
+    meta_left = [n for n, p in model.named_parameters() if p.is_meta]
+    if meta_left:
+        raise RuntimeError(f"parameters left on the meta device: {meta_left[:3]}")
+    return model
+
+
+def tensor_digest(t: Any) -> str:
+    """sha256 over the raw bytes of a tensor, or of every inner tensor of a torchao tensor subclass."""
+    import torch
+
+    h = hashlib.sha256()
+    parts: list[Any]
+    if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
+        inner, _ = t.__tensor_flatten__()
+        parts = [getattr(t, n) for n in inner]
+        h.update(type(t).__name__.encode())
+    else:
+        parts = [t]
+    for p in parts:
+        p = p.detach().contiguous().cpu()
+        h.update(str(p.dtype).encode() + str(tuple(p.shape)).encode())
+        h.update(p.view(-1).view(torch.uint8).numpy().tobytes() if p.numel() else b"")
+    return h.hexdigest()
+
+
+def inspect_model(model: Any) -> dict[str, Any]:
+    import torch
+
+    classes = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            classes[name] = type(module.weight).__name__
+    digests = {name: tensor_digest(t) for name, t in model.state_dict().items()}
+    return {"linear_classes": classes, "digests": digests}
+
+
+def run_forward(model: Any, inputs_file: str, output_file: str) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    inputs = load_file(inputs_file)
+    with torch.inference_mode():
+        out = model(**inputs, return_dict=False) if _is_diffusers(model) else model(**inputs)
+    first = out[0]
+    save_file({"output": first.detach().contiguous().cpu()}, output_file)
+
+
+def _is_diffusers(model: Any) -> bool:
+    return type(model).__module__.startswith("diffusers")
+
+
+def main(request_file: str) -> int:
+    req = json.loads(Path(request_file).read_text())
+    result: dict[str, Any] = {"path": req["path"], "component": req.get("subfolder") or "", "versions": _versions()}
+    try:
+        import torch
+
+        if req.get("threads"):
+            torch.set_num_threads(int(req["threads"]))
+        model = _load_library(req) if req["path"] == "library" else _load_manual(req)
+        model.eval()
+        result.update(inspect_model(model))
+        if req.get("inputs"):
+            run_forward(model, req["inputs"], req["output"])
+            result["output"] = req["output"]
+        result["ok"] = True
+    except Exception as exc:  # reported to the parent, which decides; this process only loads and reports
+        result["ok"] = False
+        result["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
+        result["traceback"] = traceback.format_exc()[-4000:]
+    Path(req["result"]).write_text(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1]))
