@@ -1,0 +1,28 @@
+# One command each: `make demo` (offline demo) and `make test` (the test suite). Both set up .venv.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+
+.PHONY: setup demo test bench clean
+
+setup: $(VENV)/.installed
+
+# torch is installed first and pinned: an unpinned torch pulls a multi-GB CUDA build.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[test]'
+	touch $@
+
+demo: setup
+	$(BIN)/python -m publisher.demo
+
+test: setup
+	$(BIN)/python -m pytest
+
+bench: setup
+	$(BIN)/python benchmarks/bench_streaming.py
+
+clean:
+	rm -rf $(VENV) demo-output

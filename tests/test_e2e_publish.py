@@ -1,0 +1,118 @@
+"""End to end: the real CLI publishes tiny models to the loopback Hub; plain from_pretrained loads them back."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from publisher import recipes
+
+CPU_RECIPES = [r.name for r in recipes.all_recipes() if not r.quantize.cuda]
+SMALL = ["--sample-steps", "2", "--sample-size", "64"]
+
+
+def _torchao_classes(model: Any) -> set[str]:
+    import torch
+    from torchao.utils import TorchAOBaseTensor
+
+    return {type(m.weight).__name__ for m in model.modules() if isinstance(m, torch.nn.Linear) and isinstance(m.weight, TorchAOBaseTensor)}
+
+
+@pytest.mark.slow
+def test_publish_flux_pipeline_and_load_it_back(cli: Any, flux_repo: str) -> None:
+    import torch
+    from diffusers import DiffusionPipeline
+    from huggingface_hub import HfApi, model_info
+
+    result = cli(flux_repo, "--quant", "int8wo", "--json", *SMALL, token="tok_alice")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["repo_id"] == "alice/tiny-flux-torchao-int8wo"
+    assert data["verified"] is True and data["recipe"] == "int8wo"
+    assert data["url"].endswith("/alice/tiny-flux-torchao-int8wo")
+    assert len(data["commit"]) == 40
+    assert [c["name"] for c in data["components"]] == ["transformer"]
+    names = {f["name"] for f in data["files"]}
+    assert "flux1-tiny.safetensors" not in names  # root single-file checkpoint never copied
+    assert {"README.md", "model_index.json", "transformer/diffusion_pytorch_model.safetensors", "LICENSE.md"} <= names
+    assert not any(n.endswith(".bin") for n in names)
+    assert "tok_alice" not in result.output
+
+    base_sha = model_info(flux_repo).sha
+    commits = HfApi().list_repo_commits("alice/tiny-flux-torchao-int8wo")
+    assert flux_repo in commits[0].title and base_sha[:12] in commits[0].title and "int8wo" in commits[0].title
+    # the single-file checkpoint was never downloaded either
+    hf_home = Path(__import__("os").environ["HF_HOME"])
+    assert not list(hf_home.rglob("flux1-tiny.safetensors"))
+
+    pipe = DiffusionPipeline.from_pretrained("alice/tiny-flux-torchao-int8wo", torch_dtype=torch.bfloat16)
+    assert _torchao_classes(pipe.transformer) == {"Int8Tensor"}
+    assert _torchao_classes(pipe.text_encoder_2) == set()
+    image = pipe("a cat", num_inference_steps=2, height=64, width=64, generator=torch.Generator().manual_seed(0)).images[0]
+    assert image.size == (64, 64)
+
+
+@pytest.mark.slow
+def test_publish_llama_and_generate(cli: Any, llama_repo: str) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    result = cli(llama_repo, "--quant", "int8wo", "--repo-id", "acme/llama-int8", "--json", token="tok_alice")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["repo_id"] == "acme/llama-int8" and data["verified"]
+    comp = data["components"][0]
+    assert comp["name"] == "model" and comp["quantized_layers"] == 14  # 15 Linear, lm_head kept by transformers
+    model = AutoModelForCausalLM.from_pretrained("acme/llama-int8", dtype=torch.bfloat16)
+    tok = AutoTokenizer.from_pretrained("acme/llama-int8")
+    assert _torchao_classes(model) == {"Int8Tensor"}
+    out = model.generate(**tok("hello world", return_tensors="pt"), max_new_tokens=4, do_sample=False)
+    assert out.shape[1] > 2
+
+
+@pytest.mark.slow
+def test_text_encoder_quantized_with_transformers_config(cli: Any, flux_repo: str, tmp_path: Path) -> None:
+    result = cli(flux_repo, "--quant", "int8wo", "--components", "transformer,text_encoder_2", "--no-push",
+                 "--output-dir", str(tmp_path / "out"), "--json", *SMALL)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    by_name = {c["name"]: c for c in data["components"]}
+    assert set(by_name) == {"transformer", "text_encoder_2"}
+    cfg = json.loads((tmp_path / "out" / "text_encoder_2" / "config.json").read_text())
+    assert cfg["quantization_config"]["quant_method"] == "torchao"
+    assert by_name["text_encoder_2"]["quantized_layers"] == 7
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", CPU_RECIPES)
+def test_every_cpu_recipe_verifies_locally(cli: Any, tiny_flux_dir: Path, tmp_path: Path, recipe: str) -> None:
+    out = tmp_path / "out"
+    result = cli(str(tiny_flux_dir), "--quant", recipe, "--no-push", "--output-dir", str(out), "--json", *SMALL)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["verified"] and data["url"] is None and data["commit"] is None
+    report = json.loads((out / "verification.json").read_text())
+    assert report["passed"] and {r["path"] for r in report["results"]} == {"library", "manual"}
+    assert all(r["max_abs_diff"] == 0.0 for r in report["results"])
+    assert (out / "README.md").is_file() and (out / "model_index.json").is_file()
+    assert recipes.get(recipe).tensor_class in data["components"][0]["tensor_classes"]
+
+
+def test_gpu_recipe_fails_before_any_download(cli: Any, hub: Any) -> None:
+    result = cli("nobody/does-not-exist", "--quant", "int4wo", "--no-push")
+    assert result.exit_code == 1
+    assert "int4wo needs a CUDA GPU" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_recipes_command_lists_the_registry(cli: Any) -> None:
+    result = cli("recipes")
+    assert result.exit_code == 0
+    for r in recipes.all_recipes():
+        assert r.name in result.stdout
+    assert "compute capability >= 8.9" in result.stdout
+    result = cli("recipes", "--json")
+    assert [r["name"] for r in json.loads(result.stdout)] == recipes.names()
