@@ -197,7 +197,9 @@ def build_plan(
         if components:
             raise UsageError(f"--components applies to diffusers pipelines; {source.display} is a transformers model (it is quantized whole)")
         if not model_comps:
-            raise SourceError(f"{source.display}: transformers has no model class {found[0][2]!r}; upgrade transformers or pass --trust-remote-code")
+            hint = ("models whose classes live in remote code are not supported yet" if trust_remote_code
+                    else "upgrade transformers")
+            raise SourceError(f"{source.display}: transformers has no model class {found[0][2]!r}; {hint}")
         chosen = [""]
     else:
         if components:

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import __version__, card, plan as planning, push as pushing, recipes as recipe_registry, snapshot, source as sources
+from . import __version__, card, plan as planning, push as pushing, recipes as recipe_registry, resources, snapshot, source as sources
 from .errors import PublishError, TargetError
 from .quantize import Artifacts, prepare_output, quantize_recipe
 from .recipes import Recipe
@@ -154,10 +154,22 @@ def make_plan(req: PublishRequest, token: str | None) -> planning.Plan:
 
 
 def _check_output_dir(path: Path) -> None:
+    """Fail before any download when the output folder cannot be used; leave nothing behind."""
     if path.exists() and not path.is_dir():
         raise TargetError(f"--output-dir {path} is a file; give a folder")
     if path.is_dir() and any(path.iterdir()):
         raise TargetError(f"--output-dir {path} is not empty; choose an empty or new folder")
+    created = not path.exists()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".hf-ao-publish-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise TargetError(f"--output-dir {path} is not writable ({exc.strerror or exc}); pass a writable folder") from None
+    finally:
+        if created and path.is_dir() and not any(path.iterdir()):
+            path.rmdir()
 
 
 def run(req: PublishRequest) -> list[Outcome]:
@@ -183,6 +195,9 @@ def run(req: PublishRequest) -> list[Outcome]:
         return outcomes
 
     auto_dir = req.output_dir is None
+    from huggingface_hub import constants
+
+    resources.check(plan, req.output_dir or Path(tempfile.gettempdir()), Path(constants.HF_HUB_CACHE))
     out_root = Path(tempfile.mkdtemp(prefix="hf-ao-publish-")) if auto_dir else req.output_dir
     assert out_root is not None
     several = len(plan.recipes) > 1

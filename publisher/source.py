@@ -95,7 +95,14 @@ def resolve(model_id: str, revision: str | None, token: str | None) -> Source:
         ) from None
     # Hub errors (not found, gated, bad revision, unreachable) propagate as huggingface_hub
     # exceptions; the CLI maps them to one-line messages in one place.
-    info = HfApi(token=token).model_info(model_id, revision=revision, files_metadata=True)
+    from huggingface_hub.errors import RevisionNotFoundError
+
+    try:
+        info = HfApi(token=token).model_info(model_id, revision=revision, files_metadata=True)
+    except RevisionNotFoundError:
+        raise SourceError(
+            f"revision {revision!r} not found in {model_id}; pass an existing branch, tag or commit sha with --revision"
+        ) from None
     if getattr(info, "disabled", False):
         raise SourceError(f"{model_id} is disabled on the Hub and cannot be used as a base")
     if not info.sha or not _SHA_RE.match(info.sha):
