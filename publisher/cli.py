@@ -182,6 +182,45 @@ def publish_cmd(model_id: str, quant: tuple[str, ...], components: str | None, e
     _report(outcomes, as_json, keep_going)
 
 
+@main.command("verify")
+@click.argument("target")
+@click.option("--revision", default=None, help="Revision of a Hub TARGET (default: main).")
+@click.option("--token", envvar="HF_TOKEN", default=None, show_envvar=True, help="Hub token for private or gated repos.")
+@click.option("--verify-env", "verify_envs", multiple=True, metavar="PYTHON", help="Also run the load paths with this interpreter.")
+@click.option("--no-requantize", is_flag=True, help="Do not re-quantize the recorded base; only compare load paths with each other.")
+@click.option("--json", "as_json", is_flag=True, help="Print the verification report as JSON on stdout.")
+@click.option("--debug", is_flag=True, help="Show tracebacks.")
+@click.option("--quiet", is_flag=True, help="Only warnings and errors on stderr.")
+def verify_cmd(target: str, revision: str | None, token: str | None, verify_envs: tuple[str, ...], no_requantize: bool,
+               as_json: bool, debug: bool, quiet: bool) -> None:
+    """Check that a torchao-quantized repo (Hub id or folder) reloads along every load path.
+
+    \b
+    Example:
+      hf-ao-publish verify alice/FLUX.1-dev-torchao-int8wo
+    """
+    _setup_logging(debug, quiet)
+    _prefer_lfs_for_local_hub()
+    import tempfile
+
+    from .verify_target import verify_target
+
+    with tempfile.TemporaryDirectory(prefix="hf-ao-verify-") as work:
+        report = _run_mapped(debug, verify_target, target, Path(work), envs=verify_envs, token=token,
+                             revision=revision, requantize=not no_requantize)
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        click.echo(f"{'component':<16} {'path':<8} {'environment':<40} {'result':<6} {'layers':>6}  detail")
+        for r in report.results:
+            env = f"{r.env} (torch {r.versions.get('torch', '?')}, torchao {r.versions.get('torchao', '?')})"
+            click.echo(f"{(r.component or 'model'):<16} {r.path:<8} {env[:40]:<40} {'pass' if r.ok else 'FAIL':<6} "
+                       f"{r.quantized_layers:>6}  {r.detail}")
+    if not report.passed:
+        raise _Failure(f"verification of {target} failed: {report.summary()}", 1)
+    click.echo(f"{target}: all {len(report.results)} load checks passed", err=True)
+
+
 def _command_line() -> str:
     """The command as typed, for the card; a --token value is never recorded."""
     args = sys.argv[1:]

@@ -11,15 +11,15 @@ import json
 import logging
 import shutil
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from . import __version__, card, plan as planning, push as pushing, recipes as recipe_registry, resources, snapshot, source as sources
-from .errors import PublishError, TargetError
+from .errors import PublishError, TargetError, VerificationError
 from .quantize import Artifacts, prepare_output, quantize_recipe
 from .recipes import Recipe
-from .verify import VerifyReport, require_passed, verify
+from .verify import VerifyReport, check_location, require_passed, verify
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,8 @@ class Outcome:
     files: dict[str, int] = field(default_factory=dict)
     components: list[dict[str, Any]] = field(default_factory=list)
     report: VerifyReport | None = None
+    published_check: list[dict[str, Any]] = field(default_factory=list)
+    sample: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -81,6 +83,9 @@ class Outcome:
             "folder": str(self.folder) if self.folder else None,
             "card_path": str(self.folder / "README.md") if self.folder else None,
             "verification": self.report.to_dict() if self.report else None,
+            "published_check": self.published_check,
+            "quality": [asdict(q) for q in self.report.quality] if self.report else [],
+            "sample": self.sample,
             "error": self.error,
         }
 
@@ -203,6 +208,9 @@ def run(req: PublishRequest) -> list[Outcome]:
     several = len(plan.recipes) > 1
     base_dir = snapshot.fetch(plan, token)
     done: dict[str, tuple[Artifacts, VerifyReport]] = {}
+    samples: dict[str, Any] = {}
+    work_dir = tempfile.TemporaryDirectory(prefix="hf-ao-verify-")
+    work = Path(work_dir.name)
     try:
         for recipe in todo:
             outcome = next(o for o in outcomes if o.recipe == recipe.name)
@@ -211,19 +219,25 @@ def run(req: PublishRequest) -> list[Outcome]:
                 outcome.folder = folder
                 artifacts = quantize_recipe(plan, base_dir, recipe, folder)
                 outcome.components = [_component_json(c) for c in artifacts.components]
-                with tempfile.TemporaryDirectory(prefix="hf-ao-verify-") as work:
-                    report = verify(artifacts, Path(work), envs=req.verify_envs, base_dir=base_dir, token=token)
+                report = verify(artifacts, work / recipe.name, envs=req.verify_envs, base_dir=base_dir, token=token)
                 outcome.report = report
                 outcome.verified = report.passed
                 require_passed(report)
                 (folder / ".gitattributes").write_text(GITATTRIBUTES)
+                state = dict(states[recipe.name], verified=report.passed)
+                (folder / pushing.STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+                if req.sample_prompt and plan.kind == "pipeline":
+                    from .sample import compare_samples
+
+                    samples[recipe.name] = compare_samples(base_dir, folder, req.sample_prompt, req.sample_steps, req.sample_size)
+                    outcome.sample = {"image": samples[recipe.name].image, "psnr": samples[recipe.name].psnr}
                 done[recipe.name] = (artifacts, report)
             except PublishError as exc:
                 outcome.error = str(exc)
                 if not req.keep_going:
                     raise
                 log.error("%s: %s (continuing: --keep-going)", recipe.name, exc)
-        _write_cards(plan, req, done, outcomes)
+        _write_cards(plan, req, done, samples)
         for outcome in outcomes:
             if outcome.folder is not None:
                 outcome.files = _files(outcome.folder)
@@ -244,12 +258,28 @@ def run(req: PublishRequest) -> list[Outcome]:
                 outcome.url, outcome.commit, outcome.pr_url = result.url, result.commit, result.pr_url
                 outcome.up_to_date, outcome.pushed = result.up_to_date, not result.up_to_date
                 outcome.files = _files(artifacts.folder)
+                if outcome.pushed and not req.create_pr:
+                    _check_published(outcome, report, work / outcome.recipe, token)
     finally:
+        work_dir.cleanup()
         if auto_dir and req.push:
             shutil.rmtree(out_root, ignore_errors=True)
             for outcome in outcomes:
                 outcome.folder = None
     return outcomes
+
+
+def _check_published(outcome: Outcome, report: VerifyReport, work: Path, token: str | None) -> None:
+    """Load the published repo itself (library path) and compare with the in-memory model again."""
+    results = check_location(report.expected, outcome.repo_id, outcome.commit, work, token=token,
+                             tensor_class=report.tensor_class, paths=("library",))
+    for r in results:
+        r.env = "current, from the Hub"
+    outcome.published_check = [asdict(r) for r in results]
+    bad = [r for r in results if not r.ok]
+    if bad:
+        outcome.error = f"the published repo {outcome.repo_id} does not reload like the verified folder: {bad[0].detail}"
+        raise VerificationError(outcome.error)
 
 
 def _endpoint() -> str:
@@ -275,7 +305,8 @@ def _component_json(c: Any) -> dict[str, Any]:
     }
 
 
-def _write_cards(plan: planning.Plan, req: PublishRequest, done: dict[str, tuple[Artifacts, VerifyReport]], outcomes: list[Outcome]) -> None:
+def _write_cards(plan: planning.Plan, req: PublishRequest, done: dict[str, tuple[Artifacts, VerifyReport]],
+                 samples: dict[str, Any]) -> None:
     """Cards are written once every recipe is done, so each can link to its sibling variants."""
     variants = []
     if len(done) > 1:
@@ -292,6 +323,8 @@ def _write_cards(plan: planning.Plan, req: PublishRequest, done: dict[str, tuple
             sample={"prompt": req.sample_prompt or ("a photo of a cat" if plan.kind == "pipeline" else "The capital of France is"),
                     "steps": req.sample_steps, "size": req.sample_size},
             variants=variants,
+            sample_image=samples[name].image if name in samples else None,
+            psnr=samples[name].psnr if name in samples else None,
         )
         text = card.render(plan, artifacts, report, plan.targets[name], inputs)
         (artifacts.folder / "README.md").write_text(text, encoding="utf-8")

@@ -82,7 +82,8 @@ def push(
     if not report.passed:
         raise VerificationError(f"refusing to push {repo_id}: verification failed ({report.summary()})")
     api = HfApi(token=token)
-    (folder / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+    if json.loads((folder / STATE_FILE).read_text()).get("fingerprint") != state["fingerprint"]:
+        raise VerificationError(f"refusing to push {repo_id}: {folder} was not produced by this run")
 
     pr = find_open_pr(repo_id, token) if create_pr and api.repo_exists(repo_id) else None
     revision = pr[1] if pr else None

@@ -13,7 +13,7 @@ import logging
 import os
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -59,9 +59,10 @@ class VerifyReport:
     quality: list[Quality] = field(default_factory=list)
     expected_layers: dict[str, int] = field(default_factory=dict)
     tensor_class: str = ""
+    expected: list[Any] = field(default_factory=list, repr=False)  # kept for the post-push check, not serialised
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return asdict(replace(self, expected=[]))
 
     def write(self, folder: Path) -> Path:
         path = folder / REPORT_NAME
@@ -81,6 +82,8 @@ class VerifyReport:
 
 @dataclass
 class _Expected:
+    """What every reload of one component must reproduce."""
+
     component: str
     library: str
     class_name: str
@@ -88,6 +91,7 @@ class _Expected:
     output: Any
     digests: dict[str, str]
     quantized: list[str]
+    reference: str = "the in-memory quantized model"
 
 
 def record_expected(artifacts: Artifacts, work: Path) -> list[_Expected]:
@@ -119,44 +123,50 @@ def verify(
     artifacts: Artifacts,
     work: Path,
     *,
-    location: str | None = None,
-    revision: str | None = None,
     envs: tuple[str, ...] = (),
     base_dir: Path | None = None,
     token: str | None = None,
 ) -> VerifyReport:
-    """Run every load path on ``location`` (default: the saved folder) and compare with the in-memory model."""
-    import torch
-
+    """Run every load path on the saved folder and compare with the in-memory model."""
     work.mkdir(parents=True, exist_ok=True)
     expected = record_expected(artifacts, work)
-    where = location or str(artifacts.folder)
     report = VerifyReport(
         recipe=artifacts.recipe.name,
-        location=where,
+        location=str(artifacts.folder),
         passed=False,
         expected_layers={e.component or "model": len(e.quantized) for e in expected},
         tensor_class=artifacts.recipe.tensor_class,
     )
-    interpreters = [("current", sys.executable)] + [(env, env) for env in envs]
-    for exp in expected:
-        for env_name, python in interpreters:
-            for path in PATHS:
-                log.info("verifying %s via the %s path (%s)", exp.component or "model", path, env_name)
-                res = _run_path(exp, path, python, env_name, where, revision, work, token, torch.get_num_threads(), artifacts.recipe.tensor_class)
-                report.results.append(res)
+    report.results = check_location(expected, str(artifacts.folder), None, work, envs=envs, token=token,
+                                    tensor_class=artifacts.recipe.tensor_class)
     if base_dir is not None:
         report.quality = quality_against_base(expected, base_dir)
     report.passed = bool(report.results) and not report.failures()
+    report.expected = expected
     return report
 
 
-def _run_path(exp: _Expected, path: str, python: str, env_name: str, where: str, revision: str | None,
-              work: Path, token: str | None, threads: int, tensor_class: str) -> PathResult:
+def check_location(expected: list[_Expected], where: str, revision: str | None, work: Path, *,
+                   envs: tuple[str, ...] = (), token: str | None = None, tensor_class: str | None,
+                   paths: tuple[str, ...] = PATHS) -> list[PathResult]:
+    """Each load path, in each interpreter, on ``where`` (a folder or a Hub repo id), against ``expected``."""
     import torch
-    from safetensors.torch import load_file
 
-    tag = f"{exp.component or 'model'}-{path}-{abs(hash(env_name)) % 10**6}"
+    results: list[PathResult] = []
+    interpreters = [("current", sys.executable)] + [(env, env) for env in envs]
+    for exp in expected:
+        for i, (env_name, python) in enumerate(interpreters):
+            for path in paths:
+                log.info("verifying %s via the %s path (%s) on %s", exp.component or "model", path, env_name, where)
+                data = run_worker(exp, path, python, where, revision, work, token, torch.get_num_threads(), tag=f"{i}")
+                results.append(compare(exp, data, path, env_name, python, tensor_class))
+    return results
+
+
+def run_worker(exp: _Expected, path: str, python: str, where: str, revision: str | None, work: Path,
+               token: str | None, threads: int, tag: str = "") -> dict[str, Any]:
+    """Load one component in a fresh interpreter; returns the worker's result (or an error record)."""
+    name = f"{exp.component or 'model'}-{path}-{tag}-{len(list(work.glob('request-*')))}"
     request = {
         "path": path,
         "library": exp.library,
@@ -165,40 +175,56 @@ def _run_path(exp: _Expected, path: str, python: str, env_name: str, where: str,
         "subfolder": exp.component or None,
         "revision": revision,
         "inputs": str(exp.inputs) if exp.inputs else None,
-        "output": str(work / f"out-{tag}.safetensors"),
-        "result": str(work / f"result-{tag}.json"),
+        "output": str(work / f"out-{name}.safetensors"),
+        "result": str(work / f"result-{name}.json"),
         "threads": threads,
     }
-    req_file = work / f"request-{tag}.json"
+    req_file = work / f"request-{name}.json"
     req_file.write_text(json.dumps(request))
     env = dict(os.environ)
     if token:
         env["HF_TOKEN"] = token  # through the environment, never the command line
-    proc = subprocess.run([python, str(WORKER), str(req_file)], env=env, capture_output=True, text=True, timeout=3600)
+    try:
+        proc = subprocess.run([python, str(WORKER), str(req_file)], env=env, capture_output=True, text=True, timeout=3600)
+    except OSError as exc:
+        return {"ok": False, "error": f"interpreter {python} cannot run: {exc.strerror or exc}"}
     result_file = Path(request["result"])
     if proc.returncode != 0 or not result_file.exists():
-        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-        return PathResult(exp.component, path, env_name, {}, False, f"interpreter {python} failed: {last[:300]}")
-    data = json.loads(result_file.read_text())
+        last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+        return {"ok": False, "error": f"interpreter {python} failed: {last[:300]}"}
+    return json.loads(result_file.read_text())
+
+
+def compare(exp: _Expected, data: dict[str, Any], path: str, env_name: str, python: str, tensor_class: str | None) -> PathResult:
+    """Bit-for-bit comparison of one reload against the expected record."""
+    import torch
+    from safetensors.torch import load_file
+
     res = PathResult(exp.component, path, env_name, data.get("versions", {}), False)
     if not data.get("ok"):
         res.detail = data.get("error", "unknown error")
         return res
     classes: dict[str, str] = data["linear_classes"]
-    res.quantized_layers = sum(1 for c in classes.values() if c == tensor_class)
-    wrong = [n for n in exp.quantized if classes.get(n) != tensor_class]
+    torchao_like = {c for c in classes.values() if c not in ("Parameter", "Tensor")}
+    res.quantized_layers = sum(1 for c in classes.values() if (c == tensor_class if tensor_class else c in torchao_like))
+    wanted = tensor_class or "a torchao tensor"
+    wrong = [n for n in exp.quantized if (classes.get(n) != tensor_class if tensor_class else classes.get(n) not in torchao_like)]
     if wrong:
-        res.detail = f"layer {wrong[0]} reloaded as {classes.get(wrong[0])}, expected {tensor_class}"
+        res.detail = f"layer {wrong[0]} reloaded as {classes.get(wrong[0])}, expected {wanted}"
         return res
     if res.quantized_layers != len(exp.quantized):
-        res.detail = f"{res.quantized_layers} quantized layers after reload, {len(exp.quantized)} before"
+        res.detail = f"{res.quantized_layers} quantized layers after reload, {len(exp.quantized)} expected"
         return res
     got = data["digests"]
     res.tensors_checked = len(got)
     for name, digest in exp.digests.items():
         if got.get(name) != digest:
-            res.detail = f"tensor {name} differs from the in-memory quantized model" if name in got else f"tensor {name} missing after reload"
+            res.detail = (f"tensor {name} differs from {exp.reference}" if name in got else f"tensor {name} missing after reload")
             return res
+    extra = sorted(set(got) - set(exp.digests))
+    if extra:
+        res.detail = f"unexpected tensor {extra[0]} after reload"
+        return res
     if exp.output is not None:
         out = load_file(data["output"])["output"]
         if out.shape != exp.output.shape or out.dtype != exp.output.dtype:
@@ -207,7 +233,7 @@ def _run_path(exp: _Expected, path: str, python: str, env_name: str, where: str,
         res.max_abs_diff = float((out.float() - exp.output.float()).abs().max())
         res.forward_checked = True
         if not torch.equal(out, exp.output):
-            res.detail = f"output differs from the in-memory quantized model (max abs diff {res.max_abs_diff:.3g})"
+            res.detail = f"output differs from {exp.reference} (max abs diff {res.max_abs_diff:.3g})"
             return res
     res.ok = True
     return res

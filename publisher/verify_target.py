@@ -1,0 +1,156 @@
+"""`hf-ao-publish verify TARGET`: check any torchao-quantized diffusers or transformers repo or folder.
+
+Without a reference model, every load path must agree with the others (same tensors, same outputs) and
+every quantized layer must be a torchao tensor. When the repo records its base and recipe (our
+hf_ao_publish.json) and the base is reachable, the base is re-quantized with the recorded config and
+every published tensor must be bit-identical to it: a tampered or corrupted weight fails by name.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import recipes as recipe_registry
+from .errors import SourceError
+from .inputs import build_inputs
+from .push import STATE_FILE
+from .verify import PATHS, VerifyReport, _Expected, check_location, compare, run_worker
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TargetComponent:
+    name: str
+    library: str
+    class_name: str
+    config: dict[str, Any]
+
+
+def _read(target: str, path: str, token: str | None, revision: str | None) -> str | None:
+    if Path(target).is_dir():
+        p = Path(target) / path
+        return p.read_text() if p.is_file() else None
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(target, path, revision=revision, token=token)).read_text()
+    except EntryNotFoundError:
+        return None
+
+
+def quantized_components(target: str, token: str | None, revision: str | None) -> list[TargetComponent]:
+    """Components whose config.json says they were quantized with torchao."""
+    index_text = _read(target, "model_index.json", token, revision)
+    found: list[TargetComponent] = []
+    if index_text:
+        for name, value in json.loads(index_text).items():
+            if name.startswith("_") or not isinstance(value, list) or len(value) != 2 or value[0] not in ("diffusers", "transformers"):
+                continue
+            cfg_text = _read(target, f"{name}/config.json", token, revision)
+            if cfg_text:
+                cfg = json.loads(cfg_text)
+                if (cfg.get("quantization_config") or {}).get("quant_method") == "torchao":
+                    found.append(TargetComponent(name, value[0], value[1], cfg))
+    else:
+        cfg_text = _read(target, "config.json", token, revision)
+        if not cfg_text:
+            raise SourceError(f"{target} is neither a diffusers pipeline nor a transformers model (no model_index.json or config.json)")
+        cfg = json.loads(cfg_text)
+        if (cfg.get("quantization_config") or {}).get("quant_method") == "torchao":
+            found.append(TargetComponent("", "transformers", (cfg.get("architectures") or ["AutoModel"])[0], cfg))
+    if not found:
+        raise SourceError(f"{target} has no torchao-quantized component (no quantization_config with quant_method torchao)")
+    return found
+
+
+def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), token: str | None = None,
+                  revision: str | None = None, requantize: bool = True) -> VerifyReport:
+    import torch
+
+    if not Path(target).is_dir():
+        from huggingface_hub import HfApi
+
+        revision = HfApi(token=token).model_info(target, revision=revision).sha
+    comps = quantized_components(target, token, revision)
+    state_text = _read(target, STATE_FILE, token, revision)
+    state = json.loads(state_text) if state_text else None
+    recipe = recipe_registry.get(state["recipe"]) if state and state.get("recipe") in recipe_registry.names() else None
+    tensor_class = recipe.tensor_class if recipe else None
+    report = VerifyReport(recipe=recipe.name if recipe else "unknown", location=target, passed=False,
+                          tensor_class=tensor_class or "torchao tensor")
+    for comp in comps:
+        inputs = build_inputs(comp.library, comp.class_name, comp.config)
+        inputs_file = None
+        if inputs is not None:
+            from safetensors.torch import save_file
+
+            inputs_file = work / f"inputs-{comp.name or 'model'}.safetensors"
+            save_file({k: v.contiguous() for k, v in inputs.items()}, str(inputs_file))
+        exp = _reference_from_base(comp, state, recipe, work, inputs, inputs_file, token) if (requantize and state and recipe) else None
+        if exp is None:
+            # No reachable base: the library path in this environment is the reference; every other path must agree.
+            probe = _Expected(comp.name, comp.library, comp.class_name, inputs_file, None, {}, [], "the library path")
+            data = run_worker(probe, "library", sys.executable, target, revision, work, token, torch.get_num_threads(), "ref")
+            if not data.get("ok"):
+                report.results.append(compare(probe, data, "library", "current", sys.executable, tensor_class))
+                continue
+            from safetensors.torch import load_file
+
+            output = load_file(data["output"])["output"] if data.get("output") else None
+            quantized = [n for n, c in data["linear_classes"].items() if c not in ("Parameter", "Tensor")]
+            exp = _Expected(comp.name, comp.library, comp.class_name, inputs_file, output, data["digests"], quantized, "the library path")
+        report.expected_layers[comp.name or "model"] = len(exp.quantized)
+        report.results += check_location([exp], target, revision, work, envs=envs, token=token, tensor_class=tensor_class, paths=PATHS)
+    report.passed = bool(report.results) and not report.failures()
+    return report
+
+
+def _reference_from_base(comp: TargetComponent, state: dict[str, Any], recipe: Any, work: Path, inputs: Any,
+                         inputs_file: Path | None, token: str | None) -> _Expected | None:
+    """Re-quantize the recorded base component with the recorded recipe, in memory."""
+    import torch
+
+    from .verify_worker import inspect_model
+
+    base, sha = state.get("base_model"), state.get("base_sha")
+    try:
+        if base and Path(base).is_dir():
+            src: Any = Path(base)
+        elif base and sha and not str(sha).startswith("local-"):
+            from huggingface_hub import snapshot_download
+
+            pattern = f"{comp.name}/*" if comp.name else "*"
+            src = Path(snapshot_download(base, revision=sha, allow_patterns=[pattern, "model_index.json"], token=token))
+        else:
+            return None
+    except (OSError, ValueError) as exc:
+        log.warning("base %s@%s is not reachable (%s); comparing load paths with each other only", base, sha, exc)
+        return None
+    log.info("re-quantizing %s of %s@%s with %s for the reference", comp.name or "model", base, sha, recipe.name)
+    config = recipe_registry.build_config(recipe)
+    lib = __import__(comp.library)
+    cls = getattr(lib, comp.class_name)
+    qconf_cls = lib.TorchAoConfig
+    not_convert = (comp.config.get("quantization_config") or {}).get("modules_to_not_convert")
+    sub = src / comp.name if comp.name else src
+    kwargs = {"torch_dtype" if comp.library == "diffusers" else "dtype": torch.bfloat16}
+    model = cls.from_pretrained(sub, quantization_config=qconf_cls(config, modules_to_not_convert=not_convert), **kwargs).eval()
+    info = inspect_model(model)
+    output = None
+    if inputs is not None:
+        with torch.inference_mode():
+            out = model(**inputs, return_dict=False) if comp.library == "diffusers" else model(**inputs)
+        output = out[0].detach().clone()
+    quantized = [n for n, c in info["linear_classes"].items() if c == recipe.tensor_class]
+    del model
+    gc.collect()
+    return _Expected(comp.name, comp.library, comp.class_name, inputs_file, output, info["digests"], quantized,
+                     f"the base re-quantized with {recipe.name}")
