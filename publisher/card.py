@@ -7,6 +7,7 @@ in a published card. Licence fields are copied from the base card, never invente
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,7 +106,7 @@ def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str, 
     env.filters["human"] = _human
     template = env.from_string(template_path().read_text(encoding="utf-8"))
     causal = plan.kind == "transformers" and first.class_name.endswith("ForCausalLM")
-    return template.render(
+    text = template.render(
         card_data=data.to_yaml(),
         title=f"{(plan.source.repo_id or plan.source.local_dir.name).split('/')[-1]} (torchao {recipe.name})",  # type: ignore[union-attr]
         repo_id=target,
@@ -134,3 +135,5 @@ def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str, 
         inputs=inputs,
         tool_version=__version__,
     )
+    # Template blocks leave runs of blank lines; collapse them (no fenced block holds two blank lines).
+    return re.sub(r"\n{3,}", "\n\n", text)

@@ -207,6 +207,7 @@ def run(req: PublishRequest) -> list[Outcome]:
     assert out_root is not None
     several = len(plan.recipes) > 1
     base_dir = snapshot.fetch(plan, token)
+    capability = recipe_registry.cuda_capability()
     done: dict[str, tuple[Artifacts, VerifyReport]] = {}
     samples: dict[str, Any] = {}
     work_dir = tempfile.TemporaryDirectory(prefix="hf-ao-verify-")
@@ -217,9 +218,10 @@ def run(req: PublishRequest) -> list[Outcome]:
             try:
                 folder = prepare_output(out_root, recipe, several)
                 outcome.folder = folder
-                artifacts = quantize_recipe(plan, base_dir, recipe, folder)
+                artifacts = quantize_recipe(plan, base_dir, recipe, folder, recipe_registry.quantize_device(recipe, capability))
                 outcome.components = [_component_json(c) for c in artifacts.components]
-                report = verify(artifacts, work / recipe.name, envs=req.verify_envs, base_dir=base_dir, token=token)
+                report = verify(artifacts, work / recipe.name, envs=req.verify_envs, base_dir=base_dir, token=token,
+                                device=recipe_registry.run_device(recipe, capability))
                 outcome.report = report
                 outcome.verified = report.passed
                 require_passed(report)
@@ -272,7 +274,7 @@ def run(req: PublishRequest) -> list[Outcome]:
 def _check_published(outcome: Outcome, report: VerifyReport, work: Path, token: str | None) -> None:
     """Load the published repo itself (library path) and compare with the in-memory model again."""
     results = check_location(report.expected, outcome.repo_id, outcome.commit, work, token=token,
-                             tensor_class=report.tensor_class, paths=("library",))
+                             tensor_class=report.tensor_class, paths=("library",), device=report.device)
     for r in results:
         r.env = "current, from the Hub"
     outcome.published_check = [asdict(r) for r in results]
@@ -318,11 +320,28 @@ def _write_cards(plan: planning.Plan, req: PublishRequest, done: dict[str, tuple
                 "size": sum(_files(artifacts.folder).values()), "runs_on": recipe.run.describe(), "quality": quality,
             })
     for name, (artifacts, report) in done.items():
+        notes = []
+        produced_on = "CPU"
+        if artifacts.device == "cuda":
+            import torch
+
+            produced_on = f"{torch.cuda.get_device_name()} (compute capability {'.'.join(map(str, torch.cuda.get_device_capability()))})"
+        elif artifacts.recipe.quantize.cuda:
+            checks = [c.fp8_check for c in artifacts.components if c.fp8_check]
+            worst = max((c["worst_ratio"] for c in checks), default=0.0)
+            notes.append(
+                "These FP8 weights were produced on a CPU: torchao's own FP8 handler ran without its GPU "
+                "assertion (publisher/fp8cpu.py), which gives the same bytes as on a GPU without the mslk kernels. "
+                f"Every dequantized weight is within the e4m3 error bound of the bf16 base (worst {worst:.2f} of the bound, "
+                f"{sum(c['checked'] for c in checks)} weights). Running them with FP8 speed-ups needs {artifacts.recipe.run.describe()}."
+            )
         inputs = card.CardInputs(
             command=req.command,
             sample={"prompt": req.sample_prompt or ("a photo of a cat" if plan.kind == "pipeline" else "The capital of France is"),
                     "steps": req.sample_steps, "size": req.sample_size},
             variants=variants,
+            produced_on=produced_on,
+            extra_notes=notes,
             sample_image=samples[name].image if name in samples else None,
             psnr=samples[name].psnr if name in samples else None,
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ class QuantizedComponent:
     bytes_after: int  # saved weight files
     quantization_config: dict[str, Any]  # as stored in config.json
     engine: str = "library"
+    fp8_check: dict[str, Any] | None = None  # FP8 made on a CPU: dequantized weights vs the bf16 base
 
     @property
     def label(self) -> str:
@@ -45,6 +47,7 @@ class Artifacts:
     folder: Path
     components: list[QuantizedComponent]
     models: dict[str, Any] = field(default_factory=dict, repr=False)  # in-memory quantized models, for verify
+    device: str = "cpu"  # where the weights were quantized
 
     def files(self) -> dict[str, int]:
         return {
@@ -72,7 +75,7 @@ def prepare_output(output_dir: Path, recipe: Recipe, several: bool) -> Path:
     return folder
 
 
-def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, folder: Path) -> Artifacts:
+def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, folder: Path, device: str = "cpu") -> Artifacts:
     """Quantize every planned component with ``recipe`` and write the standalone repo into ``folder``."""
     partial = folder.with_name(folder.name + ".partial")
     if partial.exists():
@@ -84,7 +87,9 @@ def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, folder: Path) ->
         models: dict[str, Any] = {}
         for comp in plan.quantized:
             log.info("quantizing %s (%s) with %s", comp.label, comp.class_name, recipe.name)
-            model, qc = _quantize_component(plan, base_dir, comp, recipe, partial)
+            model, qc = _quantize_component(plan, base_dir, comp, recipe, partial, device)
+            if device == "cpu" and recipe.cpu_producible:
+                qc.fp8_check = fp8_dequant_check(model, base_dir / comp.name if comp.name else base_dir)
             done.append(qc)
             models[comp.name] = model
         if folder.exists():
@@ -96,7 +101,7 @@ def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, folder: Path) ->
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    return Artifacts(recipe=recipe, folder=folder, components=done, models=models)
+    return Artifacts(recipe=recipe, folder=folder, components=done, models=models, device=device)
 
 
 def _copy_unchanged(plan: Plan, base_dir: Path, out: Path) -> None:
@@ -113,10 +118,17 @@ def _copy_unchanged(plan: Plan, base_dir: Path, out: Path) -> None:
         shutil.copyfile(base_dir / rel, dst)  # copyfile follows the cache's symlinks
 
 
-def _quantize_component(plan: Plan, base_dir: Path, comp: Component, recipe: Recipe, out: Path) -> tuple[Any, QuantizedComponent]:
+def _quantize_component(plan: Plan, base_dir: Path, comp: Component, recipe: Recipe, out: Path,
+                        device: str) -> tuple[Any, QuantizedComponent]:
     import torch
 
+    from .fp8cpu import cpu_quantization_context
+
     config = build_config(recipe)
+    # On a GPU the libraries quantize layer by layer as they load (device_map); on a CPU they load
+    # then quantize. FP8 recipes on a CPU run torchao's own handler minus its hardware assertion.
+    placement: dict[str, Any] = {"device_map": device} if device == "cuda" else {}
+    context = cpu_quantization_context(recipe) if device == "cpu" else nullcontext()
     exclude = list(plan.exclude) or None
     src = base_dir / comp.name if comp.name else base_dir
     try:
@@ -125,7 +137,8 @@ def _quantize_component(plan: Plan, base_dir: Path, comp: Component, recipe: Rec
 
             cls = getattr(diffusers, comp.class_name)
             qconf = diffusers.TorchAoConfig(config, modules_to_not_convert=exclude)
-            model = cls.from_pretrained(src, quantization_config=qconf, torch_dtype=torch.bfloat16)
+            with context:
+                model = cls.from_pretrained(src, quantization_config=qconf, torch_dtype=torch.bfloat16, **placement)
         else:
             import transformers
             from transformers.quantizers.base import get_keys_to_not_convert
@@ -138,7 +151,8 @@ def _quantize_component(plan: Plan, base_dir: Path, comp: Component, recipe: Rec
                     meta = cls._from_config(cls.config_class.from_pretrained(src))
                 exclude = sorted(set(get_keys_to_not_convert(meta)) | set(exclude))
             qconf = transformers.TorchAoConfig(config, modules_to_not_convert=exclude)
-            model = cls.from_pretrained(src, quantization_config=qconf, dtype=torch.bfloat16)
+            with context:
+                model = cls.from_pretrained(src, quantization_config=qconf, dtype=torch.bfloat16, **placement)
         model.eval()
         dst = out / comp.name if comp.name else out
         model.save_pretrained(dst, safe_serialization=True)
@@ -186,3 +200,33 @@ def summarize(model: Any, comp: Component, recipe: Recipe, folder: Path) -> Quan
         bytes_after=after,
         quantization_config=qconfig,
     )
+
+
+def fp8_dequant_check(model: Any, base_folder: Path) -> dict[str, Any]:
+    """FP8 weights made on a CPU: every dequantized weight must lie within the e4m3 error bound of the
+    bf16 weight it came from (read again from the base safetensors, one tensor at a time)."""
+    import torch
+    from safetensors import safe_open
+
+    from .errors import VerificationError
+    from .fp8cpu import check_dequantized
+
+    handles = [safe_open(str(p), framework="pt") for p in sorted(base_folder.glob("*.safetensors"))]
+    keys = {k: h for h in handles for k in h.keys()}
+    worst, checked, missing = 0.0, 0, []
+    for name, module in model.named_modules():
+        if not isinstance(module, torch.nn.Linear) or type(module.weight).__name__ != "Float8Tensor":
+            continue
+        key = f"{name}.weight"
+        if key not in keys:
+            missing.append(key)
+            continue
+        rep = check_dequantized(module.weight, keys[key].get_tensor(key).to(torch.bfloat16))
+        checked += 1
+        worst = max(worst, rep.worst_ratio)
+        if not rep.ok:
+            raise VerificationError(
+                f"{name}: FP8 weight made on the CPU is outside the e4m3 error bound of the base "
+                f"(worst ratio {rep.worst_ratio:.3f}, {rep.nonfinite} non-finite values); not publishing it"
+            )
+    return {"checked": checked, "worst_ratio": worst, "unmatched": len(missing)}

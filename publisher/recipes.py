@@ -48,6 +48,8 @@ class Recipe:
     # Minimum versions known to read the published format; the card states these.
     min_read_versions: dict[str, str] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
+    # True when publisher/fp8cpu.py can produce the exact tensors torchao builds on a GPU, on a CPU.
+    cpu_producible: bool = False
 
     @property
     def python(self) -> str:
@@ -123,6 +125,7 @@ _register(Recipe(
     bits=8,
     min_read_versions=dict(_COMMON_READ),
     notes=("Per-row scaling wants bfloat16 weights.",),
+    cpu_producible=True,
 ))
 _register(Recipe(
     name="float8dq-tensor",
@@ -135,6 +138,7 @@ _register(Recipe(
     speedup="CUDA compute capability >= 8.9 (Ada, Hopper, Blackwell) via torch._scaled_mm",
     bits=8,
     min_read_versions=dict(_COMMON_READ),
+    cpu_producible=True,
 ))
 _register(Recipe(
     name="int4wo",
@@ -188,16 +192,33 @@ def cuda_capability() -> tuple[int, int] | None:
     return tuple(torch.cuda.get_device_capability())  # type: ignore[return-value]
 
 
+def quantize_device(recipe: Recipe, capability: tuple[int, int] | None) -> str:
+    """Where the weights are quantized: "cuda" when the recipe needs a GPU and one fits, else "cpu"
+    (CPU recipes, and FP8 recipes through the bit-exact CPU path of publisher/fp8cpu.py)."""
+    needs = recipe.quantize
+    if needs.cuda and capability is not None and (not needs.min_cc or capability >= needs.min_cc):
+        return "cuda"
+    return "cpu"
+
+
+def run_device(recipe: Recipe, capability: tuple[int, int] | None) -> str:
+    """Where verification runs the reloaded model: the GPU when the recipe needs one to run and one fits."""
+    needs = recipe.run
+    if needs.cuda and capability is not None and (not needs.min_cc or capability >= needs.min_cc):
+        return "cuda"
+    return "cpu"
+
+
 def check_can_quantize(recipe: Recipe, capability: tuple[int, int] | None = None, *, probe: bool = True) -> None:
     """Fail before any download when this machine cannot quantize with ``recipe``."""
     needs = recipe.quantize
-    if not needs.cuda:
+    if not needs.cuda or recipe.cpu_producible:
         return
     cc = capability if capability is not None or not probe else cuda_capability()
     if cc is None:
         raise HardwareError(
             f"{recipe.name} needs a {needs.describe()} to quantize, and this machine has none; "
-            f"run it on such a GPU or pick a CPU recipe ({', '.join(r.name for r in all_recipes() if not r.quantize.cuda)})"
+            f"run it on such a GPU or pick a CPU recipe ({', '.join(r.name for r in all_recipes() if not r.quantize.cuda or r.cpu_producible)})"
         )
     if needs.min_cc and cc < needs.min_cc:
         raise HardwareError(

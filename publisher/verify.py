@@ -59,6 +59,7 @@ class VerifyReport:
     quality: list[Quality] = field(default_factory=list)
     expected_layers: dict[str, int] = field(default_factory=dict)
     tensor_class: str = ""
+    device: str = "cpu"
     expected: list[Any] = field(default_factory=list, repr=False)  # kept for the post-push check, not serialised
 
     def to_dict(self) -> dict[str, Any]:
@@ -94,7 +95,7 @@ class _Expected:
     reference: str = "the in-memory quantized model"
 
 
-def record_expected(artifacts: Artifacts, work: Path) -> list[_Expected]:
+def record_expected(artifacts: Artifacts, work: Path, device: str = "cpu") -> list[_Expected]:
     """Inputs, outputs and digests of every in-memory quantized component; then the models are freed."""
     import torch
     from safetensors.torch import save_file
@@ -109,9 +110,11 @@ def record_expected(artifacts: Artifacts, work: Path) -> list[_Expected]:
         if inputs is not None:
             inputs_file = work / f"inputs-{comp.label}.safetensors"
             save_file({k: v.contiguous() for k, v in inputs.items()}, str(inputs_file))
+            model.to(device)
+            on_device = {k: v.to(device) for k, v in inputs.items()}
             with torch.inference_mode():
-                out = model(**inputs, return_dict=False) if comp.library == "diffusers" else model(**inputs)
-            output = out[0].detach().clone()
+                out = model(**on_device, return_dict=False) if comp.library == "diffusers" else model(**on_device)
+            output = out[0].detach().cpu().clone()
         info = verify_worker.inspect_model(model)
         expected.append(_Expected(comp.name, comp.library, comp.class_name, inputs_file, output, info["digests"], comp.quantized))
     artifacts.release_models()
@@ -126,10 +129,11 @@ def verify(
     envs: tuple[str, ...] = (),
     base_dir: Path | None = None,
     token: str | None = None,
+    device: str = "cpu",
 ) -> VerifyReport:
     """Run every load path on the saved folder and compare with the in-memory model."""
     work.mkdir(parents=True, exist_ok=True)
-    expected = record_expected(artifacts, work)
+    expected = record_expected(artifacts, work, device)
     report = VerifyReport(
         recipe=artifacts.recipe.name,
         location=str(artifacts.folder),
@@ -138,17 +142,18 @@ def verify(
         tensor_class=artifacts.recipe.tensor_class,
     )
     report.results = check_location(expected, str(artifacts.folder), None, work, envs=envs, token=token,
-                                    tensor_class=artifacts.recipe.tensor_class)
+                                    tensor_class=artifacts.recipe.tensor_class, device=device)
     if base_dir is not None:
         report.quality = quality_against_base(expected, base_dir)
     report.passed = bool(report.results) and not report.failures()
     report.expected = expected
+    report.device = device
     return report
 
 
 def check_location(expected: list[_Expected], where: str, revision: str | None, work: Path, *,
                    envs: tuple[str, ...] = (), token: str | None = None, tensor_class: str | None,
-                   paths: tuple[str, ...] = PATHS) -> list[PathResult]:
+                   paths: tuple[str, ...] = PATHS, device: str = "cpu") -> list[PathResult]:
     """Each load path, in each interpreter, on ``where`` (a folder or a Hub repo id), against ``expected``."""
     import torch
 
@@ -158,13 +163,13 @@ def check_location(expected: list[_Expected], where: str, revision: str | None, 
         for i, (env_name, python) in enumerate(interpreters):
             for path in paths:
                 log.info("verifying %s via the %s path (%s) on %s", exp.component or "model", path, env_name, where)
-                data = run_worker(exp, path, python, where, revision, work, token, torch.get_num_threads(), tag=f"{i}")
+                data = run_worker(exp, path, python, where, revision, work, token, torch.get_num_threads(), tag=f"{i}", device=device)
                 results.append(compare(exp, data, path, env_name, python, tensor_class))
     return results
 
 
 def run_worker(exp: _Expected, path: str, python: str, where: str, revision: str | None, work: Path,
-               token: str | None, threads: int, tag: str = "") -> dict[str, Any]:
+               token: str | None, threads: int, tag: str = "", device: str = "cpu") -> dict[str, Any]:
     """Load one component in a fresh interpreter; returns the worker's result (or an error record)."""
     name = f"{exp.component or 'model'}-{path}-{tag}-{len(list(work.glob('request-*')))}"
     request = {
@@ -178,6 +183,7 @@ def run_worker(exp: _Expected, path: str, python: str, where: str, revision: str
         "output": str(work / f"out-{name}.safetensors"),
         "result": str(work / f"result-{name}.json"),
         "threads": threads,
+        "device": device,
     }
     req_file = work / f"request-{name}.json"
     req_file.write_text(json.dumps(request))

@@ -151,11 +151,11 @@ def inspect_model(model: Any) -> dict[str, Any]:
     return {"linear_classes": classes, "digests": digests}
 
 
-def run_forward(model: Any, inputs_file: str, output_file: str) -> None:
+def run_forward(model: Any, inputs_file: str, output_file: str, device: str = "cpu") -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
-    inputs = load_file(inputs_file)
+    inputs = {k: v.to(device) for k, v in load_file(inputs_file).items()}
     with torch.inference_mode():
         out = model(**inputs, return_dict=False) if _is_diffusers(model) else model(**inputs)
     first = out[0]
@@ -176,9 +176,11 @@ def main(request_file: str) -> int:
             torch.set_num_threads(int(req["threads"]))
         model = _load_library(req) if req["path"] == "library" else _load_manual(req)
         model.eval()
+        device = req.get("device") or "cpu"
+        model.to(device)
         result.update(inspect_model(model))
         if req.get("inputs"):
-            run_forward(model, req["inputs"], req["output"])
+            run_forward(model, req["inputs"], req["output"], device)
             result["output"] = req["output"]
         result["ok"] = True
     except Exception as exc:  # reported to the parent, which decides; this process only loads and reports

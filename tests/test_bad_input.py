@@ -36,7 +36,7 @@ def _repos_of(user_token: str) -> set[str]:
 CASES = [
     # id, args, token, exit code, message fragment
     ("unknown recipe", ["{llama}", "--quant", "int3"], "tok_alice", 2, "unknown recipe 'int3'"),
-    ("gpu recipe on cpu", ["{llama}", "--quant", "float8dq-tensor"], "tok_alice", 1, "needs a CUDA GPU with compute capability >= 8.9"),
+    ("gpu recipe on cpu", ["{llama}", "--quant", "int4wo"], "tok_alice", 1, "int4wo needs a CUDA GPU with compute capability >= 8.0"),
     ("malformed model id", ["not a repo//x", "--quant", "int8wo"], "tok_alice", 2, "neither an existing local folder nor a Hub repo id"),
     ("repo not found", ["bfl/missing-model", "--quant", "int8wo"], "tok_alice", 1, "bfl/missing-model not found"),
     ("gated without access", ["{gated}", "--quant", "int8wo"], "tok_alice", 1, "is gated"),

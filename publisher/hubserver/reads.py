@@ -1,0 +1,235 @@
+"""Read-only endpoints: whoami, repo info, tree, refs, commits, paths-info, resolve (file download)."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs
+
+from .storage import HubError
+from .wire import Request, Response, json_response
+
+if TYPE_CHECKING:  # the mixin is only ever used as a base of HubApp
+    from .app import HubApp
+
+_RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
+
+
+def front_matter(text: str) -> tuple[str | None, str | None]:
+    """(yaml_text, error) of a README's leading '---' block; (None, None) when there is none."""
+    lines = text.replace("\r\n", "\n").split("\n")
+    if not lines or lines[0].strip() != "---":
+        return None, None
+    for i in range(1, len(lines)):
+        if lines[i].strip() == "---":
+            return "\n".join(lines[1:i]), None
+    return None, "README.md front matter starts with '---' but is never closed"
+
+
+def parse_card_data(text: str) -> tuple[dict | None, str | None]:
+    """(cardData, error). pyyaml is optional: without it the server simply reports no card data."""
+    block, err = front_matter(text)
+    if block is None:
+        return None, err
+    try:
+        import yaml
+    except ImportError:  # keep the server standard-library only when pyyaml is absent
+        return None, None
+    try:
+        data = yaml.safe_load(block)
+    except yaml.YAMLError as exc:
+        return None, f"Invalid YAML in README.md metadata: {exc}"
+    if data is None:
+        return {}, None
+    if not isinstance(data, dict):
+        return None, "README.md metadata must be a YAML mapping"
+    return data, None
+
+
+def file_json(path: str, entry: dict) -> dict:
+    out: dict[str, Any] = {"type": "file", "path": path, "size": entry["size"], "oid": entry["oid"]}
+    if entry["lfs"]:
+        out["lfs"] = {"oid": entry["sha256"], "size": entry["size"], "pointerSize": entry["pointerSize"]}
+    return out
+
+
+def folder_json(path: str, tree: dict) -> dict:
+    # Git tree oids are not needed by the client beyond being stable strings; hash the listing.
+    listing = sorted((p, e["oid"]) for p, e in tree.items() if p.startswith(path + "/"))
+    return {"type": "directory", "path": path, "size": 0, "oid": hashlib.sha1(repr(listing).encode()).hexdigest()}
+
+
+def list_tree(tree: dict, path: str, recursive: bool) -> list[dict]:
+    prefix = path.strip("/") + "/" if path.strip("/") else ""
+    if prefix and prefix.rstrip("/") in tree:
+        raise HubError(400, f"{path} is a file, not a folder")
+    files, folders = [], set()
+    for p, e in tree.items():
+        if not p.startswith(prefix):
+            continue
+        rest = p[len(prefix):].split("/")
+        if recursive:
+            folders.update(prefix + "/".join(rest[:i]) for i in range(1, len(rest)))
+            files.append(file_json(p, e))
+        elif len(rest) == 1:
+            files.append(file_json(p, e))
+        else:
+            folders.add(prefix + rest[0])
+    if prefix and not files and not folders:
+        raise HubError(404, f"Entry not found: {path}", "EntryNotFound")
+    entries = [folder_json(f, tree) for f in folders] + files
+    return sorted(entries, key=lambda x: x["path"])
+
+
+def paths_info(tree: dict, paths: Iterable[str]) -> list[dict]:
+    out = []
+    for p in paths:
+        p = p.strip("/")
+        if p in tree:
+            out.append(file_json(p, tree[p]))
+        elif any(q.startswith(p + "/") for q in tree):
+            out.append(folder_json(p, tree))
+    return out
+
+
+class ReadRoutes:
+    def whoami(self: HubApp, req: Request) -> Response:
+        if req.user is None:
+            raise HubError(401, "You must be authenticated to call whoami (no token sent)")
+        orgs = [{"type": "org", "name": o, "fullname": o, "roleInOrg": "write"} for o in self.orgs_of(req.user)]
+        return json_response({
+            "type": "user", "id": req.user, "name": req.user, "fullname": req.user, "orgs": orgs,
+            "auth": {"type": "access_token", "accessToken": {"displayName": "hubserver", "role": "write"}},
+        })
+
+    def validate_yaml(self: HubApp, req: Request) -> Response:
+        # The client calls .json() before checking the status, so even errors must be JSON.
+        _, err = parse_card_data(str(req.json().get("content", "")))
+        if err:
+            return json_response({"errors": [{"message": err}], "warnings": []}, 400)
+        return json_response({"errors": [], "warnings": []})
+
+    def list_repos(self: HubApp, req: Request, repo_type: str) -> Response:
+        author, search = req.q("author"), (req.q("search") or "").lower()
+        out = []
+        for meta in self.store.list_repos(repo_type):
+            ns = meta["id"].split("/")[0]
+            if meta["private"] and not self.is_member(req.user, ns):
+                continue
+            if (author and ns != author) or search not in meta["id"].lower():
+                continue
+            out.append({"id": meta["id"], "private": meta["private"], "gated": meta.get("gated") or False,
+                        "sha": meta["refs"].get("refs/heads/main"), "lastModified": meta.get("lastModified"),
+                        "createdAt": meta["createdAt"], "downloads": 0, "likes": 0, "tags": []})
+        return json_response(out)
+
+    def card_data(self: HubApp, tree: dict) -> dict | None:
+        entry = tree.get("README.md")
+        if entry is None or entry["size"] > 1_000_000:
+            return None
+        card, _ = parse_card_data(self.store.read_blob(entry["sha256"]).decode("utf-8", "replace"))
+        return card
+
+    def repo_info(self: HubApp, req: Request, repo_type: str, repo_id: str, rev: str) -> Response:
+        meta = self.readable_repo(repo_type, repo_id, req.user)
+        commit = self.store.resolve(meta, rev)
+        blobs = req.flag("blobs")
+        siblings = []
+        for path in sorted(commit["tree"]):
+            entry, sib = commit["tree"][path], {"rfilename": path}
+            if blobs:
+                sib.update(size=entry["size"], blobId=entry["oid"])
+                if entry["lfs"]:
+                    sib["lfs"] = {"sha256": entry["sha256"], "size": entry["size"], "pointerSize": entry["pointerSize"]}
+            siblings.append(sib)
+        card = self.card_data(commit["tree"]) or {}
+        tags = card.get("tags") if isinstance(card.get("tags"), list) else []
+        info: dict[str, Any] = {
+            "_id": meta["id"], "id": meta["id"], "author": meta["id"].split("/")[0], "sha": commit["id"],
+            "lastModified": commit["date"], "createdAt": meta["createdAt"], "private": meta["private"],
+            "gated": meta.get("gated") or False, "disabled": False, "downloads": 0, "likes": 0,
+            "tags": [str(t) for t in tags], "siblings": siblings,
+        }
+        if card:
+            info["cardData"] = card
+            for key in ("library_name", "pipeline_tag"):
+                if isinstance(card.get(key), str):
+                    info[key] = card[key]
+        if repo_type == "space":
+            info["sdk"] = card.get("sdk")
+        return json_response(info)
+
+    def tree(self: HubApp, req: Request, repo_type: str, repo_id: str, rev: str, path: str) -> Response:
+        meta = self.readable_repo(repo_type, repo_id, req.user)
+        commit = self.store.resolve(meta, rev)
+        # One page only: pagination (Link: rel="next") is optional for the client.
+        return json_response(list_tree(commit["tree"], path, req.flag("recursive")))
+
+    def paths_info(self: HubApp, req: Request, repo_type: str, repo_id: str, rev: str) -> Response:
+        meta = self.readable_repo(repo_type, repo_id, req.user)
+        commit = self.store.resolve(meta, rev)
+        if "json" in (req.headers.get("Content-Type") or ""):
+            paths = req.json().get("paths", [])
+        else:  # the client sends a form: paths=a&paths=b&expand=False
+            paths = parse_qs(req.read_body().decode(), keep_blank_values=True).get("paths", [])
+        return json_response(paths_info(commit["tree"], [paths] if isinstance(paths, str) else paths))
+
+    def refs(self: HubApp, req: Request, repo_type: str, repo_id: str) -> Response:
+        meta = self.readable_repo(repo_type, repo_id, req.user)
+        out: dict[str, list] = {"branches": [], "tags": [], "converts": []}
+        prs = []
+        for ref, sha in sorted(meta["refs"].items()):
+            if ref.startswith("refs/heads/"):
+                out["branches"].append({"name": ref[11:], "ref": ref, "targetCommit": sha})
+            elif ref.startswith("refs/tags/"):
+                out["tags"].append({"name": ref[10:], "ref": ref, "targetCommit": sha})
+            elif ref.startswith("refs/pr/"):
+                prs.append({"name": ref, "ref": ref, "targetCommit": sha})
+        if req.flag("include_prs"):
+            out["pullRequests"] = sorted(prs, key=lambda r: int(r["ref"].rsplit("/", 1)[1]))
+        return json_response(out)
+
+    def commits(self: HubApp, req: Request, repo_type: str, repo_id: str, rev: str) -> Response:
+        meta = self.readable_repo(repo_type, repo_id, req.user)
+        out = []
+        for c in self.store.history(meta, rev):
+            message = c["title"] + (f"\n\n{c['message']}" if c["message"] else "")
+            item = {"id": c["id"], "title": c["title"], "message": message, "date": c["date"],
+                    "authors": [{"user": c["author"]}]}
+            if req.q("expand[]") == "formatted":
+                item["formatted"] = {"title": c["title"], "message": message}
+            out.append(item)
+        return json_response(out)
+
+    def resolve(self: HubApp, req: Request, repo_type: str, repo_id: str, rev: str, path: str) -> Response:
+        meta = self.readable_repo(repo_type, repo_id, req.user)
+        self.check_gate(meta, req.user)
+        commit = self.store.resolve(meta, rev)
+        entry = commit["tree"].get(path)
+        if entry is None:
+            raise HubError(404, f"Entry not found: {path} at {rev}", "EntryNotFound")
+        size = entry["size"]
+        headers = {
+            "Content-Type": "application/octet-stream", "Accept-Ranges": "bytes",
+            "X-Repo-Commit": commit["id"],  # required: the client caches snapshots by commit sha
+            # Git blob sha1 for regular files, sha256 for LFS ones, like the Hub. Never X-Xet-Hash.
+            "ETag": f'"{entry["sha256"] if entry["lfs"] else entry["oid"]}"',
+        }
+        if entry["lfs"]:
+            headers.update({"X-Linked-Etag": f'"{entry["sha256"]}"', "X-Linked-Size": str(size)})
+        start, end, status = 0, size - 1, 200
+        rng = req.headers.get("Range")
+        if rng and req.method == "GET":
+            m = _RANGE_RE.match(rng.strip())
+            if m and (m.group(1) or m.group(2)):
+                if m.group(1):
+                    start, end = int(m.group(1)), min(int(m.group(2) or size - 1), size - 1)
+                else:  # suffix range: the last N bytes
+                    start = max(size - int(m.group(2)), 0)
+                if start >= size or start > end:
+                    return Response(416, b"", {"Content-Range": f"bytes */{size}", **headers})
+                status = 206
+                headers["Content-Range"] = f"bytes {start}-{end}/{size}"
+        return Response(status, b"", headers, file=self.store.blob_path(entry["sha256"]), file_range=(start, end))
