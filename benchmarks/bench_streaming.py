@@ -1,0 +1,361 @@
+"""Benchmark: the documented library path vs the streaming engine on a FLUX-shaped transformer.
+
+    python benchmarks/bench_streaming.py --size-gb 2.5 --recipe int8wo [--workdir DIR] [--device cuda]
+
+Builds a checkpoint with FLUX.1-dev's transformer dimensions and fewer blocks (random bf16, three
+shards, written one tensor at a time), then runs, each in a fresh subprocess: the library path
+(from_pretrained + save_pretrained), the streaming engine (shards "downloaded" by copying into a
+cache and deleted once read, as the CLI does), and a compute floor (read every tensor, quantize
+every Linear weight on a bare nn.Linear, write the bytes; no framework). Prints wall time per
+stage, peak RSS (the child's own ru_maxrss, cross-checked by sampling), peak disk (input + output
+bytes present at once, sampled) and a linear projection to FLUX.1-dev (23.8 GB bf16); checks the two
+outputs are the same files. Figures only: nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+FLUX_DEV = dict(patch_size=1, in_channels=64, num_attention_heads=24, attention_head_dim=128,
+                joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+                axes_dims_rope=(16, 56, 56))
+FLUX_DEV_BYTES = 23.8e9
+GIB = 1024 ** 3
+
+
+# ------------------------------------------------------------------ checkpoint
+
+def _meta_bytes(layers: int, singles: int) -> int:
+    import torch
+    from accelerate import init_empty_weights
+    from diffusers import FluxTransformer2DModel
+
+    with init_empty_weights():
+        m = FluxTransformer2DModel(num_layers=layers, num_single_layers=singles, **FLUX_DEV)
+    return sum(p.numel() for p in m.state_dict().values()) * torch.bfloat16.itemsize
+
+
+def choose_blocks(size_gb: float) -> tuple[int, int]:
+    """Double/single block counts for ~size_gb, keeping FLUX.1-dev's 1:2 ratio where possible."""
+    base = _meta_bytes(0, 0)
+    dbl, sgl = _meta_bytes(1, 0) - base, _meta_bytes(0, 1) - base
+    target = size_gb * 1e9
+    d = max(1, round((target - base) / (dbl + 2 * sgl)))
+    s = max(1, round((target - base - d * dbl) / sgl))
+    return d, s
+
+
+def build_checkpoint(folder: Path, layers: int, singles: int, shards: int = 3) -> int:
+    """Write config.json, the index and `shards` safetensors files, one random bf16 tensor at a time."""
+    import torch
+    from accelerate import init_empty_weights
+    from diffusers import FluxTransformer2DModel
+    from huggingface_hub.serialization import split_state_dict_into_shards_factory
+
+    from publisher.streaming import safetensors_io as stio
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with init_empty_weights():
+        model = FluxTransformer2DModel(num_layers=layers, num_single_layers=singles, **FLUX_DEV)
+    model.save_config(folder)
+    specs = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    sizes = {k: math.prod(s) * 2 for k, s in specs.items()}
+    total = sum(sizes.values())
+    split = split_state_dict_into_shards_factory(
+        specs, get_storage_size=lambda s: math.prod(s) * 2, max_shard_size=math.ceil(total / shards) + 1,
+        filename_pattern="diffusion_pytorch_model{suffix}.safetensors")
+    gen = torch.Generator().manual_seed(0)
+    for name, keys in split.filename_to_tensors.items():
+        keys = sorted(keys)  # one dtype: safetensors orders by name
+        spans, off = [], 0
+        for k in keys:
+            spans.append((k, "BF16", specs[k], off, off + sizes[k]))
+            off += sizes[k]
+        with open(folder / name, "wb") as f:
+            f.write(stio.encode_header({"format": "pt"}, spans))
+            for k in keys:
+                t = torch.randn(specs[k], generator=gen, dtype=torch.float32).mul_(0.02).to(torch.bfloat16)
+                f.write(stio.tensor_bytes(t))
+    index = {"metadata": {"total_size": total}, "weight_map": split.tensor_to_filename}
+    (folder / "diffusion_pytorch_model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return total
+
+
+# ------------------------------------------------------------------ children
+
+_IMPORT_RSS = [0]
+
+
+def _rss() -> int:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def child_library(a: argparse.Namespace) -> dict:
+    t0 = time.perf_counter()
+    import diffusers  # noqa: F401 - import cost reported apart
+    import torch
+
+    from publisher import recipes
+    from publisher.recipes import build_config
+
+    t_import = time.perf_counter() - t0
+    _IMPORT_RSS[0] = _rss()
+    recipe = recipes.get(a.recipe)
+    kwargs = {"device_map": a.device} if a.device != "cpu" else {}
+    t1 = time.perf_counter()
+    qconf = diffusers.TorchAoConfig(build_config(recipe))
+    model = diffusers.FluxTransformer2DModel.from_pretrained(Path(a.src), quantization_config=qconf,
+                                                             torch_dtype=torch.bfloat16, **kwargs)
+    t2 = time.perf_counter()
+    model.save_pretrained(Path(a.dst))
+    t3 = time.perf_counter()
+    return {"stages": {"import": t_import, "load+quantize": t2 - t1, "save": t3 - t2}}
+
+
+def child_stream(a: argparse.Namespace) -> dict:
+    t0 = time.perf_counter()
+    import diffusers  # noqa: F401 - the same imports as the other children, timed apart
+    import torchao.quantization  # noqa: F401
+
+    from publisher import recipes
+    from publisher.streaming import stream_quantize
+
+    t_import = time.perf_counter() - t0
+    _IMPORT_RSS[0] = _rss()
+    # src_dir holds config.json and the index (as after a metadata-only download); shards are
+    # "downloaded" into the cache by copying and deleted once read.
+    hub, cache = Path(a.src), Path(a.cache)
+    cache.mkdir(parents=True, exist_ok=True)
+    fetch_s = [0.0]
+
+    def fetch(name: str) -> Path:  # stands in for hf_hub_download
+        t = time.perf_counter()
+        path = Path(shutil.copy(hub / name, cache / name))
+        fetch_s[0] += time.perf_counter() - t
+        return path
+
+    res = stream_quantize(hub, Path(a.dst), library="diffusers", recipe=recipes.get(a.recipe),
+                          fetch_shard=fetch, release_shard=lambda p: p.unlink(), progress=a.progress,
+                          device=a.device)
+    stages = {"import": t_import, "fetch(copy)": fetch_s[0], **res.stage_seconds}
+    return {"stages": stages, "quantized": len(res.quantized), "skipped": len(res.skipped)}
+
+
+def child_floor(a: argparse.Namespace) -> dict:
+    """Read every tensor, quantize Linear weights with torchao on a bare nn.Linear, write the bytes: no framework."""
+    t0 = time.perf_counter()
+    import diffusers  # noqa: F401 - the same imports as the other children
+    import torch
+    from torchao.quantization import quantize_
+
+    from publisher import recipes
+    from publisher.recipes import build_config
+    from publisher.streaming import safetensors_io as stio
+
+    t_import = time.perf_counter() - t0
+    _IMPORT_RSS[0] = _rss()
+    config = build_config(recipes.get(a.recipe))
+    src = Path(a.src)
+    linear = set(json.loads(a.linear))
+    read = quant = write = 0.0
+    with open(Path(a.dst) / "floor.bin", "wb") as out:
+        for shard in sorted(p for p in src.glob("*.safetensors")):
+            _, header = stio.read_header(shard)
+            with open(shard, "rb", buffering=0) as f:
+                for entry in sorted(header.values(), key=lambda e: e.begin):
+                    t = time.perf_counter()
+                    w = stio.read_tensor(f, entry)
+                    t1 = time.perf_counter()
+                    parts = [w]
+                    if entry.name in linear:
+                        lin = torch.nn.Linear(1, 1, bias=False, device="meta")
+                        lin.weight = torch.nn.Parameter(w.to(a.device), requires_grad=False)
+                        quantize_(lin, config)
+                        q = lin.weight
+                        parts = [getattr(q, n).cpu() for n in q.tensor_data_names]
+                    t2 = time.perf_counter()
+                    for p in parts:
+                        out.write(stio.tensor_bytes(p))
+                    read, quant, write = read + t1 - t, quant + t2 - t1, write + time.perf_counter() - t2
+                    del w, parts, p  # one tensor alive at a time, as in the engine
+                    lin = q = None
+    return {"stages": {"import": t_import, "read": read, "quantize": quant, "write": write}}
+
+
+def run_child(kind: str, args: list[str], watch: list[Path]) -> dict:
+    """Run one child; sample its RSS (psutil) and the bytes present under `watch` while it runs."""
+    import psutil
+
+    cmd = [sys.executable, __file__, "--child", kind, *args]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    peak = {"rss": 0, "disk": 0}
+    done = threading.Event()
+
+    def sample() -> None:
+        p = psutil.Process(proc.pid)
+        while not done.is_set():
+            try:
+                peak["rss"] = max(peak["rss"], p.memory_info().rss)
+            except psutil.Error:
+                pass
+            peak["disk"] = max(peak["disk"], sum(_du(w) for w in watch))
+            done.wait(0.1)
+
+    th = threading.Thread(target=sample, daemon=True)
+    th.start()
+    out, _ = proc.communicate()
+    done.set()
+    th.join()
+    wall = time.perf_counter() - t0
+    if proc.returncode:
+        raise SystemExit(f"{kind} child failed with exit code {proc.returncode}")
+    result = json.loads(out.strip().splitlines()[-1])
+    result.update(wall=wall, sampled_rss=peak["rss"], peak_disk=peak["disk"])
+    return result
+
+
+def _du(path: Path) -> int:
+    """Allocated bytes (sparse files count what is written)."""
+    if not path.exists():
+        return 0
+    if path.is_file():
+        return path.stat().st_blocks * 512
+    return sum(p.stat().st_blocks * 512 for p in path.rglob("*") if p.is_file())
+
+
+# ------------------------------------------------------------------ comparison and report
+
+def same_output(a: Path, b: Path) -> str:
+    from publisher.streaming import safetensors_io as stio
+
+    names = sorted(p.name for p in a.iterdir())
+    if names != sorted(p.name for p in b.iterdir()):
+        return f"file lists differ: {names} vs {sorted(p.name for p in b.iterdir())}"
+    for name in names:
+        pa, pb = a / name, b / name
+        if name.endswith(".safetensors"):
+            ha, hb = stio.read_header(pa), stio.read_header(pb)
+            if ha != hb:
+                return f"{name}: parsed headers differ"
+            start = min(e.begin for e in ha[1].values())  # same header length: same content, maybe reordered keys
+            if pa.stat().st_size != pb.stat().st_size or not _same_bytes(pa, pb, start):
+                return f"{name}: tensor bytes differ"
+        elif pa.read_bytes() != pb.read_bytes():
+            return f"{name} differs"
+    return "identical (tensor bytes, parsed headers, index, config)"
+
+
+def _same_bytes(a: Path, b: Path, start: int, chunk: int = 64 << 20) -> bool:
+    with open(a, "rb") as fa, open(b, "rb") as fb:
+        fa.seek(start)
+        fb.seek(start)
+        while True:
+            x, y = fa.read(chunk), fb.read(chunk)
+            if x != y:
+                return False
+            if not x:
+                return True
+
+
+def report(size: int, recipe: str, lib: dict, st: dict, floor: dict, verdict: str, blocks: tuple[int, int]) -> None:
+    scale = FLUX_DEV_BYTES / size
+
+    def g(x: float) -> str:
+        return f"{x / GIB:6.2f}"
+
+    def stages(r: dict) -> str:
+        return ", ".join(f"{k} {v:.1f}s" for k, v in r["stages"].items())
+
+    print(f"\nFLUX-shaped transformer: {blocks[0]} double + {blocks[1]} single blocks, {size / 1e9:.2f} GB bf16, recipe {recipe}")
+    print(f"{'path':<10} {'wall s':>7} {'RSS GiB':>8} {'sampled':>8} {'imports':>8} {'disk GiB':>8}  stages")
+    for name, r in (("library", lib), ("streaming", st), ("floor", floor)):
+        print(f"{name:<10} {r['wall']:7.1f}   {g(r['rss'])}   {g(r['sampled_rss'])}   {g(r['import_rss'])}   {g(r['peak_disk'])}  {stages(r)}")
+    work = lambda r: r["wall"] - r["stages"].get("import", 0) - r["stages"].get("fetch(copy)", 0)  # noqa: E731
+    print(f"\nstreaming/library peak RSS: {st['rss'] / lib['rss']:.2f}   streaming/library wall: {st['wall'] / lib['wall']:.2f}")
+    print(f"streaming/floor time (excluding imports and shard copies): {work(st) / work(floor):.2f}")
+    base = lib["import_rss"]  # what torch & co cost before any weight; the rest grows with the model
+    lib_proj = base + (lib["rss"] - base) * scale
+    out_ratio = st["out_bytes"] / size
+    print(f"\nprojection to FLUX.1-dev ({FLUX_DEV_BYTES / 1e9:.1f} GB bf16, x{scale:.1f}; linear in bytes, same largest tensor):")
+    print(f"  library:   RSS ~{lib_proj / GIB:.1f} GiB, wall ~{lib['wall'] * scale / 60:.1f} min, "
+          f"disk ~{lib['peak_disk'] * scale / GIB:.1f} GiB (snapshot + output)")
+    # FLUX.1-dev's largest input shard is ~10 GB; outputs are out_ratio of the input.
+    print(f"  streaming: RSS ~{st['rss'] / GIB:.1f} GiB (does not grow), wall ~{st['wall'] * scale / 60:.1f} min, "
+          f"disk ~{(10e9 + out_ratio * FLUX_DEV_BYTES) / GIB:.1f} GiB (largest input shard + outputs), "
+          f"~{(10e9 + min(10e9, out_ratio * FLUX_DEV_BYTES)) / GIB:.1f} GiB if outputs are uploaded and deleted as reported")
+    print(f"  floor:     wall ~{floor['wall'] * scale / 60:.1f} min")
+    print(f"\noutputs: {verdict}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--size-gb", type=float, default=2.5)
+    ap.add_argument("--recipe", default="int8wo")
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--keep", action="store_true", help="keep the workdir")
+    ap.add_argument("--progress", action="store_true")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    ap.add_argument("--src", help=argparse.SUPPRESS)
+    ap.add_argument("--dst", help=argparse.SUPPRESS)
+    ap.add_argument("--cache", help=argparse.SUPPRESS)
+    ap.add_argument("--linear", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.child:
+        result = {"library": child_library, "stream": child_stream, "floor": child_floor}[a.child](a)
+        result.update(rss=_rss(), import_rss=_IMPORT_RSS[0])
+        print(json.dumps(result))
+        return
+
+    work = a.workdir or Path(tempfile.mkdtemp(prefix="bench-streaming-"))
+    work.mkdir(parents=True, exist_ok=True)
+    hub, lib_out, st_out, cache, floor_out = (work / n for n in ("hub", "library", "streaming", "cache", "floor"))
+    for d in (lib_out, st_out, cache, floor_out):
+        shutil.rmtree(d, ignore_errors=True)
+    floor_out.mkdir()
+    try:
+        blocks = choose_blocks(a.size_gb)
+        t = time.perf_counter()
+        size = build_checkpoint(hub, *blocks)
+        print(f"built {hub} ({size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f}s", file=sys.stderr)
+        common = ["--recipe", a.recipe, "--device", a.device] + (["--progress"] if a.progress else [])
+        lib = run_child("library", [*common, "--src", str(hub), "--dst", str(lib_out)], [hub, lib_out])
+        st = run_child("stream", [*common, "--src", str(hub), "--dst", str(st_out), "--cache", str(cache)], [cache, st_out])
+        linear = json.dumps(_linear_weights(hub))
+        floor = run_child("floor", [*common, "--src", str(hub), "--dst", str(floor_out), "--linear", linear], [hub, floor_out])
+        st["out_bytes"] = sum(p.stat().st_size for p in st_out.glob("*.safetensors"))
+        report(size, a.recipe, lib, st, floor, same_output(lib_out, st_out), blocks)
+    finally:
+        if not a.keep:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _linear_weights(src: Path) -> list[str]:
+    import torch
+    from accelerate import init_empty_weights
+    from diffusers import FluxTransformer2DModel
+
+    with init_empty_weights():
+        m = FluxTransformer2DModel.from_config(FluxTransformer2DModel.load_config(src))
+    return [f"{n}.weight" for n, mod in m.named_modules() if isinstance(mod, torch.nn.Linear)]
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+    main()

@@ -1,0 +1,168 @@
+"""Execution: read one checkpoint tensor, quantize or cast it, write it at its planned offset, free it.
+
+Input shards are consumed one at a time in name order (fetched, fully read, released), so the disk
+holds one input shard plus the output shards still being filled. Outputs are written with
+``seek`` at the offsets the plan fixed, so the input order does not have to match the output
+order; an output shard is reported as soon as its last tensor lands.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any, BinaryIO, Callable
+
+from ..errors import QuantizeError
+from . import safetensors_io as stio
+from .plan import OutFile, OutTensor, Plan, Work
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set so far (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class _Outputs:
+    """Open output shards, how many tensors each still waits for, and the completion callback."""
+
+    def __init__(self, dst: Path, files: list[OutFile], on_complete: Callable[[Path], None]) -> None:
+        self.dst = dst
+        self.files = {f.name: f for f in files}
+        self.remaining = {f.name: len(f.entries) for f in files}
+        self.handles: dict[str, BinaryIO] = {}
+        self.on_complete = on_complete
+
+    def handle(self, name: str) -> BinaryIO:
+        if name not in self.handles:
+            f = open(self.dst / name, "wb")  # noqa: SIM115 - closed in done()/close()
+            f.write(self.files[name].header)  # the header is final: every size is planned
+            self.handles[name] = f
+        return self.handles[name]
+
+    def done(self, entry: OutTensor) -> None:
+        self.remaining[entry.file] -= 1
+        if self.remaining[entry.file] == 0:
+            f = self.handle(entry.file)  # opens it if the file only holds empty tensors
+            f.truncate(self.files[entry.file].size)  # exact size even if the last tensor is empty
+            f.close()
+            del self.handles[entry.file]
+            self.on_complete(self.dst / entry.file)
+
+    def close(self) -> None:
+        for f in self.handles.values():
+            f.close()
+        self.handles.clear()
+
+
+def remove_stale_shards(dst: Path, weights_name: str, keep: set[str]) -> None:
+    """save_pretrained deletes shard files of an earlier save that the new layout does not use; so do we."""
+    stem = weights_name.removesuffix(".safetensors")
+    pattern = re.compile(re.escape(stem) + r"-\d{5}-of-\d{5}\.safetensors")
+    for p in dst.iterdir():
+        if p.is_file() and pattern.fullmatch(p.name) and p.name not in keep:
+            p.unlink()
+
+
+def execute(plan: Plan, dst: Path, *, fetch_shard: Callable[[str], Path],
+            release_shard: Callable[[Path], None], report: Callable[[Path], None], progress: bool,
+            seconds: dict[str, float]) -> None:
+    """Stream every planned tensor from the input shards into the output shards."""
+    from huggingface_hub.utils import tqdm
+
+    outputs = _Outputs(dst, plan.files, report)
+    try:
+        for name in plan.input_files:
+            path = Path(fetch_shard(name))
+            _, header = stio.read_header(path)
+            items = [w for w in plan.work if w.src_file == name]
+            missing = [w.key for w in items if w.key not in header]
+            if missing:
+                raise QuantizeError(f"{path} has no tensor {missing[0]!r} although the index lists it; re-download the shard")
+            items.sort(key=lambda w: header[w.key].begin)  # sequential reads
+            total = sum(header[w.key].end - header[w.key].begin for w in items)
+            with open(path, "rb", buffering=0) as f, tqdm(
+                total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=name,
+                disable=not progress, file=sys.stderr,
+            ) as bar:
+                for w in items:
+                    bar.set_postfix_str(w.key, refresh=False)
+                    _one(plan, w, header[w.key], f, outputs, seconds)
+                    bar.update(header[w.key].end - header[w.key].begin)
+            release_shard(path)
+    finally:
+        outputs.close()
+    unfinished = [n for n, left in outputs.remaining.items() if left]
+    if unfinished:
+        raise QuantizeError(f"output shard {unfinished[0]} was not completed (internal planning error); use the library path")
+
+
+def _one(plan: Plan, w: Work, entry: stio.HeaderEntry, f: BinaryIO, outputs: _Outputs, seconds: dict[str, float]) -> None:
+    comp = plan.component
+    src_dtype = stio.torch_dtype(entry.dtype)
+    if entry.shape != w.shape:
+        raise QuantizeError(
+            f"{w.key} has shape {list(entry.shape)} in the checkpoint but {list(w.shape)} in the model config; "
+            "the checkpoint does not match its config.json"
+        )
+    # The loader's dtype rule, applied to the real checkpoint dtype, must give what the plan assumed
+    # from the meta model (it can differ only for odd checkpoints, e.g. float8 or int buffers cast).
+    expected = comp.pass_dtype(w.key, src_dtype)
+    if expected != w.dtype:
+        raise QuantizeError(
+            f"{w.key} is {src_dtype} in the checkpoint, which the library would save as {expected}, not {w.dtype}; "
+            "use the library path for this component"
+        )
+    if w.kind == "pass":
+        if w.outputs:  # tied weights are read by nobody and saved under their other name
+            out = w.outputs[0]
+            stio.copy_cast(f, entry, outputs.handle(out.file), out.offset, w.dtype, seconds)
+            outputs.done(out)
+        return
+    t0 = time.perf_counter()
+    raw = stio.read_tensor(f, entry)
+    t1 = time.perf_counter()
+    parts, meta = _quantize(plan, w, raw)
+    del raw
+    t2 = time.perf_counter()
+    for out in w.outputs:
+        t = parts.pop(out.name)
+        if t.dtype != out.dtype or tuple(t.shape) != out.shape:
+            raise QuantizeError(
+                f"torchao produced {out.name} as {t.dtype}{list(t.shape)}, planned {out.dtype}{list(out.shape)}; "
+                "this config's layout depends on the data: use the library path"
+            )
+        fh = outputs.handle(out.file)
+        fh.seek(out.offset)
+        fh.write(stio.tensor_bytes(t.cpu()))
+        outputs.done(out)
+    if parts or meta != w.metadata:
+        raise QuantizeError(f"torchao's metadata for {w.key} differs from the planned one; use the library path")
+    seconds["read"] += t1 - t0
+    seconds["quantize"] += t2 - t1
+    seconds["write"] += time.perf_counter() - t2
+
+
+def _quantize(plan: Plan, w: Work, raw: Any) -> tuple[dict[str, Any], str]:
+    """Cast like the loader, run the library's quantize call on the model's own Linear, flatten like save."""
+    import torch
+    from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
+
+    comp = plan.component
+    value = raw.to(w.dtype).contiguous()  # the loaders' `param.to(dtype)`; a no-op for bf16 checkpoints
+    device = torch.device(plan.device)
+    try:
+        weight = comp.quantize_param(w.key, value, device)
+        del value
+        flat, meta = flatten_tensor_state_dict({w.key: weight.detach()})  # as state_dict() hands it over
+        del weight
+    except (RuntimeError, ValueError, TypeError, AssertionError, NotImplementedError, ImportError) as exc:
+        raise QuantizeError(f"quantizing {w.key} on {plan.device} failed: {exc}") from exc
+    finally:
+        comp.detach_weight(w.key)
+    if w.kind == "skip" and json.loads(meta[w.key]).get("_type") != "Tensor":
+        raise QuantizeError(f"torchao quantized {w.key}, which it left alone at planning time; use the library path")
+    return dict(flat), meta[w.key]

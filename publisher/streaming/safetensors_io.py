@@ -1,0 +1,174 @@
+"""Plain-file safetensors reading and writing, one tensor at a time.
+
+``safetensors.safe_open`` memory-maps the whole file, and every page touched stays in the process's
+RSS until the map is closed; ``save_file`` needs every tensor of a shard in memory at once. The
+streaming engine instead parses headers itself, reads each tensor with ``readinto`` into a buffer it
+owns, and writes a shard's header first (every size is known from the plan), then tensor bytes at
+their offsets.
+
+Byte layout rules are taken from safetensors itself rather than re-stated here: the dtype names and
+the order of tensors inside a file (descending dtype, then name) are learnt once by serialising
+empty tensors with ``safetensors.torch.save`` and reading the header back.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+if TYPE_CHECKING:
+    import torch
+
+# Never hold more than this many bytes of a pass-through tensor at once (embeddings can be GBs).
+CHUNK_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    """One tensor as an input safetensors header describes it."""
+
+    name: str
+    dtype: str  # safetensors name, e.g. "BF16"
+    shape: tuple[int, ...]
+    begin: int  # absolute file offset of the first byte
+    end: int  # absolute file offset one past the last byte
+
+
+def read_header(path: Path) -> tuple[dict[str, str], dict[str, HeaderEntry]]:
+    """Parse a safetensors header without mapping the file: (``__metadata__``, tensors by name)."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{path} is not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", raw)
+        header = json.loads(f.read(n))
+    base = 8 + n
+    metadata = header.pop("__metadata__", None) or {}
+    entries = {
+        name: HeaderEntry(name, info["dtype"], tuple(info["shape"]),
+                          base + info["data_offsets"][0], base + info["data_offsets"][1])
+        for name, info in header.items()
+    }
+    return metadata, entries
+
+
+@lru_cache(maxsize=None)
+def _layout(dtypes: tuple[Any, ...]) -> tuple[dict[Any, str], dict[Any, int]]:
+    """safetensors' name and sort rank for each torch dtype, learnt from safetensors itself."""
+    import torch
+    from safetensors.torch import save
+
+    probe = {str(i): torch.empty(0, dtype=d) for i, d in enumerate(dtypes)}
+    blob = save(probe)
+    (n,) = struct.unpack("<Q", blob[:8])
+    header = json.loads(blob[8:8 + n])
+    header.pop("__metadata__", None)
+    names = {dtypes[int(k)]: v["dtype"] for k, v in header.items()}
+    # json.loads keeps the file order, which is safetensors' sort order (distinct dtypes, so the
+    # numeric names never decide it).
+    rank = {dtypes[int(k)]: i for i, k in enumerate(header)}
+    return names, rank
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return _layout((dtype,))[0][dtype]
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype for a safetensors dtype name (the inverse of what ``save`` writes)."""
+    from safetensors.torch import _TYPES  # the table safetensors' own loader uses
+
+    return _TYPES[name]
+
+
+def order_entries(entries: list[tuple[str, torch.dtype]]) -> list[int]:
+    """Indices of ``entries`` (name, dtype) in the order safetensors lays them out in a file."""
+    dtypes = tuple(dict.fromkeys(d for _, d in entries))
+    _, rank = _layout(dtypes)
+    return sorted(range(len(entries)), key=lambda i: (rank[entries[i][1]], entries[i][0]))
+
+
+def encode_header(metadata: dict[str, str], tensors: list[tuple[str, str, tuple[int, ...], int, int]]) -> bytes:
+    """The header bytes (length prefix included) exactly as safetensors' serde writer produces them.
+
+    ``tensors``: (name, dtype name, shape, begin, end) in file order, offsets relative to the data.
+    safetensors keeps ``__metadata__`` in a Rust HashMap, so its own key order changes from run to
+    run; we write the keys in the order given (the order the libraries build the dict in).
+    """
+    def s(text: str) -> str:
+        return json.dumps(text, ensure_ascii=False)
+
+    parts = ['"__metadata__":{' + ",".join(f"{s(k)}:{s(v)}" for k, v in metadata.items()) + "}"]
+    for name, dtype, shape, begin, end in tensors:
+        shape_s = ",".join(str(d) for d in shape)
+        parts.append(f'{s(name)}:{{"dtype":"{dtype}","shape":[{shape_s}],"data_offsets":[{begin},{end}]}}')
+    body = ("{" + ",".join(parts) + "}").encode("utf-8")
+    body += b" " * ((8 - len(body) % 8) % 8)  # safetensors aligns the data section to 8 bytes
+    return struct.pack("<Q", len(body)) + body
+
+
+def read_tensor(f: BinaryIO, entry: HeaderEntry) -> torch.Tensor:
+    """Read one tensor into its own buffer (plain ``readinto``, no mapping)."""
+    import torch
+
+    buf = torch.empty(entry.end - entry.begin, dtype=torch.uint8)
+    f.seek(entry.begin)
+    _readinto(f, buf)
+    dtype = torch_dtype(entry.dtype)
+    if buf.numel() == 0:
+        return torch.empty(entry.shape, dtype=dtype)
+    return buf.view(dtype).reshape(entry.shape)
+
+
+def _readinto(f: BinaryIO, buf: torch.Tensor) -> None:
+    view = memoryview(buf.numpy()).cast("B")
+    done = 0
+    while done < len(view):
+        n = f.readinto(view[done:])
+        if not n:
+            raise EOFError(f"{getattr(f, 'name', 'safetensors file')} ended early (truncated download?)")
+        done += n
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a CPU tensor's data (contiguous, little-endian)."""
+    import torch
+
+    flat = t.contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()).cast("B")
+
+
+def copy_cast(src: BinaryIO, entry: HeaderEntry, dst: BinaryIO, dst_offset: int, out_dtype: torch.dtype,
+              seconds: dict[str, float]) -> None:
+    """Copy a pass-through tensor chunk by chunk, casting on the way, so big embeddings never sit in RAM."""
+    import time
+
+    import torch
+
+    in_dtype = torch_dtype(entry.dtype)
+    in_size = torch.empty(0, dtype=in_dtype).element_size()
+    total = entry.end - entry.begin
+    step = max(in_size, CHUNK_BYTES // in_size * in_size)  # whole elements per chunk
+    buf = torch.empty(min(step, total), dtype=torch.uint8)
+    src.seek(entry.begin)
+    dst.seek(dst_offset)
+    done = 0
+    while done < total:
+        n = min(step, total - done)
+        chunk = buf[:n]
+        t0 = time.perf_counter()
+        _readinto(src, chunk)
+        t1 = time.perf_counter()
+        if in_dtype != out_dtype:
+            # Element-wise casts (round-to-nearest-even) give the same bits chunked or whole.
+            chunk = chunk.view(in_dtype).to(out_dtype)
+        dst.write(tensor_bytes(chunk))
+        seconds["read"] += t1 - t0
+        seconds["write"] += time.perf_counter() - t1
+        done += n

@@ -1,0 +1,194 @@
+"""Model cards: metadata, licence propagation, golden files, and every Python snippet executed."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+GOLDEN = Path(__file__).parent / "golden"
+SMALL = ["--sample-steps", "2", "--sample-size", "64"]
+
+
+def _snippets(card: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", card, flags=re.S)
+
+
+def _card_of(repo_id: str) -> tuple[Any, str]:
+    from huggingface_hub import ModelCard, hf_hub_download
+
+    text = Path(hf_hub_download(repo_id, "README.md")).read_text()
+    return ModelCard(text), text
+
+
+@pytest.fixture(scope="module")
+def published(hub: Any, flux_repo: str, llama_repo: str) -> dict[str, str]:
+    from click.testing import CliRunner
+
+    from publisher.cli import main
+
+    out = {}
+    for name, base, extra in (("flux", flux_repo, ["--components", "transformer,text_encoder_2"]), ("llama", llama_repo, [])):
+        target = f"alice/card-{name}"
+        os.environ["HF_TOKEN"] = "tok_alice"
+        try:
+            result = CliRunner().invoke(main, [base, "--quant", "int8wo", "--repo-id", target, *SMALL, *extra], catch_exceptions=False)
+        finally:
+            os.environ.pop("HF_TOKEN", None)
+        assert result.exit_code == 0, result.output
+        out[name] = target
+    return out
+
+
+@pytest.mark.slow
+def test_pipeline_card_metadata_and_licence(published: dict[str, str], flux_repo: str) -> None:
+    from huggingface_hub import HfApi, model_info
+
+    card, text = _card_of(published["flux"])
+    data = card.data.to_dict()
+    base_sha = model_info(flux_repo).sha
+    assert data["base_model"] == flux_repo and data["base_model_relation"] == "quantized"
+    assert data["library_name"] == "diffusers" and data["pipeline_tag"] == "text-to-image"
+    assert {"torchao", "int8wo", "hf-ao-publish", "flux"} <= set(data["tags"])
+    assert data["license"] == "other" and data["license_name"] == "flux-1-dev-non-commercial-license"
+    endpoint = os.environ["HF_ENDPOINT"]
+    assert data["license_link"] == f"{endpoint}/{flux_repo}/blob/{base_sha}/LICENSE.md"
+    files = HfApi().list_repo_files(published["flux"])
+    assert "LICENSE.md" in files and "flux1-tiny.safetensors" not in files
+    gitattributes = HfApi().hf_hub_download if False else None  # noqa: F841 - read below through the file API
+    from huggingface_hub import hf_hub_download
+
+    assert "*.safetensors filter=lfs" in Path(hf_hub_download(published["flux"], ".gitattributes")).read_text()
+    for section in ("## What was quantized", "## The exact torchao config", "## Hardware requirements",
+                    "## Software requirements", "## How to use", "## Verification", "## How it was made",
+                    "## Intended use and limitations"):
+        assert section in text
+    assert base_sha in text and "`text_encoder_2` | `T5EncoderModel` | 7" not in text  # table row format below
+    assert "| text_encoder_2 | `T5EncoderModel` | 7 (Int8Tensor: 7)" in text
+    assert "`vae` (AutoencoderKL)" in text  # components left as they were
+    assert '"_type": "Int8WeightOnlyConfig"' in text and "config = Int8WeightOnlyConfig()" in text
+    assert "hf-ao-publish bfl/tiny-flux --quant int8wo --components transformer,text_encoder_2 --repo-id alice/card-flux --sample-steps 2 --sample-size 64\n" in text
+    assert "tok_alice" not in text
+
+
+@pytest.mark.slow
+def test_llm_card_metadata(published: dict[str, str], llama_repo: str) -> None:
+    card, text = _card_of(published["llama"])
+    data = card.data.to_dict()
+    assert data["base_model"] == llama_repo and data["library_name"] == "transformers"
+    assert data["pipeline_tag"] == "text-generation" and data["license"] == "apache-2.0"
+    assert "license_link" not in data
+    assert "AutoModelForCausalLM.from_pretrained(\"alice/card-llama\"" in text and "model.generate(" in text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["flux", "llama"])
+def test_every_card_snippet_runs(published: dict[str, str], which: str, tmp_path: Path) -> None:
+    _, text = _card_of(published[which])
+    snippets = _snippets(text)
+    assert len(snippets) == 3  # torchao config, usage, manual load path
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("HF_TOKEN", None)
+    for i, code in enumerate(snippets):
+        proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, f"snippet {i} failed:\n{code}\n{proc.stderr[-3000:]}"
+    if which == "flux":
+        assert (tmp_path / "sample.png").is_file()
+
+
+def _normalise(text: str, base: Path) -> str:
+    text = text.replace(str(base), "<BASE>")
+    text = re.sub(r"[0-9a-f]{40}", "<SHA>", text)
+    text = re.sub(r"(\| [^|]+ \| )\d\.\d{4} \| \d\.\d{6} \|", r"\1<REL> | <COS> |", text)  # quality figures vary by CPU
+    text = re.sub(r"(relative error \| cosine similarity \|\n\|---\|---\|---\|\n)", r"\1", text)
+    text = re.sub(r"--output-dir \S+", "--output-dir <OUT>", text)
+    return text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which", ["flux", "llama"])
+def test_card_golden_file(cli: Any, tiny_flux_dir: Path, tiny_llama_dir: Path, tmp_path: Path, which: str) -> None:
+    base = tiny_flux_dir if which == "flux" else tiny_llama_dir
+    out = tmp_path / "out"
+    result = cli(str(base), "--quant", "int8wo", "--repo-id", f"acme/golden-{which}", "--no-push", "--output-dir", str(out), *SMALL)
+    assert result.exit_code == 0, result.output
+    got = _normalise((out / "README.md").read_text(), base)
+    golden = GOLDEN / f"{which}-int8wo.md"
+    if os.environ.get("UPDATE_GOLDEN"):
+        golden.parent.mkdir(exist_ok=True)
+        golden.write_text(got)
+    assert got == golden.read_text()
+
+
+def test_template_is_strict(tmp_path: Path) -> None:
+    import jinja2
+
+    from publisher import card
+
+    with pytest.raises(jinja2.UndefinedError, match="'title' is undefined"):
+        card.environment().from_string(card.template_path().read_text()).render(card_data="x: 1")
+
+
+def test_template_ships_in_the_wheel(tmp_path: Path) -> None:
+    import zipfile
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path), str(root)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    wheel = next(tmp_path.glob("hf_ao_publish-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "publisher/templates/modelcard.md.j2" in names
+    assert "publisher/verify_worker.py" in names
+
+
+@pytest.mark.slow
+def test_two_recipes_one_download_cross_linked(cli: Any, flux_repo: str, caplog: pytest.LogCaptureFixture) -> None:
+    from huggingface_hub import HfApi
+
+    caplog.set_level(logging.INFO, logger="publisher")
+    result = cli(flux_repo, "--quant", "int8wo,float8wo", "--repo-id", "alice/pair-{recipe}", "--json", *SMALL, token="tok_alice")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert [r["repo_id"] for r in data["results"]] == ["alice/pair-int8wo", "alice/pair-float8wo"] and data["verified"]
+    assert sum("downloading" in r.getMessage() for r in caplog.records if r.name == "publisher.snapshot") == 1
+    for me, other in (("int8wo", "float8wo"), ("float8wo", "int8wo")):
+        _, text = _card_of(f"alice/pair-{me}")
+        assert "## Other variants of this base" in text
+        assert f"[alice/pair-{other}]({os.environ['HF_ENDPOINT']}/alice/pair-{other})" in text
+        assert f"[alice/pair-{me}]" in text and "(this repo)" in text
+    assert HfApi().repo_exists("alice/pair-int8wo") and HfApi().repo_exists("alice/pair-float8wo")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("keep_going", [False, True])
+def test_one_failing_recipe_publishes_no_half_set(cli: Any, flux_repo: str, monkeypatch: pytest.MonkeyPatch, keep_going: bool) -> None:
+    from huggingface_hub import HfApi
+
+    from publisher import quantize
+    from publisher.errors import QuantizeError
+
+    real = quantize._quantize_component
+
+    def failing(plan: Any, base_dir: Any, comp: Any, recipe: Any, out: Any, device: str) -> Any:
+        if recipe.name == "float8wo":
+            raise QuantizeError("float8wo: injected failure")
+        return real(plan, base_dir, comp, recipe, out, device)
+
+    monkeypatch.setattr(quantize, "_quantize_component", failing)
+    prefix = f"alice/half-{keep_going}"
+    args = [flux_repo, "--quant", "int8wo,float8wo", "--repo-id", prefix + "-{recipe}", *SMALL]
+    result = cli(*args, *(["--keep-going"] if keep_going else []), token="tok_alice")
+    assert result.exit_code == 1
+    assert "injected failure" in result.stderr
+    assert HfApi().repo_exists(f"{prefix}-int8wo") is keep_going
+    assert not HfApi().repo_exists(f"{prefix}-float8wo")
+    if keep_going:
+        assert f"published {prefix}-int8wo" in result.stderr and "float8wo: FAILED" in result.stderr
