@@ -243,7 +243,8 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
                 if req.sample_prompt and plan.kind == "pipeline":
                     from .sample import compare_samples
 
-                    samples[recipe.name] = compare_samples(base_dir, folder, req.sample_prompt, req.sample_steps, req.sample_size)
+                    samples[recipe.name] = compare_samples(base_dir, folder, req.sample_prompt, req.sample_steps, req.sample_size,
+                                                         device=recipe_registry.run_device(recipe, capability))
                     outcome.sample = {"image": samples[recipe.name].image, "psnr": samples[recipe.name].psnr}
                 done[recipe.name] = (artifacts, report)
             except PublishError as exc:

@@ -20,13 +20,13 @@ class SampleResult:
     psnr: float
 
 
-def _generate(folder: Path, prompt: str, steps: int, size: int, seed: int):  # type: ignore[no-untyped-def]
+def _generate(folder: Path, prompt: str, steps: int, size: int, seed: int, device: str):  # type: ignore[no-untyped-def]
     import torch
     from diffusers import DiffusionPipeline
 
-    pipe = DiffusionPipeline.from_pretrained(folder, torch_dtype=torch.bfloat16)
+    pipe = DiffusionPipeline.from_pretrained(folder, torch_dtype=torch.bfloat16).to(device)
     image = pipe(prompt, num_inference_steps=steps, height=size, width=size,
-                 generator=torch.Generator().manual_seed(seed)).images[0]
+                 generator=torch.Generator(device).manual_seed(seed)).images[0]
     del pipe
     gc.collect()
     return image
@@ -41,13 +41,14 @@ def psnr(a, b) -> float:  # type: ignore[no-untyped-def]
     return float("inf") if mse == 0 else 10 * math.log10(255.0**2 / mse)
 
 
-def compare_samples(base_dir: Path, quantized_dir: Path, prompt: str, steps: int, size: int, seed: int = 0) -> SampleResult:
+def compare_samples(base_dir: Path, quantized_dir: Path, prompt: str, steps: int, size: int, seed: int = 0,
+                    device: str = "cpu") -> SampleResult:
     """Generate with each pipeline in turn (one in memory at a time), save base|quantized side by side."""
     from PIL import Image
 
     log.info("sample: %d steps at %dx%d with the base, then the quantized pipeline", steps, size, size)
-    base = _generate(base_dir, prompt, steps, size, seed)
-    quant = _generate(quantized_dir, prompt, steps, size, seed)
+    base = _generate(base_dir, prompt, steps, size, seed, device)
+    quant = _generate(quantized_dir, prompt, steps, size, seed, device)
     canvas = Image.new("RGB", (base.width + quant.width, max(base.height, quant.height)), "white")
     canvas.paste(base, (0, 0))
     canvas.paste(quant, (base.width, 0))

@@ -63,7 +63,9 @@ class VerifyReport:
     expected: list[Any] = field(default_factory=list, repr=False)  # kept for the post-push check, not serialised
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(replace(self, expected=[]))
+        data = asdict(replace(self, expected=[]))
+        data.pop("expected")
+        return data
 
     def write(self, folder: Path) -> Path:
         path = folder / REPORT_NAME

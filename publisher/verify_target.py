@@ -12,12 +12,14 @@ import gc
 import json
 import logging
 import sys
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from . import recipes as recipe_registry
-from .errors import SourceError
+from .errors import QuantizeError, SourceError
+from .fp8cpu import cpu_quantization_context
 from .inputs import build_inputs
 from .push import STATE_FILE
 from .verify import PATHS, VerifyReport, _Expected, check_location, compare, run_worker
@@ -84,6 +86,7 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), token:
     state = json.loads(state_text) if state_text else None
     recipe = recipe_registry.get(state["recipe"]) if state and state.get("recipe") in recipe_registry.names() else None
     tensor_class = recipe.tensor_class if recipe else None
+    device = recipe_registry.run_device(recipe, recipe_registry.cuda_capability()) if recipe else "cpu"
     report = VerifyReport(recipe=recipe.name if recipe else "unknown", location=target, passed=False,
                           tensor_class=tensor_class or "torchao tensor")
     for comp in comps:
@@ -94,11 +97,11 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), token:
 
             inputs_file = work / f"inputs-{comp.name or 'model'}.safetensors"
             save_file({k: v.contiguous() for k, v in inputs.items()}, str(inputs_file))
-        exp = _reference_from_base(comp, state, recipe, work, inputs, inputs_file, token) if (requantize and state and recipe) else None
+        exp = _reference_from_base(comp, state, recipe, work, inputs, inputs_file, token, device) if (requantize and state and recipe) else None
         if exp is None:
             # No reachable base: the library path in this environment is the reference; every other path must agree.
             probe = _Expected(comp.name, comp.library, comp.class_name, inputs_file, None, {}, [], "the library path")
-            data = run_worker(probe, "library", sys.executable, target, revision, work, token, torch.get_num_threads(), "ref")
+            data = run_worker(probe, "library", sys.executable, target, revision, work, token, torch.get_num_threads(), "ref", device)
             if not data.get("ok"):
                 report.results.append(compare(probe, data, "library", "current", sys.executable, tensor_class))
                 continue
@@ -108,13 +111,15 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), token:
             quantized = [n for n, c in data["linear_classes"].items() if c not in ("Parameter", "Tensor")]
             exp = _Expected(comp.name, comp.library, comp.class_name, inputs_file, output, data["digests"], quantized, "the library path")
         report.expected_layers[comp.name or "model"] = len(exp.quantized)
-        report.results += check_location([exp], target, revision, work, envs=envs, token=token, tensor_class=tensor_class, paths=PATHS)
+        report.results += check_location([exp], target, revision, work, envs=envs, token=token, tensor_class=tensor_class,
+                                         paths=PATHS, device=device)
+    report.device = device
     report.passed = bool(report.results) and not report.failures()
     return report
 
 
 def _reference_from_base(comp: TargetComponent, state: dict[str, Any], recipe: Any, work: Path, inputs: Any,
-                         inputs_file: Path | None, token: str | None) -> _Expected | None:
+                         inputs_file: Path | None, token: str | None, device: str) -> _Expected | None:
     """Re-quantize the recorded base component with the recorded recipe, in memory."""
     import torch
 
@@ -142,13 +147,27 @@ def _reference_from_base(comp: TargetComponent, state: dict[str, Any], recipe: A
     not_convert = (comp.config.get("quantization_config") or {}).get("modules_to_not_convert")
     sub = src / comp.name if comp.name else src
     kwargs = {"torch_dtype" if comp.library == "diffusers" else "dtype": torch.bfloat16}
-    model = cls.from_pretrained(sub, quantization_config=qconf_cls(config, modules_to_not_convert=not_convert), **kwargs).eval()
+    capability = recipe_registry.cuda_capability()
+    qdevice = recipe_registry.quantize_device(recipe, capability)
+    placement = {"device_map": qdevice} if qdevice == "cuda" else {}
+    context = cpu_quantization_context(recipe) if qdevice == "cpu" else nullcontext()
+    try:
+        with context:
+            model = cls.from_pretrained(sub, quantization_config=qconf_cls(config, modules_to_not_convert=not_convert),
+                                        **kwargs, **placement).eval()
+    except (AssertionError, RuntimeError, ValueError, ImportError, NotImplementedError) as exc:
+        raise QuantizeError(
+            f"re-quantizing {comp.name or 'model'} of {base} with {recipe.name} failed ({exc}); "
+            "run on hardware that can quantize it, or pass --no-requantize"
+        ) from exc
     info = inspect_model(model)
     output = None
     if inputs is not None:
+        model.to(device)
         with torch.inference_mode():
-            out = model(**inputs, return_dict=False) if comp.library == "diffusers" else model(**inputs)
-        output = out[0].detach().clone()
+            on_device = {k: v.to(device) for k, v in inputs.items()}
+            out = model(**on_device, return_dict=False) if comp.library == "diffusers" else model(**on_device)
+        output = out[0].detach().cpu().clone()
     quantized = [n for n, c in info["linear_classes"].items() if c == recipe.tensor_class]
     del model
     gc.collect()

@@ -45,6 +45,8 @@ def _load_library(req: dict[str, Any]) -> Any:
 
     cls = _model_class(req["library"], req["class_name"])
     kwargs: dict[str, Any] = {}
+    if (req.get("device") or "cpu") != "cpu":
+        kwargs["device_map"] = req["device"]  # GPU-only layouts (int4 tile-packed) are placed as they load
     if req.get("subfolder"):
         kwargs["subfolder"] = req["subfolder"]
     if req.get("revision"):
