@@ -41,6 +41,7 @@ class CardInputs:
     sample_image: str | None = None  # file name of the side-by-side PNG in the repo
     psnr: float | None = None
     extra_notes: list[str] = field(default_factory=list)
+    benchmark: dict[str, Any] | None = None  # publisher.gpubench.measure()
 
 
 def licence_fields(plan: Plan) -> tuple[dict[str, str], str | None]:

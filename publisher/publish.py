@@ -11,9 +11,11 @@ import json
 import logging
 import shutil
 import tempfile
+import time
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from . import __version__, card, plan as planning, push as pushing, recipes as recipe_registry, resources, snapshot, source as sources
 from .errors import PublishError, TargetError, VerificationError
@@ -45,6 +47,8 @@ class PublishRequest:
     sample_prompt: str | None = None
     sample_steps: int = 28
     sample_size: int = 1024
+    engine: str = "auto"  # "auto" | "streaming" | "library"
+    benchmark: bool = False  # measure latency/memory vs bf16 also on a CPU (always on a GPU)
     command: str = "hf-ao-publish"
 
 
@@ -67,6 +71,8 @@ class Outcome:
     report: VerifyReport | None = None
     published_check: list[dict[str, Any]] = field(default_factory=list)
     sample: dict[str, Any] | None = None
+    seconds: dict[str, float] = field(default_factory=dict)  # stage wall times
+    benchmark: dict[str, Any] | None = None  # gpubench.measure result
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -86,6 +92,9 @@ class Outcome:
             "published_check": self.published_check,
             "quality": [asdict(q) for q in self.report.quality] if self.report else [],
             "sample": self.sample,
+            "seconds": self.seconds,
+            "benchmark": self.benchmark,
+            "peak_rss_bytes": _peak_rss(),
             "error": self.error,
         }
 
@@ -148,22 +157,29 @@ def make_plan(req: PublishRequest, token: str | None) -> planning.Plan:
 
         user = HfApi(token=token).whoami().get("name")
     targets = planning.target_ids(src, recipes, req.repo_id, user)
-    if req.push:
-        for target in targets.values():
-            pushing.check_writable(target, token)
     options = {"components": req.components, "exclude": req.exclude}
-    return planning.build_plan(
+    plan = planning.build_plan(
         src, recipes, components=req.components, exclude=list(req.exclude), targets=targets, token=token,
         trust_remote_code=req.trust_remote_code, options=options,
     )
+    if req.push:  # after the base checks, in the order the preflight promises
+        for target in targets.values():
+            pushing.check_writable(target, token)
+    return plan
 
 
 def _check_output_dir(path: Path) -> None:
     """Fail before any download when the output folder cannot be used; leave nothing behind."""
     if path.exists() and not path.is_dir():
         raise TargetError(f"--output-dir {path} is a file; give a folder")
-    if path.is_dir() and any(path.iterdir()):
-        raise TargetError(f"--output-dir {path} is not empty; choose an empty or new folder")
+    if path.is_dir():
+        leftovers = list(path.iterdir())
+        if leftovers and all(p.is_dir() and p.name.endswith(".partial") for p in leftovers):
+            # an interrupted run's unfinished folders: never taken as finished, so start them again
+            for p in leftovers:
+                shutil.rmtree(p)
+        elif leftovers:
+            raise TargetError(f"--output-dir {path} is not empty; choose an empty or new folder")
     created = not path.exists()
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -218,7 +234,10 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
     out_root = Path(tempfile.mkdtemp(prefix="hf-ao-publish-")) if auto_dir else req.output_dir
     assert out_root is not None
     several = len(plan.recipes) > 1
+    started = time.monotonic()
     base_dir = snapshot.fetch(plan, token)
+    for outcome in outcomes:
+        outcome.seconds["download"] = round(time.monotonic() - started, 3)
     capability = recipe_registry.cuda_capability()
     done: dict[str, tuple[Artifacts, VerifyReport]] = {}
     samples: dict[str, Any] = {}
@@ -230,16 +249,25 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
             try:
                 folder = prepare_output(out_root, recipe, several)
                 outcome.folder = folder
-                artifacts = quantize_recipe(plan, base_dir, recipe, folder, recipe_registry.quantize_device(recipe, capability))
+                with _timed(outcome, "quantize"):
+                    artifacts = quantize_recipe(plan, base_dir, recipe, folder, recipe_registry.quantize_device(recipe, capability),
+                                                engine=req.engine)
                 outcome.components = [_component_json(c) for c in artifacts.components]
-                report = verify(artifacts, work / recipe.name, envs=req.verify_envs, base_dir=base_dir, token=token,
-                                device=recipe_registry.run_device(recipe, capability))
+                with _timed(outcome, "verify"):
+                    report = verify(artifacts, work / recipe.name, envs=req.verify_envs, base_dir=base_dir, token=token,
+                                    device=recipe_registry.run_device(recipe, capability))
                 outcome.report = report
                 outcome.verified = report.passed
                 require_passed(report)
                 (folder / ".gitattributes").write_text(GITATTRIBUTES)
                 state = dict(states[recipe.name], verified=report.passed)
                 (folder / pushing.STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+                if recipe_registry.run_device(recipe, capability) == "cuda" or req.benchmark:
+                    from .gpubench import measure
+
+                    bench_device = recipe_registry.run_device(recipe, capability)
+                    with _timed(outcome, "benchmark"):
+                        outcome.benchmark = measure(artifacts.components, report.expected, folder, base_dir, bench_device)
                 if req.sample_prompt and plan.kind == "pipeline":
                     from .sample import compare_samples
 
@@ -252,7 +280,7 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
                 if not req.keep_going:
                     raise
                 log.error("%s: %s (continuing: --keep-going)", recipe.name, exc)
-        _write_cards(plan, req, done, samples)
+        _write_cards(plan, req, done, samples, outcomes)
         for outcome in outcomes:
             if outcome.folder is not None:
                 outcome.files = _files(outcome.folder)
@@ -264,6 +292,7 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
                 state = dict(states[outcome.recipe], verified=report.passed)
                 src = plan.source
                 message = f"Quantize {src.repo_id or src.local_dir.name}@{(src.sha or 'local')[:12]} with torchao {outcome.recipe}"  # type: ignore[union-attr]
+                push_started = time.monotonic()
                 result = pushing.push(
                     artifacts.folder, report, repo_id=outcome.repo_id, token=token, private=req.private,
                     create_pr=req.create_pr, message=message,
@@ -273,6 +302,7 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
                 outcome.url, outcome.commit, outcome.pr_url = result.url, result.commit, result.pr_url
                 outcome.up_to_date, outcome.pushed = result.up_to_date, not result.up_to_date
                 outcome.files = _files(artifacts.folder)
+                outcome.seconds["push"] = round(time.monotonic() - push_started, 3)
                 if outcome.pushed and not req.create_pr:
                     _check_published(outcome, report, work / outcome.recipe, token)
     finally:
@@ -297,6 +327,23 @@ def _check_published(outcome: Outcome, report: VerifyReport, work: Path, token: 
         raise VerificationError(outcome.error)
 
 
+@contextmanager
+def _timed(outcome: Outcome, stage: str) -> Iterator[None]:
+    started = time.monotonic()
+    try:
+        yield
+    finally:
+        outcome.seconds[stage] = round(time.monotonic() - started, 3)
+
+
+def _peak_rss() -> dict[str, int]:
+    """Peak resident memory of this process and of the largest finished child (verification workers)."""
+    import resource
+
+    return {"process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "children": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}
+
+
 def _endpoint() -> str:
     from huggingface_hub import constants
 
@@ -317,11 +364,13 @@ def _component_json(c: Any) -> dict[str, Any]:
         "tensor_classes": c.tensor_classes,
         "bytes_before": c.bytes_before,
         "bytes_after": c.bytes_after,
+        "engine": c.engine,
+        "stage_seconds": c.stage_seconds,
     }
 
 
 def _write_cards(plan: planning.Plan, req: PublishRequest, done: dict[str, tuple[Artifacts, VerifyReport]],
-                 samples: dict[str, Any]) -> None:
+                 samples: dict[str, Any], outcomes: list[Outcome]) -> None:
     """Cards are written once every recipe is done, so each can link to its sibling variants."""
     variants = []
     if len(done) > 1:
@@ -348,12 +397,14 @@ def _write_cards(plan: planning.Plan, req: PublishRequest, done: dict[str, tuple
                 f"Every dequantized weight is within the e4m3 error bound of the bf16 base (worst {worst:.2f} of the bound, "
                 f"{sum(c['checked'] for c in checks)} weights). Running them with FP8 speed-ups needs {artifacts.recipe.run.describe()}."
             )
+        bench = next((o.benchmark for o in outcomes if o.recipe == name), None)
         inputs = card.CardInputs(
             command=req.command,
             sample={"prompt": req.sample_prompt or ("a photo of a cat" if plan.kind == "pipeline" else "The capital of France is"),
                     "steps": req.sample_steps, "size": req.sample_size},
             variants=variants,
             produced_on=produced_on,
+            benchmark=bench,
             extra_notes=notes,
             sample_image=samples[name].image if name in samples else None,
             psnr=samples[name].psnr if name in samples else None,

@@ -1,8 +1,12 @@
 """Stage 6: publish a verified folder to the Hub in one commit.
 
 `push` takes the verification report as an argument and refuses a failed one, so an unverified
-push cannot be written. The repo is created only now; if the commit then fails, a repo we created
-is deleted again so the target is left exactly as it was.
+push cannot be written. The repo is created only now; if the upload or the commit then fails, a repo
+we created is deleted again so the target is left exactly as it was.
+
+Every Hub call is retried on transient errors (publisher.retry). A commit is not idempotent: before
+it is sent again, the target head is re-read, and a head that moved to a commit carrying this run's
+fingerprint in its state file means the earlier try landed (only its answer was lost).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import retry
 from .errors import TargetError, VerificationError
 from .verify import VerifyReport
 
@@ -32,25 +37,44 @@ class PushResult:
 
 
 def published_state(repo_id: str, token: str | None, revision: str | None = None) -> tuple[str | None, dict[str, Any] | None]:
-    """(head sha, the state file at that sha) of the target, or (None, None) when it does not exist."""
-    from huggingface_hub import HfApi, hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, RepositoryNotFoundError, RevisionNotFoundError
+    """(head sha, the state file at that sha) of the target, or (None, None) when it does not exist.
+
+    Transient Hub errors are retried; a Hub that stays unreachable raises (it is never taken for
+    "no state file", which would make an unchanged re-run publish again)."""
+    from huggingface_hub import HfApi
+    from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
     api = HfApi(token=token)
     try:
-        info = api.repo_info(repo_id, revision=revision)
-    except RevisionNotFoundError:
+        info = retry.call(api.repo_info, repo_id, revision=revision, what=f"reading {repo_id}")
+    except (RevisionNotFoundError, RepositoryNotFoundError):
         return None, None
-    except RepositoryNotFoundError:
-        return None, None
+    return info.sha, _state_at(repo_id, info.sha, token)
+
+
+def _state_at(repo_id: str, sha: str | None, token: str | None, *, retried: bool = True) -> dict[str, Any] | None:
+    """The state file of the target at `sha`, None when there is none (or it is not JSON)."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import LocalEntryNotFoundError, RemoteEntryNotFoundError
+
+    if sha is None:
+        return None
     try:
-        path = hf_hub_download(repo_id, STATE_FILE, revision=info.sha, token=token)
-    except EntryNotFoundError:
-        return info.sha, None
+        if retried:
+            path = retry.call(hf_hub_download, repo_id, STATE_FILE, revision=sha, token=token,
+                              what=f"reading {STATE_FILE} of {repo_id}")
+        else:
+            path = hf_hub_download(repo_id, STATE_FILE, revision=sha, token=token)
+    except RemoteEntryNotFoundError:
+        return None
+    except LocalEntryNotFoundError as exc:
+        if exc.__cause__ is not None and retry.is_transient(exc.__cause__):
+            raise exc.__cause__ from None  # the Hub could not be reached: say so, not "no state file"
+        return None
     try:
-        return info.sha, json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_text())
     except ValueError:
-        return info.sha, None
+        return None
 
 
 def find_open_pr(repo_id: str, token: str | None) -> tuple[int, str] | None:
@@ -58,7 +82,11 @@ def find_open_pr(repo_id: str, token: str | None) -> tuple[int, str] | None:
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)
-    for disc in api.get_repo_discussions(repo_id, discussion_type="pull_request", discussion_status="open"):
+    discussions = retry.call(
+        lambda: list(api.get_repo_discussions(repo_id, discussion_type="pull_request", discussion_status="open")),
+        what=f"listing the pull requests of {repo_id}",
+    )
+    for disc in discussions:
         if disc.title.startswith("hf-ao-publish:"):
             return disc.num, disc.git_reference or f"refs/pr/{disc.num}"
     return None
@@ -77,7 +105,6 @@ def push(
     state: dict[str, Any],
 ) -> PushResult:
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
-    from huggingface_hub.errors import HfHubHTTPError
 
     if not report.passed:
         raise VerificationError(f"refusing to push {repo_id}: verification failed ({report.summary()})")
@@ -85,52 +112,74 @@ def push(
     if json.loads((folder / STATE_FILE).read_text()).get("fingerprint") != state["fingerprint"]:
         raise VerificationError(f"refusing to push {repo_id}: {folder} was not produced by this run")
 
-    pr = find_open_pr(repo_id, token) if create_pr and api.repo_exists(repo_id) else None
+    def exists() -> bool:
+        return retry.call(api.repo_exists, repo_id, what=f"checking {repo_id}")
+
+    pr = find_open_pr(repo_id, token) if create_pr and exists() else None
     revision = pr[1] if pr else None
     head, previous = published_state(repo_id, token, revision)
     if previous is not None and previous.get("fingerprint") == state["fingerprint"]:
         return PushResult(repo_id, _url(api, repo_id), head, _pr_url(api, repo_id, pr), True, False)
 
-    created = head is None and not api.repo_exists(repo_id)
-    repo_url = api.create_repo(repo_id, private=private, exist_ok=True)
-    ops: list[Any] = [
-        CommitOperationAdd(path_in_repo=p.relative_to(folder).as_posix(), path_or_fileobj=str(p))
-        for p in sorted(folder.rglob("*"))
-        if p.is_file()
-    ]
-    ours = {op.path_in_repo for op in ops}
-    if head is not None:
-        # A republish replaces the previous content: files we no longer produce are deleted in the same commit.
-        old = api.list_repo_files(repo_id, revision=head)
-        ops += [CommitOperationDelete(path_in_repo=f) for f in old if f not in ours and f != ".gitattributes"]
+    created = head is None and not exists()
+    repo_url = retry.call(api.create_repo, repo_id, private=private, exist_ok=True, what=f"creating {repo_id}")
     try:
+        additions = [
+            CommitOperationAdd(path_in_repo=p.relative_to(folder).as_posix(), path_or_fileobj=str(p))
+            for p in sorted(folder.rglob("*"))
+            if p.is_file()
+        ]
+        ops: list[Any] = list(additions)
+        ours = {op.path_in_repo for op in ops}
+        if head is not None:
+            # A republish replaces the previous content: files we no longer produce are deleted in the same commit.
+            old = retry.call(api.list_repo_files, repo_id, revision=head, what=f"listing the files of {repo_id}")
+            ops += [CommitOperationDelete(path_in_repo=f) for f in old if f not in ours and f != ".gitattributes"]
+        # LFS uploads first, on their own: a retried commit then re-sends only the commit, not the weights.
+        retry.call(api.preupload_lfs_files, repo_id, additions=additions, revision=revision,
+                   create_pr=create_pr and not pr, free_memory=False, what=f"uploading the weights to {repo_id}")
+
+        def landed() -> tuple[str, str | None] | None:
+            """Before re-sending a commit: did the previous try land although its answer was lost?
+            Yes when the target moved and its state file carries this run's fingerprint."""
+            target: tuple[int, str] | None = pr
+            if create_pr and not pr:
+                target = find_open_pr(repo_id, token)
+                if target is None:
+                    return None
+            now = api.repo_info(repo_id, revision=target[1] if target else None).sha
+            if now == head or (_state_at(repo_id, now, token, retried=False) or {}).get("fingerprint") != state["fingerprint"]:
+                return None
+            return now, _pr_url(api, repo_id, target)
+
         if pr:
-            info = api.create_commit(repo_id, ops, commit_message=message, commit_description=description,
-                                     revision=pr[1], parent_commit=head)
-            pr_url = _pr_url(api, repo_id, pr)
+            commit = lambda: api.create_commit(  # noqa: E731
+                repo_id, ops, commit_message=message, commit_description=description, revision=pr[1],
+                parent_commit=head)
         else:
-            info = api.create_commit(
+            commit = lambda: api.create_commit(  # noqa: E731
                 repo_id, ops, commit_message=message if not create_pr else f"hf-ao-publish: {message}",
-                commit_description=description, create_pr=create_pr,
-                parent_commit=None if create_pr else head,
-            )
-            pr_url = info.pr_url
+                commit_description=description, create_pr=create_pr, parent_commit=None if create_pr else head)
+
+        def send() -> tuple[str, str | None]:
+            info = commit()
+            return info.oid, _pr_url(api, repo_id, pr) if pr else info.pr_url
+
+        oid, pr_url = retry.call(send, what=f"committing to {repo_id}", check=landed)
     except BaseException:
         if created:
             _delete_quietly(api, repo_id)
         raise
-    return PushResult(repo_id, str(repo_url), info.oid, pr_url, False, created)
+    return PushResult(repo_id, str(repo_url), oid, pr_url, False, created)
 
 
 def _delete_quietly(api: Any, repo_id: str) -> None:
     """Best effort: remove the empty repo we just created so a failed push leaves nothing behind."""
-    from huggingface_hub.errors import HfHubHTTPError
-
     try:
-        api.delete_repo(repo_id)
+        retry.call(api.delete_repo, repo_id, what=f"deleting the empty repo {repo_id}")
         log.info("deleted the empty repo %s after the failed commit", repo_id)
-    except (HfHubHTTPError, OSError) as exc:
-        log.warning("could not delete the empty repo %s after the failed commit: %s", repo_id, exc)
+    except Exception as exc:  # the original error matters more; this one is only reported
+        log.warning("could not delete the empty repo %s after the failed commit: %s", repo_id, retry.short(exc))
 
 
 def _url(api: Any, repo_id: str) -> str:
@@ -147,7 +196,7 @@ def check_writable(repo_id: str, token: str | None) -> str:
 
     if not token:
         raise TargetError("pushing needs a Hub token with write access; set HF_TOKEN (or pass --token), or use --no-push")
-    who = HfApi(token=token).whoami()
+    who = retry.call(HfApi(token=token).whoami, what="checking the token")
     namespace = repo_id.split("/")[0]
     orgs = {o.get("name") for o in who.get("orgs", [])}
     if namespace != who.get("name") and namespace not in orgs:

@@ -6,6 +6,7 @@ run never leaves something that looks finished.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import shutil
@@ -35,6 +36,8 @@ class QuantizedComponent:
     quantization_config: dict[str, Any]  # as stored in config.json
     engine: str = "library"
     fp8_check: dict[str, Any] | None = None  # FP8 made on a CPU: dequantized weights vs the bf16 base
+    peak_rss_bytes: int | None = None  # streaming engine: the process's peak RSS after this component
+    stage_seconds: dict[str, float] = field(default_factory=dict)
 
     @property
     def label(self) -> str:
@@ -75,8 +78,12 @@ def prepare_output(output_dir: Path, recipe: Recipe, several: bool) -> Path:
     return folder
 
 
-def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, folder: Path, device: str = "cpu") -> Artifacts:
-    """Quantize every planned component with ``recipe`` and write the standalone repo into ``folder``."""
+def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, folder: Path, device: str = "cpu",
+                    engine: str = "auto") -> Artifacts:
+    """Quantize every planned component with ``recipe`` and write the standalone repo into ``folder``.
+
+    engine "auto": the streaming engine (one tensor in memory, same bytes as the library path) for every
+    component it supports, the library path otherwise; "library" / "streaming" force one."""
     partial = folder.with_name(folder.name + ".partial")
     if partial.exists():
         shutil.rmtree(partial)
@@ -86,22 +93,72 @@ def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, folder: Path, de
         done: list[QuantizedComponent] = []
         models: dict[str, Any] = {}
         for comp in plan.quantized:
-            log.info("quantizing %s (%s) with %s", comp.label, comp.class_name, recipe.name)
-            model, qc = _quantize_component(plan, base_dir, comp, recipe, partial, device)
+            src = base_dir / comp.name if comp.name else base_dir
+            reason = _streaming_reason(comp, src, recipe, device) if engine != "library" else "--engine library"
+            if reason is None:
+                log.info("quantizing %s (%s) with %s (streaming engine)", comp.label, comp.class_name, recipe.name)
+                qc = _stream_component(plan, src, comp, recipe, partial, device)
+                model = None
+            else:
+                if engine == "streaming":
+                    raise QuantizeError(f"--engine streaming cannot quantize {comp.label}: {reason}; use --engine auto")
+                log.info("quantizing %s (%s) with %s (library path: %s)", comp.label, comp.class_name, recipe.name, reason)
+                model, qc = _quantize_component(plan, base_dir, comp, recipe, partial, device)
+                models[comp.name] = model
             if device == "cpu" and recipe.cpu_producible:
-                qc.fp8_check = fp8_dequant_check(model, base_dir / comp.name if comp.name else base_dir)
+                qc.fp8_check = fp8_dequant_check(model if model is not None else _reload(comp, partial), src)
             done.append(qc)
-            models[comp.name] = model
         if folder.exists():
             folder.rmdir()  # empty (checked by prepare_output)
         partial.rename(folder)
     except OSError as exc:
         shutil.rmtree(partial, ignore_errors=True)
+        if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+            raise QuantizeError(f"no space left while writing {folder} ({exc.strerror}); free disk space or point --output-dir at a larger disk") from exc
         raise QuantizeError(f"writing the quantized folder {folder} failed: {exc}") from exc
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return Artifacts(recipe=recipe, folder=folder, components=done, models=models, device=device)
+
+
+def _streaming_reason(comp: Component, src: Path, recipe: Recipe, device: str) -> str | None:
+    from .streaming import supports
+
+    return supports(comp.library, src, recipe, class_name=comp.class_name, device=device)
+
+
+def _stream_component(plan: Plan, src: Path, comp: Component, recipe: Recipe, out: Path, device: str) -> QuantizedComponent:
+    from .streaming import stream_quantize
+
+    dst = out / comp.name if comp.name else out
+    result = stream_quantize(src, dst, library=comp.library, recipe=recipe, exclude=list(plan.exclude),  # type: ignore[arg-type]
+                             class_name=comp.class_name, device=device, progress=log.isEnabledFor(logging.INFO))
+    config = json.loads((dst / "config.json").read_text())
+    return QuantizedComponent(
+        name=comp.name,
+        library=comp.library,
+        class_name=comp.class_name,
+        quantized=list(result.quantized),
+        skipped=list(result.skipped),
+        excluded=list(result.excluded),
+        tensor_classes={recipe.tensor_class: len(result.quantized)} if result.quantized else {},
+        bytes_before=comp.param_bytes,
+        bytes_after=sum(p.stat().st_size for p in dst.glob("*.safetensors")),
+        quantization_config=config.get("quantization_config", {}),
+        engine="streaming",
+        peak_rss_bytes=result.peak_rss_bytes,
+        stage_seconds=dict(result.stage_seconds),
+    )
+
+
+def _reload(comp: Component, out: Path) -> Any:
+    """The saved component, loaded as a user would (for checks that need the tensors)."""
+    import torch
+
+    lib = __import__(comp.library)
+    kwargs = {"torch_dtype" if comp.library == "diffusers" else "dtype": torch.bfloat16}
+    return getattr(lib, comp.class_name).from_pretrained(out / comp.name if comp.name else out, **kwargs)
 
 
 def _copy_unchanged(plan: Plan, base_dir: Path, out: Path) -> None:

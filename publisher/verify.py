@@ -96,6 +96,7 @@ class _Expected:
     digests: dict[str, str]
     quantized: list[str]
     reference: str = "the in-memory quantized model"
+    needs_reference: bool = False  # streamed component: the first library-path reload becomes the reference
 
 
 def record_expected(artifacts: Artifacts, work: Path, device: str = "cpu") -> tuple[list[_Expected], list[str]]:
@@ -106,7 +107,19 @@ def record_expected(artifacts: Artifacts, work: Path, device: str = "cpu") -> tu
     expected: list[_Expected] = []
     notes: list[str] = []
     for comp in artifacts.components:
-        model = artifacts.models[comp.name]
+        model = artifacts.models.get(comp.name)
+        if model is None:
+            # Streamed: never held in memory. Its reference is the library-path reload in a fresh
+            # process (see verify()); the streaming engine's bytes equal the library path's (tests).
+            config = json.loads(((artifacts.folder / comp.name) if comp.name else artifacts.folder).joinpath("config.json").read_text())
+            inputs = build_inputs(comp.library, comp.class_name, config)
+            inputs_file = None
+            if inputs is not None:
+                inputs_file = work / f"inputs-{comp.label}.safetensors"
+                save_file({k: v.contiguous() for k, v in inputs.items()}, str(inputs_file))
+            expected.append(_Expected(comp.name, comp.library, comp.class_name, inputs_file, None, {}, comp.quantized,
+                                      "the library-path reload", needs_reference=True))
+            continue
         config = dict(model.config) if comp.library == "diffusers" else model.config.to_dict()
         inputs = build_inputs(comp.library, comp.class_name, config)
         output = None
@@ -155,8 +168,12 @@ def verify(
         tensor_class=artifacts.recipe.tensor_class,
         notes=notes,
     )
-    report.results = check_location(expected, str(artifacts.folder), None, work, envs=envs, token=token,
-                                    tensor_class=artifacts.recipe.tensor_class, device=device)
+    report.results = []
+    for exp in expected:
+        if exp.needs_reference:
+            report.results.append(_adopt_reference(exp, str(artifacts.folder), work, token, artifacts.recipe.tensor_class, device))
+    report.results += check_location(expected, str(artifacts.folder), None, work, envs=envs, token=token,
+                                     tensor_class=artifacts.recipe.tensor_class, device=device, skip_reference=True)
     if base_dir is not None:
         report.quality = quality_against_base(expected, base_dir)
     report.passed = bool(report.results) and not report.failures()
@@ -165,9 +182,24 @@ def verify(
     return report
 
 
+def _adopt_reference(exp: _Expected, where: str, work: Path, token: str | None, tensor_class: str, device: str) -> PathResult:
+    """Library path in this interpreter; its tensors and output become what every other path must match."""
+    import torch
+    from safetensors.torch import load_file
+
+    data = run_worker(exp, "library", sys.executable, where, None, work, token, torch.get_num_threads(), "ref", device)
+    if data.get("ok"):
+        exp.digests = dict(data["digests"])
+        exp.output = load_file(data["output"])["output"] if data.get("output") else None
+    result = compare(exp, data, "library", "current", sys.executable, tensor_class)
+    if result.ok:
+        result.detail = "reference for the other paths (streamed: no in-memory model)"
+    return result
+
+
 def check_location(expected: list[_Expected], where: str, revision: str | None, work: Path, *,
                    envs: tuple[str, ...] = (), token: str | None = None, tensor_class: str | None,
-                   paths: tuple[str, ...] = PATHS, device: str = "cpu") -> list[PathResult]:
+                   paths: tuple[str, ...] = PATHS, device: str = "cpu", skip_reference: bool = False) -> list[PathResult]:
     """Each load path, in each interpreter, on ``where`` (a folder or a Hub repo id), against ``expected``."""
     import torch
 
@@ -176,6 +208,8 @@ def check_location(expected: list[_Expected], where: str, revision: str | None, 
     for exp in expected:
         for i, (env_name, python) in enumerate(interpreters):
             for path in paths:
+                if skip_reference and exp.needs_reference and i == 0 and path == "library":
+                    continue  # already run as the reference
                 log.info("verifying %s via the %s path (%s) on %s", exp.component or "model", path, env_name, where)
                 data = run_worker(exp, path, python, where, revision, work, token, torch.get_num_threads(), tag=f"{i}", device=device)
                 results.append(compare(exp, data, path, env_name, python, tensor_class))

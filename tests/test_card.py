@@ -172,17 +172,17 @@ def test_two_recipes_one_download_cross_linked(cli: Any, flux_repo: str, caplog:
 def test_one_failing_recipe_publishes_no_half_set(cli: Any, flux_repo: str, monkeypatch: pytest.MonkeyPatch, keep_going: bool) -> None:
     from huggingface_hub import HfApi
 
-    from publisher import quantize
+    from publisher import publish
     from publisher.errors import QuantizeError
 
-    real = quantize._quantize_component
+    real = publish.quantize_recipe
 
-    def failing(plan: Any, base_dir: Any, comp: Any, recipe: Any, out: Any, device: str) -> Any:
+    def failing(plan: Any, base_dir: Any, recipe: Any, *args: Any, **kwargs: Any) -> Any:
         if recipe.name == "float8wo":
             raise QuantizeError("float8wo: injected failure")
-        return real(plan, base_dir, comp, recipe, out, device)
+        return real(plan, base_dir, recipe, *args, **kwargs)
 
-    monkeypatch.setattr(quantize, "_quantize_component", failing)
+    monkeypatch.setattr(publish, "quantize_recipe", failing)
     prefix = f"alice/half-{keep_going}"
     args = [flux_repo, "--quant", "int8wo,float8wo", "--repo-id", prefix + "-{recipe}", *SMALL]
     result = cli(*args, *(["--keep-going"] if keep_going else []), token="tok_alice")

@@ -1,0 +1,146 @@
+"""Measured figures for the card when the recipe ran on a GPU: weight memory, peak memory of a forward,
+and latency against the bf16 base, eager and with torch.compile, with the GPU's name and capability.
+
+Runs after verification, one model on the device at a time. On a CPU (tests) the memory columns are
+empty and only latency is measured.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _allocated_mb(device: str, peak: bool = False) -> float | None:
+    import torch
+
+    if device != "cuda":
+        return None
+    return round((torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()) / 2**20, 1)
+
+
+def _forward(model: Any, library: str, inputs: dict[str, Any]) -> Any:
+    import torch
+
+    with torch.inference_mode():
+        return model(**inputs, return_dict=False) if library == "diffusers" else model(**inputs)
+
+
+def _latency_ms(model: Any, library: str, inputs: dict[str, Any], device: str, iters: int) -> float:
+    _forward(model, library, inputs)  # warm-up (and the compile, for a compiled model)
+    times = []
+    for _ in range(iters):
+        _sync(device)
+        start = time.perf_counter()
+        _forward(model, library, inputs)
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return round(statistics.median(times), 3)
+
+
+def _measure(folder: Path, library: str, class_name: str, inputs_file: Path, device: str, iters: int, compile: bool) -> dict[str, Any]:
+    import torch
+    from safetensors.torch import load_file
+
+    lib = __import__(library)
+    cls = getattr(lib, class_name)
+    dtype_key = "torch_dtype" if library == "diffusers" else "dtype"
+    before = _allocated_mb(device)
+    model = cls.from_pretrained(folder, **{dtype_key: torch.bfloat16}, **({"device_map": device} if device == "cuda" else {})).eval()
+    after = _allocated_mb(device)
+    inputs = {k: v.to(device) for k, v in load_file(str(inputs_file)).items()}
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    _forward(model, library, inputs)
+    row: dict[str, Any] = {
+        "weights_mb": round(after - before, 1) if after is not None and before is not None else None,
+        "forward_peak_mb": _allocated_mb(device, peak=True),
+        "eager_ms": _latency_ms(model, library, inputs, device, iters),
+        "compiled_ms": None,
+        "compile_error": None,
+    }
+    if compile:
+        try:
+            row["compiled_ms"] = _latency_ms(torch.compile(model), library, inputs, device, iters)
+        except (RuntimeError, AssertionError, NotImplementedError, torch._dynamo.exc.TorchDynamoException) as exc:
+            # a measurement, not a publication check: record why compile did not work
+            row["compile_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+    del model, inputs
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def measure(components: list[Any], expected: list[Any], folder: Path, base_dir: Path, device: str,
+            iters: int = 10, compile: bool | None = None) -> dict[str, Any]:
+    """Quantized vs bf16 base, per component that has verification inputs. Each measurement runs in
+    its own process: a crash in a compiler (seen: inductor on CPU) costs a figure, not the publication."""
+    import torch
+
+    compile = (device == "cuda") if compile is None else compile
+    inputs_by_name = {e.component: e.inputs for e in expected if e.inputs}
+    out: dict[str, Any] = {"device": device, "rows": []}
+    if device == "cuda":
+        out["gpu"] = torch.cuda.get_device_name()
+        out["capability"] = ".".join(map(str, torch.cuda.get_device_capability()))
+    for comp in components:
+        inputs_file = inputs_by_name.get(comp.name)
+        if inputs_file is None or not Path(inputs_file).exists():
+            continue
+        row: dict[str, Any] = {"component": comp.label}
+        for kind, root in (("quantized", folder), ("bf16", base_dir)):
+            log.info("measuring %s (%s) on %s", comp.label, kind, device)
+            request = {"folder": str(root / comp.name if comp.name else root), "library": comp.library,
+                       "class_name": comp.class_name, "inputs": str(inputs_file), "device": device,
+                       "iters": iters, "compile": compile}
+            row[kind] = _in_subprocess(request)
+        out["rows"].append(row)
+    return out
+
+
+def _in_subprocess(request: dict[str, Any]) -> dict[str, Any]:
+    import json
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="hf-ao-bench-") as tmp:
+        req = Path(tmp) / "request.json"
+        req.write_text(json.dumps(request))
+        proc = subprocess.run([sys.executable, "-m", "publisher.gpubench", str(req)], capture_output=True, text=True, timeout=1800)
+        result = Path(tmp) / "result.json"
+        if proc.returncode == 0 and result.exists():
+            return json.loads(result.read_text())
+    last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+    return {"weights_mb": None, "forward_peak_mb": None, "eager_ms": None, "compiled_ms": None,
+            "compile_error": None, "error": f"measurement process failed (exit {proc.returncode}): {last[:200]}"}
+
+
+def main(request_file: str) -> int:
+    import json
+
+    req = json.loads(Path(request_file).read_text())
+    row = _measure(Path(req["folder"]), req["library"], req["class_name"], Path(req["inputs"]), req["device"],
+                   int(req["iters"]), bool(req["compile"]))
+    (Path(request_file).parent / "result.json").write_text(json.dumps(row))
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1]))

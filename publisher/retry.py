@@ -1,0 +1,109 @@
+"""Bounded retries with exponential backoff for transient Hub errors.
+
+Transient: 5xx and 429 answers, dropped or refused connections and timeouts (httpx2.TransportError,
+ConnectionError, TimeoutError), and huggingface_hub's "could not locate the file" error when it wraps
+one of those. Permanent: every other 4xx (401, 403, 404, 412 stale parent...) and anything else.
+
+    call(api.create_repo, repo_id, what="create the repo alice/x")
+
+Tries and the first delay come from HF_AO_PUBLISH_RETRIES (total tries, default 4) and
+HF_AO_PUBLISH_RETRY_DELAY (seconds, default 0.5); the delay doubles on each retry, capped at 8 s.
+Each retry is logged at INFO on the "publisher" logger.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEFAULT_TRIES = 4
+DEFAULT_DELAY_S = 0.5
+MAX_DELAY_S = 8.0
+TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
+
+
+def settings() -> tuple[int, float]:
+    """(tries, first delay in seconds) from the environment; malformed values fall back to the defaults."""
+    try:
+        tries = int(os.environ.get("HF_AO_PUBLISH_RETRIES", DEFAULT_TRIES))
+    except ValueError:
+        tries = DEFAULT_TRIES
+    try:
+        delay = float(os.environ.get("HF_AO_PUBLISH_RETRY_DELAY", DEFAULT_DELAY_S))
+    except ValueError:
+        delay = DEFAULT_DELAY_S
+    return max(1, tries), max(0.0, delay)
+
+
+def status_of(exc: BaseException) -> int | None:
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    return status if isinstance(status, int) else None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Worth trying again: the same request may well succeed in a moment."""
+    try:
+        from huggingface_hub import errors as hf
+    except ImportError:  # pragma: no cover - huggingface_hub is a hard dependency
+        hf = None  # type: ignore[assignment]
+    if hf is not None:
+        if isinstance(exc, hf.OfflineModeIsEnabled):  # a ConnectionError, but a setting, not a glitch
+            return False
+        if isinstance(exc, hf.HfHubHTTPError):
+            return status_of(exc) in TRANSIENT_STATUS
+        if isinstance(exc, hf.LocalEntryNotFoundError):
+            # hf_hub_download's "cannot locate the file and it is not cached": a wrapped connection error or 5xx
+            cause = exc.__cause__
+            return cause is not None and is_transient(cause)
+    try:
+        import httpx2
+
+        if isinstance(exc, (httpx2.UnsupportedProtocol, httpx2.ProxyError, httpx2.LocalProtocolError)):
+            return False  # a bad endpoint URL, proxy setting or client bug: the same request fails again
+        if isinstance(exc, httpx2.TransportError):
+            return True
+    except ImportError:  # pragma: no cover
+        pass
+    return isinstance(exc, (ConnectionError, TimeoutError))
+
+
+def short(exc: BaseException) -> str:
+    status = status_of(exc)
+    first = (getattr(exc, "server_message", None) or str(exc)).strip()
+    first = (first.splitlines() or [""])[0][:160]
+    kind = f"HTTP {status}" if status else type(exc).__name__
+    return f"{kind}: {first}" if first else kind
+
+
+def call(fn: Callable[..., T], *args: Any, what: str, check: Callable[[], T | None] | None = None, **kwargs: Any) -> T:
+    """fn(*args, **kwargs), retried on transient errors.
+
+    `check`, when given, runs before every retry (not before the first try): a non-None result ends the
+    loop as a success with that value. It is how a non-idempotent call (a commit whose response was lost
+    but which the server applied) is recognised as done instead of being sent again. An error in `check`
+    counts as a failed try.
+    """
+    tries, delay = settings()
+    attempt = 0
+    while True:
+        attempt += 1
+        try:
+            if attempt > 1 and check is not None:
+                done = check()
+                if done is not None:
+                    log.info("%s: the previous try had succeeded on the Hub; not sending it again", what)
+                    return done
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            if attempt >= tries or not is_transient(exc):
+                raise
+            wait = min(MAX_DELAY_S, delay * (2 ** (attempt - 1)))
+            log.info("%s failed (%s); retrying in %.1f s (try %d of %d)", what, short(exc), wait, attempt + 1, tries)
+            time.sleep(wait)
