@@ -116,3 +116,38 @@ def test_recipes_command_lists_the_registry(cli: Any) -> None:
     assert "compute capability >= 8.9" in result.stdout
     result = cli("recipes", "--json")
     assert [r["name"] for r in json.loads(result.stdout)] == recipes.names()
+
+
+@pytest.mark.slow
+def test_streaming_and_library_engines_publish_the_same_tensors(cli: Any, tiny_llama_dir: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    outs = {}
+    for engine in ("streaming", "library"):
+        out = tmp_path / engine
+        result = cli(str(tiny_llama_dir), "--quant", "int8wo", "--engine", engine, "--no-push", "--output-dir", str(out), "--json")
+        assert result.exit_code == 0, result.output
+        data = json.loads(result.stdout)
+        assert data["components"][0]["engine"] == engine
+        assert set(data["seconds"]) >= {"download", "quantize", "verify"}
+        assert data["peak_rss_bytes"]["process"] > 0
+        outs[engine] = out
+    script = Path(__file__).resolve().parents[1] / "scripts" / "compare_checkpoints.py"
+    proc = subprocess.run([sys.executable, str(script), str(outs["streaming"]), str(outs["library"])], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout
+    assert " 0 differences" in proc.stdout
+
+
+@pytest.mark.slow
+def test_benchmark_section_on_cpu(cli: Any, tiny_flux_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = cli(str(tiny_flux_dir), "--quant", "int8wo", "--benchmark", "--no-push", "--output-dir", str(out), "--json", *SMALL)
+    assert result.exit_code == 0, result.output
+    bench = json.loads(result.stdout)["benchmark"]
+    assert bench["device"] == "cpu" and bench["rows"][0]["component"] == "transformer"
+    for kind in ("bf16", "quantized"):
+        assert bench["rows"][0][kind]["eager_ms"] > 0 and bench["rows"][0][kind]["compiled_ms"] is None
+    card = (out / "README.md").read_text()
+    assert "### Measured on the CPU" in card
+    assert "|---|---|---|---|---|---|\n| transformer | bf16 | n/a | n/a |" in card
