@@ -77,6 +77,7 @@ def _disk_full(exc: BaseException) -> str | None:
     while current is not None and all(current is not c for c in chain):
         chain.append(current)
         current = current.__cause__ or current.__context__
+    chain = [e for e in chain if getattr(e, "response", None) is None]  # a Hub answer ("no space" on the server) is not ours
     found: tuple[int, str | None] | None = None
     for e in chain:  # a real OSError first: it names the file
         if isinstance(e, OSError) and e.errno in _DISK_ERRNOS:

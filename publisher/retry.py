@@ -7,7 +7,8 @@ one of those. Permanent: every other 4xx (401, 403, 404, 412 stale parent...) an
     call(api.create_repo, repo_id, what="create the repo alice/x")
 
 Tries and the first delay come from HF_AO_PUBLISH_RETRIES (total tries, default 4) and
-HF_AO_PUBLISH_RETRY_DELAY (seconds, default 0.5); the delay doubles on each retry, capped at 8 s.
+HF_AO_PUBLISH_RETRY_DELAY (seconds, default 0.5); the delay doubles on each retry, capped at 8 s
+(a longer Retry-After from the Hub, up to 60 s, is honoured).
 Each retry is logged at INFO on the "publisher" logger.
 """
 
@@ -74,6 +75,16 @@ def is_transient(exc: BaseException) -> bool:
     return isinstance(exc, (ConnectionError, TimeoutError))
 
 
+def retry_after(exc: BaseException) -> float:
+    """Seconds a 429/503 answer asks to wait (Retry-After in seconds), capped at 60; 0 when absent."""
+    headers = getattr(getattr(exc, "response", None), "headers", None)
+    try:
+        value = float(headers.get("Retry-After", "")) if headers is not None else 0.0
+    except (TypeError, ValueError):  # an HTTP date, or garbage: use our own backoff
+        return 0.0
+    return min(max(value, 0.0), 60.0)
+
+
 def short(exc: BaseException) -> str:
     status = status_of(exc)
     first = (getattr(exc, "server_message", None) or str(exc)).strip()
@@ -104,6 +115,6 @@ def call(fn: Callable[..., T], *args: Any, what: str, check: Callable[[], T | No
         except Exception as exc:
             if attempt >= tries or not is_transient(exc):
                 raise
-            wait = min(MAX_DELAY_S, delay * (2 ** (attempt - 1)))
+            wait = max(min(MAX_DELAY_S, delay * (2 ** (attempt - 1))), retry_after(exc))
             log.info("%s failed (%s); retrying in %.1f s (try %d of %d)", what, short(exc), wait, attempt + 1, tries)
             time.sleep(wait)

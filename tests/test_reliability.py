@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -402,3 +403,74 @@ def test_unsafe_base_file_names_are_refused_before_download(cli: Any, hub: Any, 
     assert not out.exists()
     hf_home = Path(os.environ["HF_HOME"])
     assert not [p for p in hf_home.parent.rglob("evil.safetensors")]
+
+
+# ---- which errors are retried ---------------------------------------------------------------------------
+def test_retry_classifies_errors_and_stays_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    import httpx2
+    from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
+
+    from publisher import retry
+
+    def http(status: int, headers: dict[str, str] | None = None) -> HfHubHTTPError:
+        response = httpx2.Response(status, headers=headers, request=httpx2.Request("POST", "http://127.0.0.1/x"))
+        return HfHubHTTPError(f"{status} error", response=response)
+
+    request = httpx2.Request("POST", "http://127.0.0.1/x")
+    for exc in (http(500), http(502), http(503), http(429), httpx2.ConnectError("refused", request=request),
+                httpx2.RemoteProtocolError("dropped", request=request), httpx2.ReadTimeout("slow", request=request),
+                ConnectionResetError()):
+        assert retry.is_transient(exc), exc
+    for exc in (http(400), http(401), http(403), http(404), http(409), http(412), OfflineModeIsEnabled("offline"),
+                httpx2.UnsupportedProtocol("ftp://", request=request), ValueError("bug")):
+        assert not retry.is_transient(exc), exc
+    assert retry.retry_after(http(429, {"Retry-After": "7"})) == 7.0 and retry.retry_after(http(503)) == 0.0
+
+    monkeypatch.setenv("HF_AO_PUBLISH_RETRY_DELAY", "0")
+    calls: list[int] = []
+
+    def flaky(fail: BaseException, times: int) -> Any:
+        def fn() -> str:
+            calls.append(1)
+            if len(calls) <= times:
+                raise fail
+            return "ok"
+        return fn
+
+    assert retry.call(flaky(http(503), TRIES - 1), what="t") == "ok" and len(calls) == TRIES
+    calls.clear()
+    with pytest.raises(HfHubHTTPError):
+        retry.call(flaky(http(503), TRIES), what="t")
+    assert len(calls) == TRIES  # bounded
+    calls.clear()
+    with pytest.raises(HfHubHTTPError):
+        retry.call(flaky(http(412), 1), what="t")
+    assert len(calls) == 1  # permanent: never retried
+    calls.clear()
+    # the check before a retry ends the loop when the first try had landed after all
+    assert retry.call(flaky(http(503), 1), what="t", check=lambda: "landed") == "landed" and len(calls) == 1
+
+
+def test_messages_for_unreachable_hub_and_full_disk() -> None:
+    import httpx2
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+
+    from publisher.errors import QuantizeError
+    from publisher.messages import describe
+
+    request = httpx2.Request("GET", "http://127.0.0.1/x")
+    try:
+        raise LocalEntryNotFoundError("cannot find the file in the cache") from httpx2.ConnectError("refused", request=request)
+    except LocalEntryNotFoundError as exc:
+        assert "cannot reach the Hub" in describe(exc)[0]
+    for err in (OSError(28, "No space left on device", "/out/model.safetensors"), OSError(27, "File too large")):
+        try:
+            raise QuantizeError(f"writing the quantized folder failed: {err}") from err
+        except QuantizeError as exc:
+            message, code = describe(exc)
+            assert code == 1 and message.startswith("no space left") and "--output-dir at a larger disk" in message
+    assert describe(RuntimeError('IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })'))
+    # the Hub's own full disk (a 507/500 answer) is the Hub's problem, not a local one
+    response = httpx2.Response(500, request=request)
+    message, _ = describe(HfHubHTTPError("500: No space left on device", response=response))
+    assert not message.startswith("no space left")
