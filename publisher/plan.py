@@ -316,10 +316,10 @@ def _base_files(source: Source, kind: str, comps: list[Component], token: str | 
                 base = str(Path(wf).parent) if "/" in wf else ""
                 for shard in sorted(set(index.get("weight_map", {}).values())):
                     wanted.add(f"{base}/{shard}" if base else shard)
+    for f in sorted(wanted):
+        if f.startswith("/") or ".." in Path(f).parts:
+            raise SourceError(f"{source.display} has an unsafe file name {f!r} (escapes the folder); refusing to download it")
     missing = sorted(f for f in wanted if f not in source.sizes)
     if missing:
         raise SourceError(f"{source.display} is incomplete: {', '.join(missing[:3])} listed but not present")
-    for f in wanted:
-        if f.startswith("/") or ".." in Path(f).parts:
-            raise SourceError(f"{source.display} has an unsafe file name {f!r} (escapes the folder); refusing to download it")
     return sorted(wanted)

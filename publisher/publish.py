@@ -19,7 +19,8 @@ from typing import Any, Iterator
 
 from . import __version__, card, plan as planning, push as pushing, recipes as recipe_registry, resources, snapshot, source as sources
 from .errors import PublishError, TargetError, VerificationError
-from .quantize import Artifacts, prepare_output, quantize_recipe
+from .cache import ComponentCache, default_root
+from .quantize import Artifacts, finalize, partial_folder, prepare_output, quantize_recipe
 from .recipes import Recipe
 from .verify import VerifyReport, check_location, require_passed, verify
 
@@ -155,7 +156,9 @@ def make_plan(req: PublishRequest, token: str | None) -> planning.Plan:
     if token:
         from huggingface_hub import HfApi
 
-        user = HfApi(token=token).whoami().get("name")
+        from . import retry
+
+        user = retry.call(HfApi(token=token).whoami, what="checking the token").get("name")
     targets = planning.target_ids(src, recipes, req.repo_id, user)
     options = {"components": req.components, "exclude": req.exclude}
     plan = planning.build_plan(
@@ -199,8 +202,7 @@ def run(req: PublishRequest) -> list[Outcome]:
     outcomes = [Outcome(recipe=r.name, repo_id=plan.targets[r.name]) for r in plan.recipes]
     try:
         return _run_plan(req, plan, token, outcomes)
-    except PublishError as exc:
-        # The CLI still prints the per-recipe outcomes (--json) before the one-line error.
+    except Exception as exc:  # re-raised: only annotated so the CLI can still print the outcomes (--json)
         exc.outcomes = outcomes  # type: ignore[attr-defined]
         for outcome in outcomes:
             if outcome.folder is not None and not outcome.folder.exists():
@@ -215,12 +217,15 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
     todo: list[Recipe] = []
     previous: dict[str, dict[str, Any] | None] = {}
     for recipe, outcome in zip(plan.recipes, outcomes):
-        if req.push and not req.create_pr:
-            head, prev = pushing.published_state(outcome.repo_id, token)
+        if req.push:
+            # With --create-pr the state that counts is our open PR's, when there is one.
+            pr = pushing.find_open_pr(outcome.repo_id, token) if req.create_pr else None
+            head, prev = pushing.published_state(outcome.repo_id, token, pr[1] if pr else None)
             previous[recipe.name] = prev
-            if prev and prev.get("fingerprint") == states[recipe.name]["fingerprint"]:
+            if (pr or not req.create_pr) and prev and prev.get("fingerprint") == states[recipe.name]["fingerprint"]:
                 outcome.up_to_date, outcome.verified, outcome.commit = True, bool(prev.get("verified", True)), head
                 outcome.url = f"{_endpoint()}/{outcome.repo_id}"
+                outcome.pr_url = f"{outcome.url}/discussions/{pr[0]}" if pr else None
                 log.info("%s is up to date (same base sha, recipe, options and versions); nothing to do", outcome.repo_id)
                 continue
         todo.append(recipe)
@@ -230,7 +235,7 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
     auto_dir = req.output_dir is None
     from huggingface_hub import constants
 
-    resources.check(plan, req.output_dir or Path(tempfile.gettempdir()), Path(constants.HF_HUB_CACHE))
+    resources.check(plan, req.output_dir or Path(tempfile.gettempdir()), Path(constants.HF_HUB_CACHE), req.engine)
     out_root = Path(tempfile.mkdtemp(prefix="hf-ao-publish-")) if auto_dir else req.output_dir
     assert out_root is not None
     several = len(plan.recipes) > 1
@@ -241,6 +246,8 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
     capability = recipe_registry.cuda_capability()
     done: dict[str, tuple[Artifacts, VerifyReport]] = {}
     samples: dict[str, Any] = {}
+    finals: dict[str, Path] = {}
+    caches: dict[str, ComponentCache] = {}
     work_dir = tempfile.TemporaryDirectory(prefix="hf-ao-verify-")
     work = Path(work_dir.name)
     try:
@@ -249,9 +256,13 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
             try:
                 folder = prepare_output(out_root, recipe, several)
                 outcome.folder = folder
+                finals[recipe.name] = folder
                 with _timed(outcome, "quantize"):
-                    artifacts = quantize_recipe(plan, base_dir, recipe, folder, recipe_registry.quantize_device(recipe, capability),
-                                                engine=req.engine)
+                    cache = ComponentCache(default_root(), states[recipe.name]["fingerprint"])
+                    caches[recipe.name] = cache
+                    artifacts = quantize_recipe(plan, base_dir, recipe, partial_folder(folder, out_root),
+                                                recipe_registry.quantize_device(recipe, capability), engine=req.engine,
+                                                cache=cache)
                 outcome.components = [_component_json(c) for c in artifacts.components]
                 with _timed(outcome, "verify"):
                     report = verify(artifacts, work / recipe.name, envs=req.verify_envs, base_dir=base_dir, token=token,
@@ -259,30 +270,41 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
                 outcome.report = report
                 outcome.verified = report.passed
                 require_passed(report)
-                (folder / ".gitattributes").write_text(GITATTRIBUTES)
+                building = artifacts.folder  # the .partial folder until finalize()
+                (building / ".gitattributes").write_text(GITATTRIBUTES)
                 state = dict(states[recipe.name], verified=report.passed)
-                (folder / pushing.STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+                (building / pushing.STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
                 if recipe_registry.run_device(recipe, capability) == "cuda" or req.benchmark:
                     from .gpubench import measure
 
                     bench_device = recipe_registry.run_device(recipe, capability)
                     with _timed(outcome, "benchmark"):
-                        outcome.benchmark = measure(artifacts.components, report.expected, folder, base_dir, bench_device)
+                        outcome.benchmark = measure(artifacts.components, report.expected, building, base_dir, bench_device)
                 if req.sample_prompt and plan.kind == "pipeline":
                     from .sample import compare_samples
 
-                    samples[recipe.name] = compare_samples(base_dir, folder, req.sample_prompt, req.sample_steps, req.sample_size,
+                    samples[recipe.name] = compare_samples(base_dir, building, req.sample_prompt, req.sample_steps, req.sample_size,
                                                          device=recipe_registry.run_device(recipe, capability))
                     outcome.sample = {"image": samples[recipe.name].image, "psnr": samples[recipe.name].psnr}
                 done[recipe.name] = (artifacts, report)
             except PublishError as exc:
                 outcome.error = str(exc)
+                if recipe.name in finals:  # nothing half-made stays behind
+                    shutil.rmtree(partial_folder(finals[recipe.name], out_root), ignore_errors=True)
                 if not req.keep_going:
                     raise
                 log.error("%s: %s (continuing: --keep-going)", recipe.name, exc)
         _write_cards(plan, req, done, samples, outcomes)
+        for name, (artifacts, report) in done.items():
+            finalize(artifacts, finals[name])
+            report.location = str(artifacts.folder)
+            report.write(artifacts.folder)
+            if not req.push:  # the finished folder is the result: nothing left to resume
+                caches[name].drop([c.name for c in plan.quantized])
         for outcome in outcomes:
-            if outcome.folder is not None:
+            if outcome.recipe not in done:
+                outcome.folder = None  # removed, or never finished: nothing there passes for a repo
+            elif outcome.folder is not None:
                 outcome.files = _files(outcome.folder)
         if req.push:
             for outcome in outcomes:
@@ -293,16 +315,23 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
                 src = plan.source
                 message = f"Quantize {src.repo_id or src.local_dir.name}@{(src.sha or 'local')[:12]} with torchao {outcome.recipe}"  # type: ignore[union-attr]
                 push_started = time.monotonic()
-                result = pushing.push(
-                    artifacts.folder, report, repo_id=outcome.repo_id, token=token, private=req.private,
-                    create_pr=req.create_pr, message=message,
-                    description=_changes(previous.get(outcome.recipe), state) + f"\n\nMade with hf-ao-publish {__version__}.",
-                    state=state,
-                )
+                try:
+                    result = pushing.push(
+                        artifacts.folder, report, repo_id=outcome.repo_id, token=token, private=req.private,
+                        create_pr=req.create_pr, message=message,
+                        description=_changes(previous.get(outcome.recipe), state) + f"\n\nMade with hf-ao-publish {__version__}.",
+                        state=state,
+                    )
+                except Exception as exc:  # re-raised: the outcome records the one-line reason for --json
+                    from .messages import describe
+
+                    outcome.error = (describe(exc) or (f"{type(exc).__name__}: {exc}", 1))[0]
+                    raise
                 outcome.url, outcome.commit, outcome.pr_url = result.url, result.commit, result.pr_url
                 outcome.up_to_date, outcome.pushed = result.up_to_date, not result.up_to_date
                 outcome.files = _files(artifacts.folder)
                 outcome.seconds["push"] = round(time.monotonic() - push_started, 3)
+                caches[outcome.recipe].drop([c.name for c in plan.quantized])  # published: nothing to resume
                 if outcome.pushed and not req.create_pr:
                     _check_published(outcome, report, work / outcome.recipe, token)
     finally:

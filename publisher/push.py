@@ -81,11 +81,16 @@ def find_open_pr(repo_id: str, token: str | None) -> tuple[int, str] | None:
     """Our open pull request on the target, if a previous --create-pr run opened one."""
     from huggingface_hub import HfApi
 
+    from huggingface_hub.errors import RepositoryNotFoundError
+
     api = HfApi(token=token)
-    discussions = retry.call(
-        lambda: list(api.get_repo_discussions(repo_id, discussion_type="pull_request", discussion_status="open")),
-        what=f"listing the pull requests of {repo_id}",
-    )
+    try:
+        discussions = retry.call(
+            lambda: list(api.get_repo_discussions(repo_id, discussion_type="pull_request", discussion_status="open")),
+            what=f"listing the pull requests of {repo_id}",
+        )
+    except RepositoryNotFoundError:
+        return None  # a new target: no PR yet
     for disc in discussions:
         if disc.title.startswith("hf-ao-publish:"):
             return disc.num, disc.git_reference or f"refs/pr/{disc.num}"

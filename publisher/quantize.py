@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import shutil
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -66,25 +67,49 @@ class Artifacts:
 def prepare_output(output_dir: Path, recipe: Recipe, several: bool) -> Path:
     """The final folder for a recipe; refuses a non-empty folder we did not create."""
     folder = output_dir / recipe.name if several else output_dir
-    if folder.exists() and any(folder.iterdir()):
+    if folder.exists() and any(p for p in folder.iterdir() if p.name != PARTIAL_NAME):
         raise TargetError(f"output folder {folder} is not empty; choose an empty or new --output-dir")
     try:
-        folder.parent.mkdir(parents=True, exist_ok=True)
-        probe = folder.parent / f".{folder.name}.write-test"
+        output_dir.mkdir(parents=True, exist_ok=True)
+        probe = output_dir / f".{recipe.name}.write-test"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as exc:
-        raise TargetError(f"output folder {folder.parent} is not writable ({exc.strerror}); pass a writable --output-dir") from None
+        raise TargetError(f"output folder {output_dir} is not writable ({exc.strerror}); pass a writable --output-dir") from None
     return folder
 
 
-def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, folder: Path, device: str = "cpu",
-                    engine: str = "auto") -> Artifacts:
+PARTIAL_NAME = ".hf-ao-publish.partial"
+
+
+def partial_folder(folder: Path, output_dir: Path) -> Path:
+    """Where a recipe's repo is built: inside --output-dir (same filesystem, so the final move is a
+    rename), under a name that is never taken for a finished folder."""
+    return output_dir / PARTIAL_NAME if folder == output_dir else folder.with_name(folder.name + ".partial")
+
+
+def finalize(artifacts: Artifacts, folder: Path) -> None:
+    """Give the finished repo folder its final name: the last local step, after verify and the card,
+    so a killed run never leaves something that looks finished."""
+    partial = artifacts.folder
+    if partial.parent == folder:  # built inside the output folder: move the entries up, README.md last
+        entries = sorted(partial.iterdir(), key=lambda p: p.name == "README.md")
+        for entry in entries:
+            os.replace(entry, folder / entry.name)
+        partial.rmdir()
+    else:
+        if folder.exists():
+            folder.rmdir()
+        partial.rename(folder)
+    artifacts.folder = folder
+
+
+def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, device: str = "cpu",
+                    engine: str = "auto", cache: Any = None) -> Artifacts:
     """Quantize every planned component with ``recipe`` and write the standalone repo into ``folder``.
 
     engine "auto": the streaming engine (one tensor in memory, same bytes as the library path) for every
     component it supports, the library path otherwise; "library" / "streaming" force one."""
-    partial = folder.with_name(folder.name + ".partial")
     if partial.exists():
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
@@ -94,8 +119,14 @@ def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, folder: Path, de
         models: dict[str, Any] = {}
         for comp in plan.quantized:
             src = base_dir / comp.name if comp.name else base_dir
-            reason = _streaming_reason(comp, src, recipe, device) if engine != "library" else "--engine library"
-            if reason is None:
+            dst = partial / comp.name if comp.name else partial
+            reused = cache.load(comp.name, dst) if cache is not None else None
+            reason = _streaming_reason(comp, src, recipe, device) if engine != "library" and reused is None else "--engine library"
+            if reused is not None:
+                # finished by an interrupted run with the same key; verified like a streamed component
+                qc = QuantizedComponent(**reused)
+                model = None
+            elif reason is None:
                 log.info("quantizing %s (%s) with %s (streaming engine)", comp.label, comp.class_name, recipe.name)
                 qc = _stream_component(plan, src, comp, recipe, partial, device)
                 model = None
@@ -105,21 +136,20 @@ def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, folder: Path, de
                 log.info("quantizing %s (%s) with %s (library path: %s)", comp.label, comp.class_name, recipe.name, reason)
                 model, qc = _quantize_component(plan, base_dir, comp, recipe, partial, device)
                 models[comp.name] = model
-            if device == "cpu" and recipe.cpu_producible:
+            if device == "cpu" and recipe.cpu_producible and reused is None:
                 qc.fp8_check = fp8_dequant_check(model if model is not None else _reload(comp, partial), src)
+            if cache is not None and reused is None:
+                cache.store(comp.name, dst, qc)
             done.append(qc)
-        if folder.exists():
-            folder.rmdir()  # empty (checked by prepare_output)
-        partial.rename(folder)
     except OSError as exc:
         shutil.rmtree(partial, ignore_errors=True)
         if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-            raise QuantizeError(f"no space left while writing {folder} ({exc.strerror}); free disk space or point --output-dir at a larger disk") from exc
-        raise QuantizeError(f"writing the quantized folder {folder} failed: {exc}") from exc
+            raise QuantizeError(f"no space left while writing {partial} ({exc.strerror}); free disk space or point --output-dir at a larger disk") from exc
+        raise QuantizeError(f"writing the quantized folder {partial} failed: {exc}") from exc
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    return Artifacts(recipe=recipe, folder=folder, components=done, models=models, device=device)
+    return Artifacts(recipe=recipe, folder=partial, components=done, models=models, device=device)
 
 
 def _streaming_reason(comp: Component, src: Path, recipe: Recipe, device: str) -> str | None:

@@ -23,7 +23,7 @@ class Estimate:
     peak_memory_bytes: int  # library path: the largest component, bf16 + quantized copy while saving
 
 
-def estimate(plan: Plan) -> Estimate:
+def estimate(plan: Plan, engine: str = "auto") -> Estimate:
     src = plan.source
     download = 0 if src.local_dir is not None else sum(src.sizes.get(f, 0) for f in plan.base_files)
     kept = sum(src.sizes.get(f, 0) for f in plan.base_files
@@ -33,14 +33,19 @@ def estimate(plan: Plan) -> Estimate:
         quantized = sum(c.param_bytes * recipe.bits // 16 for c in plan.quantized)
         output += kept + quantized
     largest = max((c.param_bytes for c in plan.quantized), default=0)
-    # measured: the library path peaks at about 2x the bf16 size (model + torchao's flattening copies)
-    return Estimate(download, output, 2 * largest + GiB // 2)
+    if engine == "library":
+        # measured: the library path peaks at about 2x the bf16 size (model + torchao's flattening copies)
+        return Estimate(download, output, 2 * largest + GiB // 2)
+    # streaming: about 1 GiB to quantize; then verification reloads the quantized component in a
+    # fresh process (the quality check against bf16 is skipped when the base would not fit)
+    bits = max((r.bits for r in plan.recipes), default=8)
+    return Estimate(download, output, largest * bits // 16 + GiB)
 
 
-def check(plan: Plan, output_root: Path, cache_dir: Path) -> Estimate:
+def check(plan: Plan, output_root: Path, cache_dir: Path, engine: str = "auto") -> Estimate:
     import psutil
 
-    est = estimate(plan)
+    est = estimate(plan, engine)
     needs: dict[Path, int] = {}
     for path, size in ((_existing(cache_dir), est.download_bytes), (_existing(output_root), est.output_bytes)):
         needs[path] = needs.get(path, 0) + size

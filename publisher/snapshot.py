@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import logging
 from pathlib import Path
 
@@ -21,12 +22,17 @@ def fetch(plan: Plan, token: str | None) -> Path:
         return source.local_dir
     from huggingface_hub import snapshot_download
 
+    from . import retry
+
     total = sum(source.sizes.get(f, 0) for f in plan.base_files)
     log.info("downloading %d files (%.1f MB) of %s", len(plan.base_files), total / 1e6, source.display)
-    folder = snapshot_download(
+    # allow_patterns are fnmatch patterns: escape names so "[", "*" or "?" in a file name match only it.
+    folder = retry.call(
+        snapshot_download,
         source.repo_id,  # type: ignore[arg-type]
         revision=source.sha,
-        allow_patterns=list(plan.base_files),
+        allow_patterns=[glob.escape(f) for f in plan.base_files],
         token=token,
+        what=f"downloading {source.display}",  # resumes from the cache on a retry
     )
     return Path(folder)

@@ -98,7 +98,10 @@ def resolve(model_id: str, revision: str | None, token: str | None) -> Source:
     from huggingface_hub.errors import RevisionNotFoundError
 
     try:
-        info = HfApi(token=token).model_info(model_id, revision=revision, files_metadata=True)
+        from . import retry
+
+        info = retry.call(HfApi(token=token).model_info, model_id, revision=revision, files_metadata=True,
+                          what=f"reading {model_id}")
     except RevisionNotFoundError:
         raise SourceError(
             f"revision {revision!r} not found in {model_id}; pass an existing branch, tag or commit sha with --revision"
