@@ -143,3 +143,55 @@ def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str, 
     )
     # Template blocks leave runs of blank lines; collapse them (no fenced block holds two blank lines).
     return re.sub(r"\n{3,}", "\n\n", text)
+
+
+def write_cards(plan: Plan, done: dict[str, tuple[Artifacts, VerifyReport]], samples: dict[str, Any],
+                benchmarks: dict[str, Any], *, command: str, sample: dict[str, Any], endpoint: str) -> None:
+    """Cards are written once every recipe is done, so each can link to its sibling variants."""
+    from . import recipes as recipe_registry
+
+    variants = []
+    if len(done) > 1:
+        for name, (artifacts, report) in done.items():
+            quality = ", ".join(f"{q.component} {q.rel_error:.4f}" for q in report.quality) or "n/a"
+            variants.append({
+                "recipe": name, "repo_id": plan.targets[name], "url": f"{endpoint}/{plan.targets[name]}",
+                "size": sum(artifacts.files().values()), "runs_on": recipe_registry.get(name).run.describe(), "quality": quality,
+            })
+    default_prompt = "a photo of a cat" if plan.kind == "pipeline" else "The capital of France is"
+    for name, (artifacts, report) in done.items():
+        inputs = CardInputs(
+            command=command,
+            sample={**sample, "prompt": sample.get("prompt") or default_prompt},
+            variants=variants,
+            produced_on=_produced_on(artifacts),
+            benchmark=benchmarks.get(name),
+            extra_notes=_fp8_cpu_notes(artifacts),
+            sample_image=samples[name].image if name in samples else None,
+            psnr=samples[name].psnr if name in samples else None,
+        )
+        (artifacts.folder / "README.md").write_text(render(plan, artifacts, report, plan.targets[name], inputs), encoding="utf-8")
+        report.write(artifacts.folder)
+
+
+def _produced_on(artifacts: Artifacts) -> str:
+    if artifacts.device != "cuda":
+        return "CPU"
+    import torch
+
+    cc = ".".join(map(str, torch.cuda.get_device_capability()))
+    return f"{torch.cuda.get_device_name()} (compute capability {cc})"
+
+
+def _fp8_cpu_notes(artifacts: Artifacts) -> list[str]:
+    """What the card must say about GPU-recipe weights made on a CPU (publisher/fp8cpu.py)."""
+    if artifacts.device == "cuda" or not artifacts.recipe.quantize.cuda:
+        return []
+    checks = [c.fp8_check for c in artifacts.components if c.fp8_check]
+    worst = max((c["worst_ratio"] for c in checks), default=0.0)
+    return [
+        "These FP8 weights were produced on a CPU: torchao's own FP8 handler ran without its GPU "
+        "assertion (publisher/fp8cpu.py), which gives the same bytes as on a GPU without the mslk kernels. "
+        f"Every dequantized weight is within the e4m3 error bound of the bf16 base (worst {worst:.2f} of the bound, "
+        f"{sum(c['checked'] for c in checks)} weights). Running them with FP8 speed-ups needs {artifacts.recipe.run.describe()}."
+    ]

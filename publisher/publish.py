@@ -210,25 +210,28 @@ def run(req: PublishRequest) -> list[Outcome]:
         raise
 
 
+@dataclass
+class _Run:
+    """What the stages of one publish run share."""
+
+    req: PublishRequest
+    plan: planning.Plan
+    token: str | None
+    states: dict[str, dict[str, Any]]
+    out_root: Path
+    base_dir: Path
+    work: Path
+    capability: tuple[int, int] | None
+    done: dict[str, tuple[Artifacts, VerifyReport]] = field(default_factory=dict)
+    samples: dict[str, Any] = field(default_factory=dict)
+    finals: dict[str, Path] = field(default_factory=dict)
+    caches: dict[str, ComponentCache] = field(default_factory=dict)
+
+
 def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outcomes: list[Outcome]) -> list[Outcome]:
     states = {r.name: state_for(plan, r) for r in plan.recipes}
-
-    # A re-run with nothing changed is a no-op: checked before any download.
-    todo: list[Recipe] = []
     previous: dict[str, dict[str, Any] | None] = {}
-    for recipe, outcome in zip(plan.recipes, outcomes):
-        if req.push:
-            # With --create-pr the state that counts is our open PR's, when there is one.
-            pr = pushing.find_open_pr(outcome.repo_id, token) if req.create_pr else None
-            head, prev = pushing.published_state(outcome.repo_id, token, pr[1] if pr else None)
-            previous[recipe.name] = prev
-            if (pr or not req.create_pr) and prev and prev.get("fingerprint") == states[recipe.name]["fingerprint"]:
-                outcome.up_to_date, outcome.verified, outcome.commit = True, bool(prev.get("verified", True)), head
-                outcome.url = f"{_endpoint()}/{outcome.repo_id}"
-                outcome.pr_url = f"{outcome.url}/discussions/{pr[0]}" if pr else None
-                log.info("%s is up to date (same base sha, recipe, options and versions); nothing to do", outcome.repo_id)
-                continue
-        todo.append(recipe)
+    todo = [r for r, o in zip(plan.recipes, outcomes) if not _up_to_date(req, o, states[r.name], previous, token)]
     if not todo:
         return outcomes
 
@@ -238,102 +241,42 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
     resources.check(plan, req.output_dir or Path(tempfile.gettempdir()), Path(constants.HF_HUB_CACHE), req.engine)
     out_root = Path(tempfile.mkdtemp(prefix="hf-ao-publish-")) if auto_dir else req.output_dir
     assert out_root is not None
-    several = len(plan.recipes) > 1
     started = time.monotonic()
     base_dir = snapshot.fetch(plan, token)
     for outcome in outcomes:
         outcome.seconds["download"] = round(time.monotonic() - started, 3)
-    capability = recipe_registry.cuda_capability()
-    done: dict[str, tuple[Artifacts, VerifyReport]] = {}
-    samples: dict[str, Any] = {}
-    finals: dict[str, Path] = {}
-    caches: dict[str, ComponentCache] = {}
     work_dir = tempfile.TemporaryDirectory(prefix="hf-ao-verify-")
-    work = Path(work_dir.name)
+    run = _Run(req, plan, token, states, out_root, base_dir, Path(work_dir.name), recipe_registry.cuda_capability())
     try:
         for recipe in todo:
             outcome = next(o for o in outcomes if o.recipe == recipe.name)
             try:
-                folder = prepare_output(out_root, recipe, several)
-                outcome.folder = folder
-                finals[recipe.name] = folder
-                with _timed(outcome, "quantize"):
-                    cache = ComponentCache(default_root(), states[recipe.name]["fingerprint"])
-                    caches[recipe.name] = cache
-                    artifacts = quantize_recipe(plan, base_dir, recipe, partial_folder(folder, out_root),
-                                                recipe_registry.quantize_device(recipe, capability), engine=req.engine,
-                                                cache=cache)
-                outcome.components = [_component_json(c) for c in artifacts.components]
-                with _timed(outcome, "verify"):
-                    report = verify(artifacts, work / recipe.name, envs=req.verify_envs, base_dir=base_dir, token=token,
-                                    device=recipe_registry.run_device(recipe, capability))
-                outcome.report = report
-                outcome.verified = report.passed
-                require_passed(report)
-                building = artifacts.folder  # the .partial folder until finalize()
-                (building / ".gitattributes").write_text(GITATTRIBUTES)
-                state = dict(states[recipe.name], verified=report.passed)
-                (building / pushing.STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
-                if recipe_registry.run_device(recipe, capability) == "cuda" or req.benchmark:
-                    from .gpubench import measure
-
-                    bench_device = recipe_registry.run_device(recipe, capability)
-                    with _timed(outcome, "benchmark"):
-                        outcome.benchmark = measure(artifacts.components, report.expected, building, base_dir, bench_device)
-                if req.sample_prompt and plan.kind == "pipeline":
-                    from .sample import compare_samples
-
-                    samples[recipe.name] = compare_samples(base_dir, building, req.sample_prompt, req.sample_steps, req.sample_size,
-                                                         device=recipe_registry.run_device(recipe, capability))
-                    outcome.sample = {"image": samples[recipe.name].image, "psnr": samples[recipe.name].psnr}
-                done[recipe.name] = (artifacts, report)
+                _build(run, recipe, outcome)
             except PublishError as exc:
                 outcome.error = str(exc)
-                if recipe.name in finals:  # nothing half-made stays behind
-                    shutil.rmtree(partial_folder(finals[recipe.name], out_root), ignore_errors=True)
+                if recipe.name in run.finals:  # nothing half-made stays behind
+                    shutil.rmtree(partial_folder(run.finals[recipe.name], out_root), ignore_errors=True)
                 if not req.keep_going:
                     raise
                 log.error("%s: %s (continuing: --keep-going)", recipe.name, exc)
-        _write_cards(plan, req, done, samples, outcomes)
-        for name, (artifacts, report) in done.items():
-            finalize(artifacts, finals[name])
+        card.write_cards(plan, run.done, run.samples, {o.recipe: o.benchmark for o in outcomes}, command=req.command,
+                         sample={"prompt": req.sample_prompt, "steps": req.sample_steps, "size": req.sample_size},
+                         endpoint=_endpoint())
+        for name, (artifacts, report) in run.done.items():
+            finalize(artifacts, run.finals[name])
             report.location = str(artifacts.folder)
             report.write(artifacts.folder)
             if not req.push:  # the finished folder is the result: nothing left to resume
-                caches[name].drop([c.name for c in plan.quantized])
+                run.caches[name].drop([c.name for c in plan.quantized])
         for outcome in outcomes:
-            if outcome.recipe not in done:
+            if outcome.recipe not in run.done:
                 outcome.folder = None  # removed, or never finished: nothing there passes for a repo
             elif outcome.folder is not None:
                 outcome.files = _files(outcome.folder)
         if req.push:
             for outcome in outcomes:
-                if outcome.recipe not in done:
-                    continue
-                artifacts, report = done[outcome.recipe]
-                state = dict(states[outcome.recipe], verified=report.passed)
-                src = plan.source
-                message = f"Quantize {src.repo_id or src.local_dir.name}@{(src.sha or 'local')[:12]} with torchao {outcome.recipe}"  # type: ignore[union-attr]
-                push_started = time.monotonic()
-                try:
-                    result = pushing.push(
-                        artifacts.folder, report, repo_id=outcome.repo_id, token=token, private=req.private,
-                        create_pr=req.create_pr, message=message,
-                        description=_changes(previous.get(outcome.recipe), state) + f"\n\nMade with hf-ao-publish {__version__}.",
-                        state=state,
-                    )
-                except Exception as exc:  # re-raised: the outcome records the one-line reason for --json
-                    from .messages import describe
-
-                    outcome.error = (describe(exc) or (f"{type(exc).__name__}: {exc}", 1))[0]
-                    raise
-                outcome.url, outcome.commit, outcome.pr_url = result.url, result.commit, result.pr_url
-                outcome.up_to_date, outcome.pushed = result.up_to_date, not result.up_to_date
-                outcome.files = _files(artifacts.folder)
-                outcome.seconds["push"] = round(time.monotonic() - push_started, 3)
-                caches[outcome.recipe].drop([c.name for c in plan.quantized])  # published: nothing to resume
-                if outcome.pushed and not req.create_pr:
-                    _check_published(outcome, report, work / outcome.recipe, token)
+                if outcome.recipe in run.done:
+                    _push_one(run, outcome, previous.get(outcome.recipe))
     finally:
         work_dir.cleanup()
         if auto_dir and req.push:
@@ -341,6 +284,88 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
             for outcome in outcomes:
                 outcome.folder = None
     return outcomes
+
+
+def _up_to_date(req: PublishRequest, outcome: Outcome, state: dict[str, Any],
+                previous: dict[str, dict[str, Any] | None], token: str | None) -> bool:
+    """A re-run with nothing changed is a no-op: checked before any download. Records the target's
+    previous state (for the commit message) on the way."""
+    if not req.push:
+        return False
+    # With --create-pr the state that counts is our open PR's, when there is one.
+    pr = pushing.find_open_pr(outcome.repo_id, token) if req.create_pr else None
+    head, prev = pushing.published_state(outcome.repo_id, token, pr[1] if pr else None)
+    previous[outcome.recipe] = prev
+    if not ((pr or not req.create_pr) and prev and prev.get("fingerprint") == state["fingerprint"]):
+        return False
+    outcome.up_to_date, outcome.verified, outcome.commit = True, bool(prev.get("verified", True)), head
+    outcome.url = f"{_endpoint()}/{outcome.repo_id}"
+    outcome.pr_url = f"{outcome.url}/discussions/{pr[0]}" if pr else None
+    log.info("%s is up to date (same base sha, recipe, options and versions); nothing to do", outcome.repo_id)
+    return True
+
+
+def _build(run: _Run, recipe: Recipe, outcome: Outcome) -> None:
+    """The local stages for one recipe: quantize, verify, state file, measurements, sample."""
+    req, plan = run.req, run.plan
+    folder = prepare_output(run.out_root, recipe, len(plan.recipes) > 1)
+    outcome.folder = folder
+    run.finals[recipe.name] = folder
+    run_on = recipe_registry.run_device(recipe, run.capability)
+    with _timed(outcome, "quantize"):
+        cache = run.caches[recipe.name] = ComponentCache(default_root(), run.states[recipe.name]["fingerprint"])
+        artifacts = quantize_recipe(plan, run.base_dir, recipe, partial_folder(folder, run.out_root),
+                                    recipe_registry.quantize_device(recipe, run.capability), engine=req.engine, cache=cache)
+    outcome.components = [_component_json(c) for c in artifacts.components]
+    with _timed(outcome, "verify"):
+        report = verify(artifacts, run.work / recipe.name, envs=req.verify_envs, base_dir=run.base_dir,
+                        token=run.token, device=run_on)
+    outcome.report = report
+    outcome.verified = report.passed
+    require_passed(report)
+    building = artifacts.folder  # the .partial folder until finalize()
+    (building / ".gitattributes").write_text(GITATTRIBUTES)
+    state = dict(run.states[recipe.name], verified=report.passed)
+    (building / pushing.STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+    if run_on == "cuda" or req.benchmark:
+        from .gpubench import measure
+
+        with _timed(outcome, "benchmark"):
+            outcome.benchmark = measure(artifacts.components, report.expected, building, run.base_dir, run_on)
+    if req.sample_prompt and plan.kind == "pipeline":
+        from .sample import compare_samples
+
+        sample = run.samples[recipe.name] = compare_samples(run.base_dir, building, req.sample_prompt, req.sample_steps,
+                                                            req.sample_size, device=run_on)
+        outcome.sample = {"image": sample.image, "psnr": sample.psnr}
+    run.done[recipe.name] = (artifacts, report)
+
+
+def _push_one(run: _Run, outcome: Outcome, previous: dict[str, Any] | None) -> None:
+    artifacts, report = run.done[outcome.recipe]
+    state = dict(run.states[outcome.recipe], verified=report.passed)
+    src = run.plan.source
+    message = f"Quantize {src.repo_id or src.local_dir.name}@{(src.sha or 'local')[:12]} with torchao {outcome.recipe}"  # type: ignore[union-attr]
+    started = time.monotonic()
+    try:
+        result = pushing.push(
+            artifacts.folder, report, repo_id=outcome.repo_id, token=run.token, private=run.req.private,
+            create_pr=run.req.create_pr, message=message,
+            description=_changes(previous, state) + f"\n\nMade with hf-ao-publish {__version__}.",
+            state=state,
+        )
+    except Exception as exc:  # re-raised: the outcome records the one-line reason for --json
+        from .messages import describe
+
+        outcome.error = (describe(exc) or (f"{type(exc).__name__}: {exc}", 1))[0]
+        raise
+    outcome.url, outcome.commit, outcome.pr_url = result.url, result.commit, result.pr_url
+    outcome.up_to_date, outcome.pushed = result.up_to_date, not result.up_to_date
+    outcome.files = _files(artifacts.folder)
+    outcome.seconds["push"] = round(time.monotonic() - started, 3)
+    run.caches[outcome.recipe].drop([c.name for c in run.plan.quantized])  # published: nothing to resume
+    if outcome.pushed and not run.req.create_pr:
+        _check_published(outcome, report, run.work / outcome.recipe, run.token)
 
 
 def _check_published(outcome: Outcome, report: VerifyReport, work: Path, token: str | None) -> None:
@@ -398,46 +423,3 @@ def _component_json(c: Any) -> dict[str, Any]:
     }
 
 
-def _write_cards(plan: planning.Plan, req: PublishRequest, done: dict[str, tuple[Artifacts, VerifyReport]],
-                 samples: dict[str, Any], outcomes: list[Outcome]) -> None:
-    """Cards are written once every recipe is done, so each can link to its sibling variants."""
-    variants = []
-    if len(done) > 1:
-        for name, (artifacts, report) in done.items():
-            recipe = recipe_registry.get(name)
-            quality = ", ".join(f"{q.component} {q.rel_error:.4f}" for q in report.quality) or "n/a"
-            variants.append({
-                "recipe": name, "repo_id": plan.targets[name], "url": f"{_endpoint()}/{plan.targets[name]}",
-                "size": sum(_files(artifacts.folder).values()), "runs_on": recipe.run.describe(), "quality": quality,
-            })
-    for name, (artifacts, report) in done.items():
-        notes = []
-        produced_on = "CPU"
-        if artifacts.device == "cuda":
-            import torch
-
-            produced_on = f"{torch.cuda.get_device_name()} (compute capability {'.'.join(map(str, torch.cuda.get_device_capability()))})"
-        elif artifacts.recipe.quantize.cuda:
-            checks = [c.fp8_check for c in artifacts.components if c.fp8_check]
-            worst = max((c["worst_ratio"] for c in checks), default=0.0)
-            notes.append(
-                "These FP8 weights were produced on a CPU: torchao's own FP8 handler ran without its GPU "
-                "assertion (publisher/fp8cpu.py), which gives the same bytes as on a GPU without the mslk kernels. "
-                f"Every dequantized weight is within the e4m3 error bound of the bf16 base (worst {worst:.2f} of the bound, "
-                f"{sum(c['checked'] for c in checks)} weights). Running them with FP8 speed-ups needs {artifacts.recipe.run.describe()}."
-            )
-        bench = next((o.benchmark for o in outcomes if o.recipe == name), None)
-        inputs = card.CardInputs(
-            command=req.command,
-            sample={"prompt": req.sample_prompt or ("a photo of a cat" if plan.kind == "pipeline" else "The capital of France is"),
-                    "steps": req.sample_steps, "size": req.sample_size},
-            variants=variants,
-            produced_on=produced_on,
-            benchmark=bench,
-            extra_notes=notes,
-            sample_image=samples[name].image if name in samples else None,
-            psnr=samples[name].psnr if name in samples else None,
-        )
-        text = card.render(plan, artifacts, report, plan.targets[name], inputs)
-        (artifacts.folder / "README.md").write_text(text, encoding="utf-8")
-        report.write(artifacts.folder)

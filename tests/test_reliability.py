@@ -356,7 +356,6 @@ def test_disk_full_while_writing_weights_is_one_line_and_pushes_nothing(hub: Any
 def test_unsafe_base_file_names_are_refused_before_download(cli: Any, hub: Any, tiny_llama_dir: Path,
                                                             tmp_path: Path) -> None:
     from huggingface_hub import CommitOperationAdd
-    from huggingface_hub.errors import HfHubHTTPError
 
     from publisher.errors import SourceError
     from publisher.plan import Component, _base_files
