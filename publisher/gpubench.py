@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .verify_worker import forward, load_component
+
 log = logging.getLogger(__name__)
 
 
@@ -32,20 +34,13 @@ def _allocated_mb(device: str, peak: bool = False) -> float | None:
     return round((torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()) / 2**20, 1)
 
 
-def _forward(model: Any, library: str, inputs: dict[str, Any]) -> Any:
-    import torch
-
-    with torch.inference_mode():
-        return model(**inputs, return_dict=False) if library == "diffusers" else model(**inputs)
-
-
 def _latency_ms(model: Any, library: str, inputs: dict[str, Any], device: str, iters: int) -> float:
-    _forward(model, library, inputs)  # warm-up (and the compile, for a compiled model)
+    forward(model, library, inputs)  # warm-up (and the compile, for a compiled model)
     times = []
     for _ in range(iters):
         _sync(device)
         start = time.perf_counter()
-        _forward(model, library, inputs)
+        forward(model, library, inputs)
         _sync(device)
         times.append((time.perf_counter() - start) * 1e3)
     return round(statistics.median(times), 3)
@@ -55,16 +50,13 @@ def _measure(folder: Path, library: str, class_name: str, inputs_file: Path, dev
     import torch
     from safetensors.torch import load_file
 
-    lib = __import__(library)
-    cls = getattr(lib, class_name)
-    dtype_key = "torch_dtype" if library == "diffusers" else "dtype"
     before = _allocated_mb(device)
-    model = cls.from_pretrained(folder, **{dtype_key: torch.bfloat16}, **({"device_map": device} if device == "cuda" else {})).eval()
+    model = load_component(library, class_name, folder, device=device)
     after = _allocated_mb(device)
     inputs = {k: v.to(device) for k, v in load_file(str(inputs_file)).items()}
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    _forward(model, library, inputs)
+    forward(model, library, inputs)
     row: dict[str, Any] = {
         "weights_mb": round(after - before, 1) if after is not None and before is not None else None,
         "forward_peak_mb": _allocated_mb(device, peak=True),

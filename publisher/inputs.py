@@ -44,3 +44,13 @@ def build_inputs(library: str, class_name: str, config: dict[str, Any], seed: in
             "encoder_hidden_states": torch.randn(1, 8, config["cross_attention_dim"], generator=gen).to(bf16),
         }
     return None
+
+
+def save_inputs(inputs: dict[str, Any] | None, path: Any) -> Any:
+    """Write the inputs as safetensors (workers load them without any pickle); the path, or None."""
+    if inputs is None:
+        return None
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in inputs.items()}, str(path))
+    return path

@@ -121,7 +121,9 @@ def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, d
             src = base_dir / comp.name if comp.name else base_dir
             dst = partial / comp.name if comp.name else partial
             reused = cache.load(comp.name, dst) if cache is not None else None
-            reason = _streaming_reason(comp, src, recipe, device) if engine != "library" and reused is None else "--engine library"
+            reason = None
+            if reused is None:
+                reason = _streaming_reason(comp, src, recipe, device) if engine != "library" else "--engine library"
             if reused is not None:
                 # finished by an interrupted run with the same key; verified like a streamed component
                 qc = QuantizedComponent(**reused)
@@ -184,11 +186,9 @@ def _stream_component(plan: Plan, src: Path, comp: Component, recipe: Recipe, ou
 
 def _reload(comp: Component, out: Path) -> Any:
     """The saved component, loaded as a user would (for checks that need the tensors)."""
-    import torch
+    from .verify_worker import load_component
 
-    lib = __import__(comp.library)
-    kwargs = {"torch_dtype" if comp.library == "diffusers" else "dtype": torch.bfloat16}
-    return getattr(lib, comp.class_name).from_pretrained(out / comp.name if comp.name else out, **kwargs)
+    return load_component(comp.library, comp.class_name, out / comp.name if comp.name else out)
 
 
 def _copy_unchanged(plan: Plan, base_dir: Path, out: Path) -> None:
@@ -228,13 +228,14 @@ def _quantize_component(plan: Plan, base_dir: Path, comp: Component, recipe: Rec
                 model = cls.from_pretrained(src, quantization_config=qconf, torch_dtype=torch.bfloat16, **placement)
         else:
             import transformers
+            from accelerate import init_empty_weights
             from transformers.quantizers.base import get_keys_to_not_convert
 
             cls = getattr(transformers, comp.class_name)
             if exclude:
                 # transformers drops its default skips (lm_head, tied embeddings) once a list is
                 # given; keep them, as the user only asked for more exclusions
-                with __import__("accelerate").init_empty_weights():
+                with init_empty_weights():
                     meta = cls._from_config(cls.config_class.from_pretrained(src))
                 exclude = sorted(set(get_keys_to_not_convert(meta)) | set(exclude))
             qconf = transformers.TorchAoConfig(config, modules_to_not_convert=exclude)

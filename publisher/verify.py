@@ -19,7 +19,7 @@ from typing import Any
 
 from . import verify_worker
 from .errors import VerificationError
-from .inputs import build_inputs
+from .inputs import build_inputs, save_inputs
 from .quantize import Artifacts
 
 log = logging.getLogger(__name__)
@@ -101,38 +101,24 @@ class _Expected:
 
 def record_expected(artifacts: Artifacts, work: Path, device: str = "cpu") -> tuple[list[_Expected], list[str]]:
     """Inputs, outputs and digests of every in-memory quantized component; then the models are freed."""
-    import torch
-    from safetensors.torch import save_file
-
     expected: list[_Expected] = []
     notes: list[str] = []
     for comp in artifacts.components:
+        folder = artifacts.folder / comp.name if comp.name else artifacts.folder
+        inputs = build_inputs(comp.library, comp.class_name, json.loads((folder / "config.json").read_text()))
+        inputs_file = save_inputs(inputs, work / f"inputs-{comp.label}.safetensors")
         model = artifacts.models.get(comp.name)
         if model is None:
-            # Streamed: never held in memory. Its reference is the library-path reload in a fresh
-            # process (see verify()); the streaming engine's bytes equal the library path's (tests).
-            config = json.loads(((artifacts.folder / comp.name) if comp.name else artifacts.folder).joinpath("config.json").read_text())
-            inputs = build_inputs(comp.library, comp.class_name, config)
-            inputs_file = None
-            if inputs is not None:
-                inputs_file = work / f"inputs-{comp.label}.safetensors"
-                save_file({k: v.contiguous() for k, v in inputs.items()}, str(inputs_file))
+            # Streamed (or resumed): never held in memory. Its reference is the library-path reload in a
+            # fresh process (see verify()); the streaming engine's bytes equal the library path's (tests).
             expected.append(_Expected(comp.name, comp.library, comp.class_name, inputs_file, None, {}, comp.quantized,
                                       "the library-path reload", needs_reference=True))
             continue
-        config = dict(model.config) if comp.library == "diffusers" else model.config.to_dict()
-        inputs = build_inputs(comp.library, comp.class_name, config)
         output = None
-        inputs_file = None
         if inputs is not None:
-            inputs_file = work / f"inputs-{comp.label}.safetensors"
-            save_file({k: v.contiguous() for k, v in inputs.items()}, str(inputs_file))
             model.to(device)
-            on_device = {k: v.to(device) for k, v in inputs.items()}
             try:
-                with torch.inference_mode():
-                    out = model(**on_device, return_dict=False) if comp.library == "diffusers" else model(**on_device)
-                output = out[0].detach().cpu().clone()
+                output = verify_worker.forward(model, comp.library, {k: v.to(device) for k, v in inputs.items()}).detach().cpu().clone()
             except (RuntimeError, NotImplementedError) as exc:
                 if not (device == "cpu" and artifacts.recipe.run.cuda):
                     raise VerificationError(f"the quantized {comp.label} cannot run a forward pass on {device}: {exc}") from exc
@@ -311,14 +297,8 @@ def quality_against_base(expected: list[_Expected], base_dir: Path) -> list[Qual
             log.warning("quality of %s not measured: its bf16 base (%.1f GB) does not fit in free memory",
                         exp.component or "model", base_bytes / 1e9)
             continue
-        library = __import__(exp.library)
-        cls = getattr(library, exp.class_name)
-        kwargs = {"torch_dtype" if exp.library == "diffusers" else "dtype": torch.bfloat16}
-        src = base_dir / exp.component if exp.component else base_dir
-        base = cls.from_pretrained(src, **kwargs).eval()
-        inputs = load_file(str(exp.inputs))
-        with torch.inference_mode():
-            ref = (base(**inputs, return_dict=False) if exp.library == "diffusers" else base(**inputs))[0].float()
+        base = verify_worker.load_component(exp.library, exp.class_name, src_dir)
+        ref = verify_worker.forward(base, exp.library, load_file(str(exp.inputs))).float()
         del base
         gc.collect()
         q = exp.output.float()

@@ -20,7 +20,7 @@ from typing import Any
 from . import recipes as recipe_registry
 from .errors import QuantizeError, SourceError
 from .fp8cpu import cpu_quantization_context
-from .inputs import build_inputs
+from .inputs import build_inputs, save_inputs
 from .push import STATE_FILE
 from .verify import PATHS, VerifyReport, _Expected, check_location, compare, run_worker
 
@@ -91,12 +91,7 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), token:
                           tensor_class=tensor_class or "torchao tensor")
     for comp in comps:
         inputs = build_inputs(comp.library, comp.class_name, comp.config)
-        inputs_file = None
-        if inputs is not None:
-            from safetensors.torch import save_file
-
-            inputs_file = work / f"inputs-{comp.name or 'model'}.safetensors"
-            save_file({k: v.contiguous() for k, v in inputs.items()}, str(inputs_file))
+        inputs_file = save_inputs(inputs, work / f"inputs-{comp.name or 'model'}.safetensors")
         exp = _reference_from_base(comp, state, recipe, work, inputs, inputs_file, token, device) if (requantize and state and recipe) else None
         if exp is None:
             # No reachable base: the library path in this environment is the reference; every other path must agree.
@@ -121,9 +116,7 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), token:
 def _reference_from_base(comp: TargetComponent, state: dict[str, Any], recipe: Any, work: Path, inputs: Any,
                          inputs_file: Path | None, token: str | None, device: str) -> _Expected | None:
     """Re-quantize the recorded base component with the recorded recipe, in memory."""
-    import torch
-
-    from .verify_worker import inspect_model
+    from .verify_worker import forward, inspect_model, load_component
 
     base, sha = state.get("base_model"), state.get("base_sha")
     try:
@@ -141,20 +134,14 @@ def _reference_from_base(comp: TargetComponent, state: dict[str, Any], recipe: A
         return None
     log.info("re-quantizing %s of %s@%s with %s for the reference", comp.name or "model", base, sha, recipe.name)
     config = recipe_registry.build_config(recipe)
-    lib = __import__(comp.library)
-    cls = getattr(lib, comp.class_name)
-    qconf_cls = lib.TorchAoConfig
+    qconf_cls = __import__(comp.library).TorchAoConfig  # diffusers' or transformers' own
     not_convert = (comp.config.get("quantization_config") or {}).get("modules_to_not_convert")
-    sub = src / comp.name if comp.name else src
-    kwargs = {"torch_dtype" if comp.library == "diffusers" else "dtype": torch.bfloat16}
-    capability = recipe_registry.cuda_capability()
-    qdevice = recipe_registry.quantize_device(recipe, capability)
-    placement = {"device_map": qdevice} if qdevice == "cuda" else {}
+    qdevice = recipe_registry.quantize_device(recipe, recipe_registry.cuda_capability())
     context = cpu_quantization_context(recipe) if qdevice == "cpu" else nullcontext()
     try:
         with context:
-            model = cls.from_pretrained(sub, quantization_config=qconf_cls(config, modules_to_not_convert=not_convert),
-                                        **kwargs, **placement).eval()
+            model = load_component(comp.library, comp.class_name, src / comp.name if comp.name else src, device=qdevice,
+                                   quantization_config=qconf_cls(config, modules_to_not_convert=not_convert))
     except (AssertionError, RuntimeError, ValueError, ImportError, NotImplementedError) as exc:
         raise QuantizeError(
             f"re-quantizing {comp.name or 'model'} of {base} with {recipe.name} failed ({exc}); "
@@ -164,10 +151,7 @@ def _reference_from_base(comp: TargetComponent, state: dict[str, Any], recipe: A
     output = None
     if inputs is not None:
         model.to(device)
-        with torch.inference_mode():
-            on_device = {k: v.to(device) for k, v in inputs.items()}
-            out = model(**on_device, return_dict=False) if comp.library == "diffusers" else model(**on_device)
-        output = out[0].detach().cpu().clone()
+        output = forward(model, comp.library, {k: v.to(device) for k, v in inputs.items()}).detach().cpu().clone()
     quantized = [n for n, c in info["linear_classes"].items() if c == recipe.tensor_class]
     del model
     gc.collect()

@@ -40,20 +40,29 @@ def _model_class(library: str, class_name: str) -> Any:
     return getattr(module, class_name)
 
 
-def _load_library(req: dict[str, Any]) -> Any:
+def load_component(library: str, class_name: str, location: Any, *, device: str = "cpu", **kwargs: Any) -> Any:
+    """``<Class>.from_pretrained`` in bfloat16, as a user would load one component (the package's
+    other stages use this too, so every load goes the same way)."""
     import torch
 
-    cls = _model_class(req["library"], req["class_name"])
-    kwargs: dict[str, Any] = {}
-    if (req.get("device") or "cpu") != "cpu":
-        kwargs["device_map"] = req["device"]  # GPU-only layouts (int4 tile-packed) are placed as they load
-    if req.get("subfolder"):
-        kwargs["subfolder"] = req["subfolder"]
-    if req.get("revision"):
-        kwargs["revision"] = req["revision"]
-    dtype_key = "torch_dtype" if req["library"] == "diffusers" else "dtype"
-    kwargs[dtype_key] = torch.bfloat16
-    return cls.from_pretrained(req["location"], **kwargs)
+    if device != "cpu":
+        kwargs["device_map"] = device  # GPU-only layouts (int4 tile-packed) are placed as they load
+    kwargs["torch_dtype" if library == "diffusers" else "dtype"] = torch.bfloat16
+    return _model_class(library, class_name).from_pretrained(location, **kwargs).eval()
+
+
+def forward(model: Any, library: str, inputs: dict[str, Any]) -> Any:
+    """The first output of one forward pass (diffusers models return a tuple with return_dict=False)."""
+    import torch
+
+    with torch.inference_mode():
+        out = model(**inputs, return_dict=False) if library == "diffusers" else model(**inputs)
+    return out[0]
+
+
+def _load_library(req: dict[str, Any]) -> Any:
+    extra = {k: req[k] for k in ("subfolder", "revision") if req.get(k)}
+    return load_component(req["library"], req["class_name"], req["location"], device=req.get("device") or "cpu", **extra)
 
 
 def _local_folder(req: dict[str, Any]) -> Path:
@@ -153,19 +162,12 @@ def inspect_model(model: Any) -> dict[str, Any]:
     return {"linear_classes": classes, "digests": digests}
 
 
-def run_forward(model: Any, inputs_file: str, output_file: str, device: str = "cpu") -> None:
-    import torch
+def run_forward(model: Any, library: str, inputs_file: str, output_file: str, device: str = "cpu") -> None:
     from safetensors.torch import load_file, save_file
 
     inputs = {k: v.to(device) for k, v in load_file(inputs_file).items()}
-    with torch.inference_mode():
-        out = model(**inputs, return_dict=False) if _is_diffusers(model) else model(**inputs)
-    first = out[0]
+    first = forward(model, library, inputs)
     save_file({"output": first.detach().contiguous().cpu()}, output_file)
-
-
-def _is_diffusers(model: Any) -> bool:
-    return type(model).__module__.startswith("diffusers")
 
 
 def main(request_file: str) -> int:
@@ -182,7 +184,7 @@ def main(request_file: str) -> int:
         model.to(device)
         result.update(inspect_model(model))
         if req.get("inputs"):
-            run_forward(model, req["inputs"], req["output"], device)
+            run_forward(model, req["library"], req["inputs"], req["output"], device)
             result["output"] = req["output"]
         result["ok"] = True
     except Exception as exc:  # reported to the parent, which decides; this process only loads and reports

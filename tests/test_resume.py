@@ -10,29 +10,34 @@ from typing import Any
 import pytest
 
 
-@pytest.mark.slow
-def test_interrupted_run_reuses_finished_components(cli: Any, tiny_llama_dir: Path, tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+def _interrupted_run(cli: Any, args: list[str], monkeypatch: pytest.MonkeyPatch, cache: Path) -> None:
+    """Run the CLI with verification failing right after quantization, then restore verification."""
     from publisher import publish
     from publisher.errors import VerificationError
 
-    cache = tmp_path / "cache"
     monkeypatch.setenv("HF_AO_PUBLISH_CACHE", str(cache))
-    caplog.set_level(logging.INFO, logger="publisher")
     real_verify = publish.verify
 
-    def interrupted(*args: Any, **kwargs: Any) -> Any:
+    def interrupted(*a: Any, **k: Any) -> Any:
         raise VerificationError("injected: the run stops after quantization")
 
     monkeypatch.setattr(publish, "verify", interrupted)
+    assert cli(*args).exit_code == 1
+    monkeypatch.setattr(publish, "verify", real_verify)
+
+
+@pytest.mark.slow
+def test_interrupted_run_reuses_finished_components(cli: Any, tiny_llama_dir: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    cache = tmp_path / "cache"
+    caplog.set_level(logging.INFO, logger="publisher")
     out = tmp_path / "out"
     args = [str(tiny_llama_dir), "--quant", "int8wo", "--no-push", "--output-dir", str(out), "--json"]
-    assert cli(*args).exit_code == 1
+    _interrupted_run(cli, args, monkeypatch, cache)
     assert not (out / "README.md").exists()  # nothing passes for finished
     entries = [p for p in cache.iterdir() if not p.name.endswith(".tmp")]
     assert len(entries) == 1 and (entries[0] / "hf-ao-publish-cache.json").is_file()
 
-    monkeypatch.setattr(publish, "verify", real_verify)
     caplog.clear()
     result = cli(*args)
     assert result.exit_code == 0, result.output
@@ -45,24 +50,16 @@ def test_interrupted_run_reuses_finished_components(cli: Any, tiny_llama_dir: Pa
 @pytest.mark.slow
 def test_damaged_cache_entry_is_quantized_again(cli: Any, tiny_llama_dir: Path, tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
-    from publisher import publish
-    from publisher.errors import VerificationError
-
     cache = tmp_path / "cache"
-    monkeypatch.setenv("HF_AO_PUBLISH_CACHE", str(cache))
     caplog.set_level(logging.INFO, logger="publisher")
-    real_verify = publish.verify
-    monkeypatch.setattr(publish, "verify", lambda *a, **k: (_ for _ in ()).throw(VerificationError("injected")))
-    out = tmp_path / "out"
-    args = [str(tiny_llama_dir), "--quant", "int8wo", "--no-push", "--output-dir", str(out)]
-    assert cli(*args).exit_code == 1
+    args = [str(tiny_llama_dir), "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "out")]
+    _interrupted_run(cli, args, monkeypatch, cache)
     entry = next(cache.iterdir())
     shard = entry / "model.safetensors"
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
     shard.unlink()  # a new inode: the damage must not reach anything else linked to the old one
     shard.write_bytes(bytes(data))
-    monkeypatch.setattr(publish, "verify", real_verify)
     caplog.clear()
     result = cli(*args)
     assert result.exit_code == 0, result.output
