@@ -143,14 +143,20 @@ def recipes_cmd(as_json: bool) -> None:
 @click.option("--benchmark", is_flag=True, help="Measure latency (and GPU memory) against bf16 for the card; always on with a GPU.")
 @click.option("--engine", type=click.Choice(["auto", "streaming", "library"]), default="auto", show_default=True,
               help="auto: the streaming engine (one tensor in memory) where it applies, else the library path.")
+@click.option("--low-disk/--no-low-disk", "low_disk", default=None,
+              help="Read the quantized components' base weights by HTTP range instead of downloading them "
+                   "(default: only when the download would not fit on disk).")
+@click.option("--verify-mode", type=click.Choice(["auto", "full", "streaming"]), default="auto", show_default=True,
+              help="full: reload each component whole in fresh processes; streaming: tensor by tensor and block by "
+                   "block (bounded memory); auto: full when it fits in memory.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the result on stdout.")
 @click.option("--debug", is_flag=True, help="Show tracebacks.")
 @click.option("--quiet", is_flag=True, help="Only warnings and errors on stderr.")
 def publish_cmd(model_id: str, quant: tuple[str, ...], components: str | None, exclude: tuple[str, ...], repo_id: str | None,
                 revision: str | None, private: bool, token: str | None, output_dir: Path | None, no_push: bool,
                 create_pr: bool, trust_remote_code: bool, keep_going: bool, verify_envs: tuple[str, ...],
-                sample_prompt: str | None, sample_steps: int, sample_size: int, benchmark: bool, engine: str, as_json: bool, debug: bool,
-                quiet: bool) -> None:
+                sample_prompt: str | None, sample_steps: int, sample_size: int, benchmark: bool, engine: str, low_disk: bool | None,
+                verify_mode: str, as_json: bool, debug: bool, quiet: bool) -> None:
     """Quantize MODEL_ID (Hub repo id or local folder), verify, card and push it.
 
     \b
@@ -158,6 +164,10 @@ def publish_cmd(model_id: str, quant: tuple[str, ...], components: str | None, e
       hf-ao-publish black-forest-labs/FLUX.1-dev --quant int8wo
       hf-ao-publish ./my-llama --quant int8wo,float8wo --no-push --output-dir out
     """
+    if verify_envs and verify_mode == "streaming":
+        raise click.UsageError("--verify-env reloads whole components in another interpreter; use --verify-mode full or auto with it")
+    if low_disk and engine == "library":
+        raise click.UsageError("--low-disk reads weights by HTTP range, which only the streaming engine does; drop --engine library")
     _setup_logging(debug, quiet)
     _prefer_lfs_for_local_hub()
     from .publish import PublishRequest, run
@@ -181,6 +191,8 @@ def publish_cmd(model_id: str, quant: tuple[str, ...], components: str | None, e
         sample_steps=sample_steps,
         sample_size=sample_size,
         engine=engine,
+        low_disk=low_disk,
+        verify_mode="full" if verify_envs and verify_mode == "auto" else verify_mode,
         benchmark=benchmark,
         command=_command_line(click.get_current_context()),
     )

@@ -49,6 +49,8 @@ class PublishRequest:
     sample_steps: int = 28
     sample_size: int = 1024
     engine: str = "auto"  # "auto" | "streaming" | "library"
+    low_disk: bool | None = None  # None: auto (only when the download would not fit)
+    verify_mode: str = "auto"  # "auto" | "full" | "streaming"
     benchmark: bool = False  # measure latency/memory vs bf16 also on a CPU (always on a GPU)
     command: str = "hf-ao-publish"
 
@@ -222,6 +224,7 @@ class _Run:
     base_dir: Path
     work: Path
     capability: tuple[int, int] | None
+    remote: snapshot.RemoteWeights | None = None  # --low-disk: quantized components' weights read by HTTP range
     done: dict[str, tuple[Artifacts, VerifyReport]] = field(default_factory=dict)
     samples: dict[str, Any] = field(default_factory=dict)
     finals: dict[str, Path] = field(default_factory=dict)
@@ -238,15 +241,20 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
     auto_dir = req.output_dir is None
     from huggingface_hub import constants
 
-    resources.check(plan, req.output_dir or Path(tempfile.gettempdir()), Path(constants.HF_HUB_CACHE), req.engine)
+    if req.low_disk and plan.source.local_dir is not None:
+        log.info("--low-disk has no effect on a local base folder: its weights are already on disk")
+    estimate = resources.check(plan, req.output_dir or Path(tempfile.gettempdir()), Path(constants.HF_HUB_CACHE),
+                               req.engine, req.low_disk)
+    remote = snapshot.RemoteWeights(plan, token) if estimate.low_disk else None
     out_root = Path(tempfile.mkdtemp(prefix="hf-ao-publish-")) if auto_dir else req.output_dir
     assert out_root is not None
     started = time.monotonic()
-    base_dir = snapshot.fetch(plan, token)
+    base_dir = snapshot.fetch(plan, token, skip=remote.files if remote is not None else frozenset())
     for outcome in outcomes:
         outcome.seconds["download"] = round(time.monotonic() - started, 3)
     work_dir = tempfile.TemporaryDirectory(prefix="hf-ao-verify-")
-    run = _Run(req, plan, token, states, out_root, base_dir, Path(work_dir.name), recipe_registry.cuda_capability())
+    run = _Run(req, plan, token, states, out_root, base_dir, Path(work_dir.name), recipe_registry.cuda_capability(),
+               remote)
     try:
         for recipe in todo:
             outcome = next(o for o in outcomes if o.recipe == recipe.name)
@@ -254,6 +262,8 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
                 _build(run, recipe, outcome)
             except PublishError as exc:
                 outcome.error = str(exc)
+                if isinstance(exc, VerificationError) and recipe.name in run.caches:
+                    run.caches[recipe.name].drop([c.name for c in plan.quantized])  # never reuse what failed
                 if recipe.name in run.finals:  # nothing half-made stays behind
                     shutil.rmtree(partial_folder(run.finals[recipe.name], out_root), ignore_errors=True)
                 if not req.keep_going:
@@ -315,11 +325,12 @@ def _build(run: _Run, recipe: Recipe, outcome: Outcome) -> None:
     with _timed(outcome, "quantize"):
         cache = run.caches[recipe.name] = ComponentCache(default_root(), run.states[recipe.name]["fingerprint"])
         artifacts = quantize_recipe(plan, run.base_dir, recipe, partial_folder(folder, run.out_root),
-                                    recipe_registry.quantize_device(recipe, run.capability), engine=req.engine, cache=cache)
+                                    recipe_registry.quantize_device(recipe, run.capability), engine=req.engine, cache=cache,
+                                    remote=run.remote)
     outcome.components = [_component_json(c) for c in artifacts.components]
     with _timed(outcome, "verify"):
-        report = verify(artifacts, run.work / recipe.name, envs=req.verify_envs, base_dir=run.base_dir,
-                        token=run.token, device=run_on)
+        report = verify(artifacts, run.work / recipe.name, envs=req.verify_envs, base_sources=_base_sources(run),
+                        token=run.token, device=run_on, mode=req.verify_mode)
     outcome.report = report
     outcome.verified = report.passed
     require_passed(report)
@@ -368,10 +379,30 @@ def _push_one(run: _Run, outcome: Outcome, previous: dict[str, Any] | None) -> N
         _check_published(outcome, report, run.work / outcome.recipe, run.token)
 
 
+def _base_sources(run: _Run) -> dict[str, Any]:
+    """Where each quantized component's bf16 base is read for the quality figures (one block at a time)."""
+    from .streaming.sources import LocalShards
+
+    sources: dict[str, Any] = {}
+    for comp in run.plan.quantized:
+        local = run.base_dir / comp.name if comp.name else run.base_dir
+        downloaded = run.remote is None or any(local.glob("*.safetensors"))
+        sources[comp.name] = LocalShards(local) if downloaded else run.remote.source(comp)  # type: ignore[union-attr]
+    return sources
+
+
 def _check_published(outcome: Outcome, report: VerifyReport, work: Path, token: str | None) -> None:
-    """Load the published repo itself (library path) and compare with the in-memory model again."""
-    results = check_location(report.expected, outcome.repo_id, outcome.commit, work, token=token,
-                             tensor_class=report.tensor_class, paths=("library",), device=report.device)
+    """Load the published repo itself and compare with the in-memory model again: the library path, or, when the
+    folder was verified streaming, tensor by tensor and block by block over HTTP range reads of the commit."""
+    if report.mode == "streaming":
+        from .streaming.sources import HubShards
+        from .verify import streaming_check
+
+        results = [streaming_check(exp, HubShards(outcome.repo_id, outcome.commit, exp.component, token),
+                                   report.tensor_class) for exp in report.expected]
+    else:
+        results = check_location(report.expected, outcome.repo_id, outcome.commit, work, token=token,
+                                 tensor_class=report.tensor_class, paths=("library",), device=report.device)
     for r in results:
         r.env = "current, from the Hub"
     outcome.published_check = [asdict(r) for r in results]

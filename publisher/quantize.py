@@ -39,6 +39,7 @@ class QuantizedComponent:
     fp8_check: dict[str, Any] | None = None  # FP8 made on a CPU: dequantized weights vs the bf16 base
     peak_rss_bytes: int | None = None  # streaming engine: the process's peak RSS after this component
     stage_seconds: dict[str, float] = field(default_factory=dict)
+    digests: dict[str, str] = field(default_factory=dict, repr=False)  # streaming engine: in-memory tensor digests
 
     @property
     def label(self) -> str:
@@ -105,11 +106,13 @@ def finalize(artifacts: Artifacts, folder: Path) -> None:
 
 
 def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, device: str = "cpu",
-                    engine: str = "auto", cache: Any = None) -> Artifacts:
+                    engine: str = "auto", cache: Any = None, remote: Any = None) -> Artifacts:
     """Quantize every planned component with ``recipe`` and write the standalone repo into ``folder``.
 
     engine "auto": the streaming engine (one tensor in memory, same bytes as the library path) for every
-    component it supports, the library path otherwise; "library" / "streaming" force one."""
+    component it supports, the library path otherwise; "library" / "streaming" force one.
+    ``remote`` (``snapshot.RemoteWeights``, --low-disk): the quantized components' weight files were not
+    downloaded; the streaming engine reads them by HTTP range, the library path has them fetched first."""
     if partial.exists():
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
@@ -123,23 +126,27 @@ def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, d
             reused = cache.load(comp.name, dst) if cache is not None else None
             reason = None
             if reused is None:
-                reason = _streaming_reason(comp, src, recipe, device) if engine != "library" else "--engine library"
+                reason = (_streaming_reason(comp, src, recipe, device, remote) if engine != "library"
+                          else "--engine library")
             if reused is not None:
                 # finished by an interrupted run with the same key; verified like a streamed component
                 qc = QuantizedComponent(**reused)
                 model = None
             elif reason is None:
-                log.info("quantizing %s (%s) with %s (streaming engine)", comp.label, comp.class_name, recipe.name)
-                qc = _stream_component(plan, src, comp, recipe, partial, device)
+                log.info("quantizing %s (%s) with %s (streaming engine%s)", comp.label, comp.class_name, recipe.name,
+                         ", reading the base by HTTP range" if remote is not None else "")
+                qc = _stream_component(plan, src, comp, recipe, partial, device, remote)
                 model = None
             else:
                 if engine == "streaming":
                     raise QuantizeError(f"--engine streaming cannot quantize {comp.label}: {reason}; use --engine auto")
                 log.info("quantizing %s (%s) with %s (library path: %s)", comp.label, comp.class_name, recipe.name, reason)
+                if remote is not None:
+                    remote.download(comp)  # the library loaders read local files only
                 model, qc = _quantize_component(plan, base_dir, comp, recipe, partial, device)
                 models[comp.name] = model
-            if device == "cpu" and recipe.cpu_producible and reused is None:
-                qc.fp8_check = fp8_dequant_check(model if model is not None else _reload(comp, partial), src)
+            if device == "cpu" and recipe.cpu_producible and model is not None:
+                qc.fp8_check = fp8_dequant_check(model, src)  # streamed components were checked tensor by tensor
             if cache is not None and reused is None:
                 cache.store(comp.name, dst, qc)
             done.append(qc)
@@ -154,18 +161,46 @@ def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, d
     return Artifacts(recipe=recipe, folder=partial, components=done, models=models, device=device)
 
 
-def _streaming_reason(comp: Component, src: Path, recipe: Recipe, device: str) -> str | None:
+def _streaming_reason(comp: Component, src: Path, recipe: Recipe, device: str, remote: Any) -> str | None:
     from .streaming import supports
 
-    return supports(comp.library, src, recipe, class_name=comp.class_name, device=device)
+    listing = remote.listing(comp) if remote is not None else ()
+    return supports(comp.library, src, recipe, class_name=comp.class_name, device=device, remote_files=listing)
 
 
-def _stream_component(plan: Plan, src: Path, comp: Component, recipe: Recipe, out: Path, device: str) -> QuantizedComponent:
+class _Fp8Bound:
+    """FP8 made on a CPU, streamed: each dequantized weight against its bf16 source as it is quantized."""
+
+    def __init__(self, label: str) -> None:
+        self.label, self.checked, self.worst = label, 0, 0.0
+
+    def __call__(self, key: str, value: Any, weight: Any) -> None:
+        from .errors import VerificationError
+        from .fp8cpu import check_dequantized
+
+        if type(weight).__name__ != "Float8Tensor":
+            return
+        rep = check_dequantized(weight, value)
+        self.checked += 1
+        self.worst = max(self.worst, rep.worst_ratio)
+        if not rep.ok:
+            raise VerificationError(
+                f"{self.label}: {key}: FP8 weight made on the CPU is outside the e4m3 error bound of the base "
+                f"(worst ratio {rep.worst_ratio:.3f}, {rep.nonfinite} non-finite values); not publishing it")
+
+    def summary(self) -> dict[str, Any]:
+        return {"checked": self.checked, "worst_ratio": self.worst, "unmatched": 0}
+
+
+def _stream_component(plan: Plan, src: Path, comp: Component, recipe: Recipe, out: Path, device: str,
+                      remote: Any) -> QuantizedComponent:
     from .streaming import stream_quantize
 
     dst = out / comp.name if comp.name else out
+    fp8 = _Fp8Bound(comp.label) if device == "cpu" and recipe.cpu_producible else None
     result = stream_quantize(src, dst, library=comp.library, recipe=recipe, exclude=list(plan.exclude),  # type: ignore[arg-type]
-                             class_name=comp.class_name, device=device, progress=log.isEnabledFor(logging.INFO))
+                             class_name=comp.class_name, device=device, progress=log.isEnabledFor(logging.INFO),
+                             fetch_shard=remote.opener(comp) if remote is not None else None, on_tensor=fp8)
     config = json.loads((dst / "config.json").read_text())
     return QuantizedComponent(
         name=comp.name,
@@ -179,16 +214,11 @@ def _stream_component(plan: Plan, src: Path, comp: Component, recipe: Recipe, ou
         bytes_after=sum(p.stat().st_size for p in dst.glob("*.safetensors")),
         quantization_config=config.get("quantization_config", {}),
         engine="streaming",
+        fp8_check=fp8.summary() if fp8 is not None else None,
         peak_rss_bytes=result.peak_rss_bytes,
         stage_seconds=dict(result.stage_seconds),
+        digests=dict(result.digests),
     )
-
-
-def _reload(comp: Component, out: Path) -> Any:
-    """The saved component, loaded as a user would (for checks that need the tensors)."""
-    from .verify_worker import load_component
-
-    return load_component(comp.library, comp.class_name, out / comp.name if comp.name else out)
 
 
 def _copy_unchanged(plan: Plan, base_dir: Path, out: Path) -> None:

@@ -21,11 +21,15 @@ class Estimate:
     download_bytes: int  # base files not yet on local disk
     output_bytes: int  # every recipe's repo folder
     peak_memory_bytes: int  # library path: the largest component, bf16 + quantized copy while saving
+    low_disk: bool = False  # the quantized components' weights are read by HTTP range, not downloaded
 
 
-def estimate(plan: Plan, engine: str = "auto") -> Estimate:
+def estimate(plan: Plan, engine: str = "auto", low_disk: bool = False) -> Estimate:
+    from .snapshot import weight_files
+
     src = plan.source
-    download = 0 if src.local_dir is not None else sum(src.sizes.get(f, 0) for f in plan.base_files)
+    remote = {f for c in plan.quantized for f in weight_files(plan, c)} if low_disk else set()
+    download = 0 if src.local_dir is not None else sum(src.sizes.get(f, 0) for f in plan.base_files if f not in remote)
     kept = sum(src.sizes.get(f, 0) for f in plan.base_files
                if not any(f.startswith(f"{c.name}/") or (not c.name and "/" not in f) for c in plan.quantized))
     output = 0
@@ -35,17 +39,14 @@ def estimate(plan: Plan, engine: str = "auto") -> Estimate:
     largest = max((c.param_bytes for c in plan.quantized), default=0)
     if engine == "library":
         # measured: the library path peaks at about 2x the bf16 size (model + torchao's flattening copies)
-        return Estimate(download, output, 2 * largest + GiB // 2)
-    # streaming: about 1 GiB to quantize; then verification reloads the quantized component in a
-    # fresh process (the quality check against bf16 is skipped when the base would not fit)
-    bits = max((r.bits for r in plan.recipes), default=8)
-    return Estimate(download, output, largest * bits // 16 + GiB)
+        return Estimate(download, output, 2 * largest + GiB // 2, low_disk)
+    # streaming: about 1 GiB to quantize; verification reloads the quantized component when it fits,
+    # and otherwise checks it tensor by tensor and block by block (--verify-mode auto), in about as much
+    return Estimate(download, output, GiB + GiB // 4, low_disk)
 
 
-def check(plan: Plan, output_root: Path, cache_dir: Path, engine: str = "auto") -> Estimate:
-    import psutil
-
-    est = estimate(plan, engine)
+def _fits(est: Estimate, output_root: Path, cache_dir: Path) -> tuple[Path, int, int] | None:
+    """None when both folders have room; else (folder, bytes needed, bytes free) of the first short one."""
     needs: dict[Path, int] = {}
     for path, size in ((_existing(cache_dir), est.download_bytes), (_existing(output_root), est.output_bytes)):
         needs[path] = needs.get(path, 0) + size
@@ -58,11 +59,36 @@ def check(plan: Plan, output_root: Path, cache_dir: Path, engine: str = "auto") 
     for path, size in by_device.values():
         free = shutil.disk_usage(path).free
         if size > free:
-            raise ResourceError(
-                f"not enough disk at {path}: the plan needs about {size / 1e9:.1f} GB "
-                f"(download {est.download_bytes / 1e9:.1f} GB, output {est.output_bytes / 1e9:.1f} GB), "
-                f"{free / 1e9:.1f} GB free; free space or point --output-dir / HF_HOME at a larger disk"
-            )
+            return path, size, free
+    return None
+
+
+def check(plan: Plan, output_root: Path, cache_dir: Path, engine: str = "auto", low_disk: bool | None = False) -> Estimate:
+    """Disk and memory for the plan. ``low_disk`` None (auto): switch to HTTP range reads of the quantized
+    components' weights when downloading them would not fit but streaming them would."""
+    import psutil
+
+    est = estimate(plan, engine, bool(low_disk))
+    short = _fits(est, output_root, cache_dir)
+    hint = ""
+    if short and not low_disk and engine != "library" and plan.source.local_dir is None and plan.quantized:
+        lean = estimate(plan, engine, True)
+        lean_short = _fits(lean, output_root, cache_dir)
+        if low_disk is False:  # --no-low-disk
+            hint = ", or drop --no-low-disk" if lean_short is None else ""
+        elif lean_short is None:
+            log.info("not enough disk to download the base (%.1f GB needed, %.1f GB free at %s): reading the "
+                     "quantized components' weights by HTTP range instead (--low-disk)", short[1] / 1e9, short[2] / 1e9, short[0])
+            est, short = lean, None
+        else:
+            est, short = lean, lean_short  # even streaming does not fit: report its (smaller) needs
+    if short:
+        path, size, free = short
+        raise ResourceError(
+            f"not enough disk at {path}: the plan needs about {size / 1e9:.1f} GB "
+            f"(download {est.download_bytes / 1e9:.1f} GB, output {est.output_bytes / 1e9:.1f} GB), "
+            f"{free / 1e9:.1f} GB free; free space or point --output-dir / HF_HOME at a larger disk{hint}"
+        )
     total = psutil.virtual_memory().total
     if est.peak_memory_bytes > total:
         raise ResourceError(

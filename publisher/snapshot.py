@@ -5,18 +5,24 @@ from __future__ import annotations
 import glob
 import logging
 from pathlib import Path
+from typing import Any, Callable
 
-from .plan import Plan
+from .plan import Component, Plan
 
 log = logging.getLogger(__name__)
 
 
-def fetch(plan: Plan, token: str | None) -> Path:
+def fetch(plan: Plan, token: str | None, skip: frozenset[str] = frozenset()) -> Path:
     """Download the planned files at the pinned sha into the huggingface_hub cache; return the folder.
 
     allow_patterns lists exact file names, so a root single-file checkpoint (FLUX.1-dev's 23.8 GB
-    flux1-dev.safetensors) or a second weight format is never downloaded.
+    flux1-dev.safetensors) or a second weight format is never downloaded. ``skip``: files left on the
+    Hub (--low-disk: the quantized components' weights, read by HTTP range instead).
     """
+    return _download(plan, [f for f in plan.base_files if f not in skip], token)
+
+
+def _download(plan: Plan, files: list[str], token: str | None) -> Path:
     source = plan.source
     if source.local_dir is not None:
         return source.local_dir
@@ -24,15 +30,49 @@ def fetch(plan: Plan, token: str | None) -> Path:
 
     from . import retry
 
-    total = sum(source.sizes.get(f, 0) for f in plan.base_files)
-    log.info("downloading %d files (%.1f MB) of %s", len(plan.base_files), total / 1e6, source.display)
+    total = sum(source.sizes.get(f, 0) for f in files)
+    log.info("downloading %d files (%.1f MB) of %s", len(files), total / 1e6, source.display)
     # allow_patterns are fnmatch patterns: escape names so "[", "*" or "?" in a file name match only it.
     folder = retry.call(
         snapshot_download,
         source.repo_id,  # type: ignore[arg-type]
         revision=source.sha,
-        allow_patterns=[glob.escape(f) for f in plan.base_files],
+        allow_patterns=[glob.escape(f) for f in files],
         token=token,
         what=f"downloading {source.display}",  # resumes from the cache on a retry
     )
     return Path(folder)
+
+
+def weight_files(plan: Plan, comp: Component) -> list[str]:
+    """The base's safetensors files of one quantized component (the index and configs excluded)."""
+    prefix = f"{comp.name}/" if comp.name else ""
+    return [f for f in plan.base_files
+            if f.startswith(prefix) and "/" not in f[len(prefix):] and f.endswith(".safetensors")]
+
+
+class RemoteWeights:
+    """--low-disk: the quantized components' weight files stay on the Hub and are read by HTTP range,
+    one tensor at a time (nothing of them is written to disk)."""
+
+    def __init__(self, plan: Plan, token: str | None) -> None:
+        self.plan, self.token = plan, token
+        self.files = frozenset(f for c in plan.quantized for f in weight_files(plan, c))
+
+    def listing(self, comp: Component) -> list[str]:
+        prefix = f"{comp.name}/" if comp.name else ""
+        return [f[len(prefix):] for f in weight_files(self.plan, comp)]
+
+    def source(self, comp: Component) -> Any:
+        from .streaming.sources import HubShards
+
+        src = self.plan.source
+        return HubShards(src.repo_id, src.sha, comp.name, self.token, listing=self.listing(comp))  # type: ignore[arg-type]
+
+    def opener(self, comp: Component) -> Callable[[str], Any]:
+        return self.source(comp).open  # type: ignore[no-any-return]
+
+    def download(self, comp: Component) -> Path:
+        """For the library path (its loaders read local files): fetch this component's weights after all."""
+        log.info("downloading the weights of %s for the library path (--low-disk cannot stream it)", comp.label)
+        return _download(self.plan, weight_files(self.plan, comp), self.token)

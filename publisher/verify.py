@@ -25,8 +25,10 @@ from .quantize import Artifacts
 log = logging.getLogger(__name__)
 
 PATHS = ("library", "manual")
+MODES = ("auto", "full", "streaming")
 REPORT_NAME = "verification.json"
 WORKER = Path(verify_worker.__file__).resolve()
+GiB = 1024**3
 
 
 @dataclass
@@ -60,6 +62,7 @@ class VerifyReport:
     expected_layers: dict[str, int] = field(default_factory=dict)
     tensor_class: str = ""
     device: str = "cpu"
+    mode: str = "full"  # "full": whole reloads in fresh processes; "streaming": tensor by tensor + block by block
     notes: list[str] = field(default_factory=list)
     expected: list[Any] = field(default_factory=list, repr=False)  # kept for the post-push check, not serialised
 
@@ -96,7 +99,7 @@ class _Expected:
     digests: dict[str, str]
     quantized: list[str]
     reference: str = "the in-memory quantized model"
-    needs_reference: bool = False  # streamed component: the first library-path reload becomes the reference
+    needs_reference: bool = False  # streamed component: the first library-path reload gives the reference output
 
 
 def record_expected(artifacts: Artifacts, work: Path, device: str = "cpu") -> tuple[list[_Expected], list[str]]:
@@ -109,10 +112,11 @@ def record_expected(artifacts: Artifacts, work: Path, device: str = "cpu") -> tu
         inputs_file = save_inputs(inputs, work / f"inputs-{comp.label}.safetensors")
         model = artifacts.models.get(comp.name)
         if model is None:
-            # Streamed (or resumed): never held in memory. Its reference is the library-path reload in a
-            # fresh process (see verify()); the streaming engine's bytes equal the library path's (tests).
-            expected.append(_Expected(comp.name, comp.library, comp.class_name, inputs_file, None, {}, comp.quantized,
-                                      "the library-path reload", needs_reference=True))
+            # Streamed (or resumed): held one tensor at a time. The engine recorded each tensor's digest
+            # while it was in memory; the reference output is the library-path reload's (see verify()).
+            reference = "the in-memory quantized tensors" if comp.digests else "the library-path reload"
+            expected.append(_Expected(comp.name, comp.library, comp.class_name, inputs_file, None, dict(comp.digests),
+                                      comp.quantized, reference, needs_reference=True))
             continue
         output = None
         if inputs is not None:
@@ -134,17 +138,43 @@ def record_expected(artifacts: Artifacts, work: Path, device: str = "cpu") -> tu
     return expected, notes
 
 
+def choose_mode(mode: str, artifacts: Artifacts, device: str = "cpu") -> tuple[str, str | None]:
+    """``auto``: a full reload when the largest component fits comfortably in free memory, else streaming."""
+    if mode != "auto":
+        return mode, None
+    if device != "cpu":
+        return "full", None  # the block-by-block forward runs on the CPU; GPU recipes reload on their GPU
+    import psutil
+
+    largest = max(artifacts.components, key=lambda c: c.bytes_after, default=None)
+    if largest is None:
+        return "full", None
+    need = largest.bytes_after + GiB  # the reloaded component plus an interpreter with torch & co
+    available = psutil.virtual_memory().available
+    if need <= 0.8 * available:
+        return "full", None
+    return "streaming", (f"a full reload of {largest.label} needs about {need / GiB:.1f} GiB and "
+                         f"{available / GiB:.1f} GiB is free")
+
+
 def verify(
     artifacts: Artifacts,
     work: Path,
     *,
     envs: tuple[str, ...] = (),
     base_dir: Path | None = None,
+    base_sources: dict[str, Any] | None = None,
     token: str | None = None,
     device: str = "cpu",
+    mode: str = "auto",
 ) -> VerifyReport:
-    """Run every load path on the saved folder and compare with the in-memory model."""
+    """Run every load path on the saved folder and compare with the in-memory model.
+
+    ``base_sources``: component name -> shard source of its bf16 base (quality); default: ``base_dir``."""
+    from .streaming.sources import LocalShards
+
     work.mkdir(parents=True, exist_ok=True)
+    mode, why = choose_mode(mode, artifacts, device)
     expected, notes = record_expected(artifacts, work, device)
     report = VerifyReport(
         recipe=artifacts.recipe.name,
@@ -153,33 +183,118 @@ def verify(
         expected_layers={e.component or "model": len(e.quantized) for e in expected},
         tensor_class=artifacts.recipe.tensor_class,
         notes=notes,
+        mode=mode,
     )
+    if base_sources is None and base_dir is not None:
+        base_sources = {e.component: LocalShards(base_dir / e.component if e.component else base_dir) for e in expected}
     report.results = []
-    for exp in expected:
-        if exp.needs_reference:
+    if mode == "streaming":
+        report.notes.append(
+            "Streaming verification" + (f" ({why})" if why else " (--verify-mode streaming)") + ": every tensor was "
+            "rebuilt from the saved files and compared with the quantization's in-memory tensor, and one forward "
+            "pass ran with one block's weights loaded at a time; no whole-component reload was run.")
+        for exp in expected:
+            folder = artifacts.folder / exp.component if exp.component else artifacts.folder
+            report.results.append(streaming_check(exp, LocalShards(folder), artifacts.recipe.tensor_class))
+    else:
+        for exp in expected:
+            if not exp.needs_reference:
+                continue
+            if exp.digests and exp.inputs is not None and device == "cpu":
+                # streamed: the reference output is the block-by-block forward of the saved tensors, which the
+                # library and manual paths must then reproduce (their tensors are checked against the digests)
+                folder = artifacts.folder / exp.component if exp.component else artifacts.folder
+                try:
+                    _block_reference(exp, LocalShards(folder))
+                    continue
+                except (OSError, ValueError, KeyError, RuntimeError, TypeError, NotImplementedError) as exc:
+                    log.warning("block-by-block forward of %s failed (%s); the library-path reload gives the reference",
+                                exp.component or "model", str(exc).splitlines()[0][:200])
             report.results.append(_adopt_reference(exp, str(artifacts.folder), work, token, artifacts.recipe.tensor_class, device))
-    report.results += check_location(expected, str(artifacts.folder), None, work, envs=envs, token=token,
-                                     tensor_class=artifacts.recipe.tensor_class, device=device, skip_reference=True)
-    if base_dir is not None:
-        report.quality = quality_against_base(expected, base_dir)
+        report.results += check_location(expected, str(artifacts.folder), None, work, envs=envs, token=token,
+                                         tensor_class=artifacts.recipe.tensor_class, device=device, skip_reference=True)
+        if envs:
+            report.notes.append("--verify-env runs the whole-component reloads only (full verification).")
+    if base_sources:
+        report.quality = quality_against_base(expected, base_sources)
     report.passed = bool(report.results) and not report.failures()
     report.expected = expected
     report.device = device
     return report
 
 
+def streaming_check(exp: _Expected, source: Any, tensor_class: str, env: str = "current") -> PathResult:
+    """Tensor by tensor against the in-memory digests, then a block-by-block forward (verify_stream)."""
+    import torch
+
+    from . import verify_stream as vs
+
+    res = PathResult(exp.component, "streaming", env, verify_worker._versions(), False)
+    if not exp.digests:
+        res.detail = "no in-memory digests recorded for this component (resumed from an older cache); use --verify-mode full"
+        return res
+    try:
+        index = vs.build_index(source)
+        tc = vs.check_tensors(source, exp.digests, exp.quantized, tensor_class, index)
+        res.tensors_checked, res.quantized_layers = tc.checked, tc.quantized_layers
+        if not tc.ok:
+            res.detail = tc.detail
+            return res
+        if exp.inputs is not None:
+            from safetensors.torch import load_file
+
+            config = vs.load_config(source)
+            bf = vs.block_forward(source, exp.library, exp.class_name, config, load_file(str(exp.inputs)), index=index)
+            out = bf.output
+            if not bool(torch.isfinite(out.float()).all()):
+                res.detail = "the block-by-block forward pass gave non-finite values"
+                return res
+            res.forward_checked = True
+            if exp.output is not None:
+                res.max_abs_diff = float((out.float() - exp.output.float()).abs().max())
+                if out.shape != exp.output.shape or not torch.equal(out, exp.output):
+                    res.detail = f"block-by-block output differs from {exp.reference} (max abs diff {res.max_abs_diff:.3g})"
+                    return res
+            else:
+                exp.output = out  # the reference for the quality figure
+            res.detail = f"{tc.checked} tensors equal; forward with {bf.blocks} block loads, at most {bf.peak_block_bytes / 2**20:.0f} MiB at once"
+        else:
+            res.detail = f"{tc.checked} tensors equal; no forward inputs for {exp.class_name}"
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError, NotImplementedError) as exc:
+        res.detail = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        return res
+    res.ok = True
+    return res
+
+
+def _block_reference(exp: _Expected, source: Any) -> None:
+    """A streamed component's expected output: one forward with its saved tensors loaded block by block."""
+    from safetensors.torch import load_file
+
+    from . import verify_stream as vs
+
+    bf = vs.block_forward(source, exp.library, exp.class_name, vs.load_config(source), load_file(str(exp.inputs)))
+    exp.output = bf.output
+    exp.needs_reference = False
+    exp.reference = "the block-by-block forward of the in-memory-equal tensors"
+
+
 def _adopt_reference(exp: _Expected, where: str, work: Path, token: str | None, tensor_class: str, device: str) -> PathResult:
-    """Library path in this interpreter; its tensors and output become what every other path must match."""
+    """Library path in this interpreter: its tensors must equal the in-memory ones the streaming engine recorded
+    (when it did), and its output becomes what every other path must match."""
     import torch
     from safetensors.torch import load_file
 
     data = run_worker(exp, "library", sys.executable, where, None, work, token, torch.get_num_threads(), "ref", device)
-    if data.get("ok"):
+    adopted = not exp.digests
+    if data.get("ok") and adopted:
         exp.digests = dict(data["digests"])
-        exp.output = load_file(data["output"])["output"] if data.get("output") else None
     result = compare(exp, data, "library", "current", sys.executable, tensor_class)
     if result.ok:
-        result.detail = "reference for the other paths (streamed: no in-memory model)"
+        exp.output = load_file(data["output"])["output"] if data.get("output") else None
+        result.forward_checked = False  # its output is the reference, not compared with anything
+        result.detail = "reference output for the other paths (streamed: no in-memory model)" + (
+            "" if adopted else "; tensors equal to the in-memory quantized tensors")
     return result
 
 
@@ -261,7 +376,8 @@ def compare(exp: _Expected, data: dict[str, Any], path: str, env_name: str, pyth
         if got.get(name) != digest:
             res.detail = (f"tensor {name} differs from {exp.reference}" if name in got else f"tensor {name} missing after reload")
             return res
-    extra = sorted(set(got) - set(exp.digests))
+    known = set(exp.digests.values())
+    extra = sorted(n for n in set(got) - set(exp.digests) if got[n] not in known)  # tied weights: saved once
     if extra:
         res.detail = f"unexpected tensor {extra[0]} after reload"
         return res
@@ -279,27 +395,25 @@ def compare(exp: _Expected, data: dict[str, Any], path: str, env_name: str, pyth
     return res
 
 
-def quality_against_base(expected: list[_Expected], base_dir: Path) -> list[Quality]:
-    """Relative error and cosine similarity of each component's output against the bf16 base."""
+def quality_against_base(expected: list[_Expected], base_sources: dict[str, Any]) -> list[Quality]:
+    """Relative error and cosine similarity of each component's output against the bf16 base, whose forward
+    runs block by block from its shards (one block in memory: never more than the quantized side needs)."""
     import torch
     from safetensors.torch import load_file
 
-    import psutil
+    from . import verify_stream as vs
 
     out: list[Quality] = []
     for exp in expected:
-        if exp.output is None or exp.inputs is None:
+        source = base_sources.get(exp.component)
+        if exp.output is None or exp.inputs is None or source is None:
             continue
-        src_dir = base_dir / exp.component if exp.component else base_dir
-        base_bytes = sum(p.stat().st_size for p in src_dir.glob("*.safetensors"))
-        if base_bytes > 0.6 * psutil.virtual_memory().available:
-            # the bf16 base would not fit next to what is loaded: no figure rather than an OOM
-            log.warning("quality of %s not measured: its bf16 base (%.1f GB) does not fit in free memory",
-                        exp.component or "model", base_bytes / 1e9)
+        try:
+            ref = vs.block_forward(source, exp.library, exp.class_name, vs.load_config(source),
+                                   load_file(str(exp.inputs))).output.float()
+        except (OSError, KeyError, ValueError, RuntimeError) as exc:
+            log.warning("quality of %s not measured: the bf16 base forward failed (%s)", exp.component or "model", exc)
             continue
-        base = verify_worker.load_component(exp.library, exp.class_name, src_dir)
-        ref = verify_worker.forward(base, exp.library, load_file(str(exp.inputs))).float()
-        del base
         gc.collect()
         q = exp.output.float()
         rel = float((q - ref).norm() / ref.norm().clamp_min(1e-12))

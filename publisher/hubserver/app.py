@@ -12,6 +12,8 @@ socket noise. Access rules follow huggingface.co where the client depends on the
 
 from __future__ import annotations
 
+import collections
+
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -34,6 +36,8 @@ class HubApp(ReadRoutes, WriteRoutes):
         self.tokens = dict(tokens or {})  # token -> user name
         self.orgs = {org: list(users) for org, users in (orgs or {}).items()}  # org -> member names
         self.faults = FaultInjector()
+        # (method, path, Range header) of recent requests: tests assert how files were read
+        self.seen: collections.deque[tuple[str, str, str | None]] = collections.deque(maxlen=20000)
         # "repo_id" or "datasets/ns/name" -> granted users; applied now and again when the repo is created.
         self.gated_seed = {k: list(v or ()) for k, v in (gated or {}).items()}
         for key in self.gated_seed:

@@ -99,6 +99,7 @@ class _Handler(BaseHTTPRequestHandler):
         req = Request(self.command, split.path, parse_qs(split.query, keep_blank_values=True), self.headers,
                       f"http://{self.headers.get('Host') or self.server.url[7:]}", reader.read_all,
                       reader.iter_chunks)
+        self.server.app.seen.append((self.command, split.path, self.headers.get("Range")))
         if reader.malformed:
             self.close_connection = True
             self._write(req, error_response(HubError(400, "Invalid Content-Length header")))

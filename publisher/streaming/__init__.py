@@ -41,6 +41,7 @@ class StreamResult:
     files: list[Path]  # output files written (config.json, shards, index), in completion order
     peak_rss_bytes: int  # the process's peak RSS so far (ru_maxrss), import of torch & co included
     stage_seconds: dict[str, float]  # plan/read/quantize/write
+    digests: dict[str, str]  # state-dict name -> digest of the tensor as it was in memory (verify_worker.tensor_digest)
 
 
 def _static_reason(library: str, src_dir: Path, recipe: Any, device: str) -> str | None:
@@ -103,7 +104,7 @@ def _component(library: str, src_dir: Path, recipe: Any, exclude: Sequence[str],
     return build(src_dir, build_config(recipe), list(exclude), class_name)
 
 
-def _checkpoint_keys(src_dir: Path, comp: Any, fetch: Callable[[str], Path] | None) -> dict[str, str] | None:
+def _checkpoint_keys(src_dir: Path, comp: Any, fetch: Callable[[str], Any] | None) -> dict[str, str] | None:
     """Checkpoint key -> shard name, from the index; a single file is read (fetched if needed) for its header."""
     from .safetensors_io import read_header
 
@@ -114,7 +115,12 @@ def _checkpoint_keys(src_dir: Path, comp: Any, fetch: Callable[[str], Path] | No
     if not single.is_file():
         if fetch is None:
             return None
-        single = Path(fetch(comp.weights_name))
+        fetched = fetch(comp.weights_name)
+        if not isinstance(fetched, (str, Path)):  # an open remote file: only its header is read
+            with fetched:
+                _, header = read_header(fetched)
+            return {k: comp.weights_name for k in header}
+        single = Path(fetched)
     _, header = read_header(single)
     return {k: comp.weights_name for k in header}
 
@@ -161,9 +167,10 @@ def stream_quantize(
     library: Library,
     recipe: Any,
     exclude: Sequence[str] = (),
-    fetch_shard: Callable[[str], Path] | None = None,
-    release_shard: Callable[[Path], None] | None = None,
+    fetch_shard: Callable[[str], Any] | None = None,
+    release_shard: Callable[[Any], None] | None = None,
     on_output_file: Callable[[Path], None] | None = None,
+    on_tensor: Callable[[str, Any, Any], None] | None = None,
     progress: bool = True,
     class_name: str | None = None,
     device: str | None = None,
@@ -171,8 +178,10 @@ def stream_quantize(
 ) -> StreamResult:
     """Quantize one component folder into ``dst_dir`` exactly as from_pretrained + save_pretrained would.
 
-    ``fetch_shard(name)`` makes an input shard available (default: ``src_dir / name``); ``release_shard(path)`` is
-    called once it is fully read; ``on_output_file(path)`` once an output file (config, shard, index) is complete.
+    ``fetch_shard(name)`` makes an input shard available (default: ``src_dir / name``) as a path or an open binary
+    file (e.g. ``sources.HubShards.open``: HTTP range reads); ``release_shard(it)`` is called once it is fully read;
+    ``on_output_file(path)`` once an output file (config, shard, index) is complete; ``on_tensor(key, value,
+    quantized)`` with each weight before and after quantization (e.g. FP8 error bounds).
     ``class_name`` defaults to config.json's ``_class_name`` / ``architectures[0]``; ``device`` to cuda for recipes
     that need CUDA when a fitting GPU is present, else cpu: it must be the device the library path would quantize on
     (``device_map="cuda"`` there, plain CPU loading otherwise; FP8-dynamic recipes on a CPU run inside fp8cpu's
@@ -208,6 +217,7 @@ def stream_quantize(
     seconds = {"plan": time.perf_counter() - t_start, "read": 0.0, "quantize": 0.0, "write": 0.0}
 
     written: list[Path] = []
+    digests: dict[str, str] = {}
 
     def report(path: Path) -> None:
         written.append(path)
@@ -223,7 +233,7 @@ def stream_quantize(
         seconds["write"] += time.perf_counter() - t0
         with _quantize_context(recipe, device):
             execute(plan, dst_dir, fetch_shard=fetch, release_shard=release, report=report,
-                    progress=progress, seconds=seconds)
+                    progress=progress, seconds=seconds, digests=digests, on_tensor=on_tensor)
         if plan.index is not None:
             t0 = time.perf_counter()
             index = dst_dir / comp.index_name
@@ -236,5 +246,5 @@ def stream_quantize(
         raise QuantizeError(f"streaming {src_dir} into {dst_dir} failed: {exc}") from exc
     return StreamResult(
         quantized=plan.quantized, skipped=plan.skipped, excluded=plan.excluded, files=written,
-        peak_rss_bytes=peak_rss_bytes(), stage_seconds=seconds,
+        peak_rss_bytes=peak_rss_bytes(), stage_seconds=seconds, digests=digests,
     )

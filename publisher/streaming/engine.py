@@ -67,32 +67,41 @@ def remove_stale_shards(dst: Path, weights_name: str, keep: set[str]) -> None:
             p.unlink()
 
 
-def execute(plan: Plan, dst: Path, *, fetch_shard: Callable[[str], Path],
-            release_shard: Callable[[Path], None], report: Callable[[Path], None], progress: bool,
-            seconds: dict[str, float]) -> None:
-    """Stream every planned tensor from the input shards into the output shards."""
+def execute(plan: Plan, dst: Path, *, fetch_shard: Callable[[str], Any],
+            release_shard: Callable[[Any], None], report: Callable[[Path], None], progress: bool,
+            seconds: dict[str, float], digests: dict[str, str] | None = None,
+            on_tensor: Callable[[str, Any, Any], None] | None = None) -> None:
+    """Stream every planned tensor from the input shards into the output shards.
+
+    ``fetch_shard(name)`` returns a local path or an open binary file (a Hub file read by HTTP
+    range); ``digests`` collects the verification digest of every tensor as it was in memory;
+    ``on_tensor(key, value, quantized)`` sees each weight before and after quantization."""
     from huggingface_hub.utils import tqdm
 
     outputs = _Outputs(dst, plan.files, report)
+    ctx = _Ctx(plan, outputs, seconds, digests if digests is not None else {}, on_tensor)
     try:
         for name in plan.input_files:
-            path = Path(fetch_shard(name))
-            _, header = stio.read_header(path)
-            items = [w for w in plan.work if w.src_file == name]
-            missing = [w.key for w in items if w.key not in header]
-            if missing:
-                raise QuantizeError(f"{path} has no tensor {missing[0]!r} although the index lists it; re-download the shard")
-            items.sort(key=lambda w: header[w.key].begin)  # sequential reads
-            total = sum(header[w.key].end - header[w.key].begin for w in items)
-            with open(path, "rb", buffering=0) as f, tqdm(
-                total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=name,
-                disable=not progress, file=sys.stderr,
-            ) as bar:
-                for w in items:
-                    bar.set_postfix_str(w.key, refresh=False)
-                    _one(plan, w, header[w.key], f, outputs, seconds)
-                    bar.update(header[w.key].end - header[w.key].begin)
-            release_shard(path)
+            src = fetch_shard(name)
+            local = isinstance(src, (str, Path))
+            f = open(src, "rb", buffering=0) if local else src  # noqa: SIM115 - closed below
+            try:
+                _, header = stio.read_header(f)
+                items = [w for w in plan.work if w.src_file == name]
+                missing = [w.key for w in items if w.key not in header]
+                if missing:
+                    raise QuantizeError(f"{name} has no tensor {missing[0]!r} although the index lists it; re-download the shard")
+                items.sort(key=lambda w: header[w.key].begin)  # sequential reads
+                total = sum(header[w.key].end - header[w.key].begin for w in items)
+                with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"quantize {name}",
+                          disable=not progress, file=sys.stderr) as bar:
+                    for w in items:
+                        bar.set_postfix_str(w.key, refresh=False)
+                        _one(ctx, w, header[w.key], f)
+                        bar.update(header[w.key].end - header[w.key].begin)
+            finally:
+                f.close()
+            release_shard(src)
     finally:
         outputs.close()
     unfinished = [n for n, left in outputs.remaining.items() if left]
@@ -100,7 +109,16 @@ def execute(plan: Plan, dst: Path, *, fetch_shard: Callable[[str], Path],
         raise QuantizeError(f"output shard {unfinished[0]} was not completed (internal planning error); use the library path")
 
 
-def _one(plan: Plan, w: Work, entry: stio.HeaderEntry, f: BinaryIO, outputs: _Outputs, seconds: dict[str, float]) -> None:
+class _Ctx:
+    """What every tensor's step shares."""
+
+    def __init__(self, plan: Plan, outputs: _Outputs, seconds: dict[str, float], digests: dict[str, str],
+                 on_tensor: Callable[[str, Any, Any], None] | None) -> None:
+        self.plan, self.outputs, self.seconds, self.digests, self.on_tensor = plan, outputs, seconds, digests, on_tensor
+
+
+def _one(ctx: _Ctx, w: Work, entry: stio.HeaderEntry, f: BinaryIO) -> None:
+    plan, outputs, seconds = ctx.plan, ctx.outputs, ctx.seconds
     comp = plan.component
     src_dtype = stio.torch_dtype(entry.dtype)
     if entry.shape != w.shape:
@@ -119,13 +137,13 @@ def _one(plan: Plan, w: Work, entry: stio.HeaderEntry, f: BinaryIO, outputs: _Ou
     if w.kind == "pass":
         if w.outputs:  # tied weights are read by nobody and saved under their other name
             out = w.outputs[0]
-            stio.copy_cast(f, entry, outputs.handle(out.file), out.offset, w.dtype, seconds)
+            ctx.digests[out.name] = stio.copy_cast(f, entry, outputs.handle(out.file), out.offset, w.dtype, seconds)
             outputs.done(out)
         return
     t0 = time.perf_counter()
     raw = stio.read_tensor(f, entry)
     t1 = time.perf_counter()
-    parts, meta = _quantize(plan, w, raw)
+    parts, meta = _quantize(ctx, w, raw)
     del raw
     t2 = time.perf_counter()
     for out in w.outputs:
@@ -146,17 +164,24 @@ def _one(plan: Plan, w: Work, entry: stio.HeaderEntry, f: BinaryIO, outputs: _Ou
     seconds["write"] += time.perf_counter() - t2
 
 
-def _quantize(plan: Plan, w: Work, raw: Any) -> tuple[dict[str, Any], str]:
+def _quantize(ctx: _Ctx, w: Work, raw: Any) -> tuple[dict[str, Any], str]:
     """Cast like the loader, run the library's quantize call on the model's own Linear, flatten like save."""
     import torch
     from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
 
+    from ..verify_worker import tensor_digest
+
+    plan = ctx.plan
     comp = plan.component
     value = raw.to(w.dtype).contiguous()  # the loaders' `param.to(dtype)`; a no-op for bf16 checkpoints
     device = torch.device(plan.device)
     try:
         weight = comp.quantize_param(w.key, value, device)
+        if ctx.on_tensor is not None:
+            ctx.on_tensor(w.key, value, weight)
         del value
+        # the in-memory tensor's digest: what every reload must reproduce (streaming verification)
+        ctx.digests[w.key] = tensor_digest(weight.detach())
         flat, meta = flatten_tensor_state_dict({w.key: weight.detach()})  # as state_dict() hands it over
         del weight
     except (RuntimeError, ValueError, TypeError, AssertionError, NotImplementedError, ImportError) as exc:

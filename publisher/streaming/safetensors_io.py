@@ -38,14 +38,23 @@ class HeaderEntry:
     end: int  # absolute file offset one past the last byte
 
 
-def read_header(path: Path) -> tuple[dict[str, str], dict[str, HeaderEntry]]:
-    """Parse a safetensors header without mapping the file: (``__metadata__``, tensors by name)."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise ValueError(f"{path} is not a safetensors file (shorter than 8 bytes)")
-        (n,) = struct.unpack("<Q", raw)
-        header = json.loads(f.read(n))
+def read_header(path: Path | BinaryIO) -> tuple[dict[str, str], dict[str, HeaderEntry]]:
+    """Parse a safetensors header without mapping the file: (``__metadata__``, tensors by name).
+
+    ``path`` may also be an open binary file (e.g. a Hub file read by HTTP range)."""
+    if isinstance(path, (str, Path)):
+        with open(path, "rb") as f:
+            return read_header(f)
+    f = path
+    f.seek(0)
+    raw = f.read(8)
+    name = getattr(f, "name", None) or getattr(f, "path", "safetensors file")
+    if len(raw) != 8:
+        raise ValueError(f"{name} is not a safetensors file (shorter than 8 bytes)")
+    (n,) = struct.unpack("<Q", raw)
+    if n > 100 * 1024 * 1024:
+        raise ValueError(f"{name} is not a safetensors file (header length {n})")
+    header = json.loads(f.read(n))
     base = 8 + n
     metadata = header.pop("__metadata__", None) or {}
     entries = {
@@ -145,9 +154,13 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
 
 
 def copy_cast(src: BinaryIO, entry: HeaderEntry, dst: BinaryIO, dst_offset: int, out_dtype: torch.dtype,
-              seconds: dict[str, float]) -> None:
-    """Copy a pass-through tensor chunk by chunk, casting on the way, so big embeddings never sit in RAM."""
+              seconds: dict[str, float]) -> str:
+    """Copy a pass-through tensor chunk by chunk, casting on the way, so big embeddings never sit in RAM.
+
+    Returns the tensor's verification digest (``verify_worker.tensor_digest`` of the written tensor)."""
     import time
+
+    from ..verify_worker import digest_header
 
     import torch
 
@@ -158,6 +171,7 @@ def copy_cast(src: BinaryIO, entry: HeaderEntry, dst: BinaryIO, dst_offset: int,
     buf = torch.empty(min(step, total), dtype=torch.uint8)
     src.seek(entry.begin)
     dst.seek(dst_offset)
+    h = digest_header(out_dtype, entry.shape)
     done = 0
     while done < total:
         n = min(step, total - done)
@@ -168,7 +182,10 @@ def copy_cast(src: BinaryIO, entry: HeaderEntry, dst: BinaryIO, dst_offset: int,
         if in_dtype != out_dtype:
             # Element-wise casts (round-to-nearest-even) give the same bits chunked or whole.
             chunk = chunk.view(in_dtype).to(out_dtype)
-        dst.write(tensor_bytes(chunk))
+        data = tensor_bytes(chunk)
+        h.update(data)
+        dst.write(data)
         seconds["read"] += t1 - t0
         seconds["write"] += time.perf_counter() - t1
         done += n
+    return h.hexdigest()

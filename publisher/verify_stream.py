@@ -1,0 +1,245 @@
+"""Streaming verification: the checks of a full reload, with one tensor or one block in memory at a time.
+
+Used when a component's full reload would not fit in memory (``--verify-mode streaming``, or
+``auto`` on a small machine), and for the post-push check of such a component. Two checks:
+
+1. Tensor by tensor: every saved tensor is rebuilt from its safetensors parts with torchao's own
+   ``unflatten_tensor_state_dict`` (what the loaders do), must be of the recipe's tensor class where a
+   layer was quantized, and its digest must equal the digest the quantization recorded for the same
+   tensor while it was in memory. Nothing missing, nothing extra.
+2. Per-block forward: the model is built on the meta device and run on the seeded verification
+   inputs with each block's weights loaded from the saved files just before the block runs
+   (``load_state_dict(strict=True, assign=True)``, the manual load path, block by block) and dropped
+   right after. Blocks are the largest modules whose bf16 weights fit in ``block_budget``. The output
+   must be finite, and is compared with the same block-by-block forward of the bf16 base (quality)
+   and, when a full reload produced one, with the expected output (bit for bit).
+
+Peak memory: one block (bf16 for the base forward) plus activations, whatever the model size.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from .streaming.sources import CheckpointIndex, TensorReader, build_index
+
+log = logging.getLogger(__name__)
+
+BLOCK_BUDGET = 256 * 1024 * 1024  # bytes of bf16 weights per block loaded at once
+
+
+@dataclass
+class TensorCheck:
+    ok: bool
+    checked: int
+    detail: str = ""
+    quantized_layers: int = 0
+
+
+def check_tensors(source: Any, expected: dict[str, str], quantized: list[str], tensor_class: str,
+                  index: CheckpointIndex | None = None) -> TensorCheck:
+    """Every saved tensor against the digest of the in-memory tensor it came from (one at a time)."""
+    from .verify_worker import tensor_digest
+
+    index = index or build_index(source)
+    names = index.names
+    wanted_class = {f"{m}.weight" for m in quantized}
+    seen: set[str] = set()
+    classes = 0
+    known = set(expected.values())
+    with TensorReader(source, index) as reader:
+        for name in names:
+            t = reader.read(name)
+            if name in wanted_class:
+                if type(t).__name__ != tensor_class:
+                    return TensorCheck(False, len(seen), f"layer {name[:-7]} reloaded as {type(t).__name__}, expected {tensor_class}")
+                classes += 1
+            digest = tensor_digest(t)
+            del t
+            seen.add(name)
+            if name not in expected:
+                if digest in known:
+                    continue  # a tied weight saved under its other name
+                return TensorCheck(False, len(seen), f"unexpected tensor {name} in {source.where}")
+            if digest != expected[name]:
+                return TensorCheck(False, len(seen), f"tensor {name} differs from the in-memory quantized tensor")
+    missing = sorted(set(expected) - seen)
+    if missing:
+        return TensorCheck(False, len(seen), f"tensor {missing[0]} missing from {source.where}")
+    unquantized = sorted(wanted_class - seen)
+    if unquantized:
+        return TensorCheck(False, len(seen), f"quantized layer {unquantized[0][:-7]} has no saved weight")
+    return TensorCheck(True, len(seen), quantized_layers=classes)
+
+
+# ------------------------------------------------------------------ block-by-block forward
+
+def meta_model(library: str, class_name: str, config: dict[str, Any]) -> Any:
+    """The component on the meta device (buffers stay real: rotary tables, position ids)."""
+    import torch
+    from accelerate import init_empty_weights
+
+    module = __import__(library)
+    cls = getattr(module, class_name)
+    with init_empty_weights():
+        if library == "diffusers":
+            model = cls.from_config(config)
+        else:
+            model = cls._from_config(cls.config_class.from_dict(config), dtype=torch.bfloat16)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    return model.eval()
+
+
+def _bytes(module: Any, recurse: bool) -> int:
+    return sum(p.numel() * 2 for p in module.parameters(recurse=recurse))
+
+
+def blocks(model: Any, budget: int) -> list[tuple[str, Any, bool]]:
+    """(prefix, module, whole): modules loaded together. ``whole``: the module with everything under
+    it; otherwise only its own parameters and buffers (its children are blocks of their own)."""
+    out: list[tuple[str, Any, bool]] = []
+
+    def visit(prefix: str, module: Any) -> None:
+        children = list(module.named_children())
+        if _bytes(module, True) <= budget or not children:
+            if _bytes(module, True) or any(True for _ in module.buffers()):
+                out.append((prefix, module, True))
+            return
+        if _bytes(module, False) or module._buffers:
+            out.append((prefix, module, False))
+        for name, child in children:
+            visit(f"{prefix}{name}.", child)
+
+    visit("", model)
+    return out
+
+
+def _own_state(module: Any, whole: bool) -> list[tuple[Any, str, str, bool]]:
+    """(owner module, attribute, state-dict suffix, is_parameter) for what a block loads."""
+    items: list[tuple[Any, str, str, bool]] = []
+    mods = module.named_modules(remove_duplicate=False) if whole else [("", module)]
+    for sub, mod in mods:
+        pre = f"{sub}." if sub else ""
+        for n, p in mod._parameters.items():
+            if p is not None:
+                items.append((mod, n, pre + n, True))
+        for n, b in mod._buffers.items():
+            if b is not None and n not in mod._non_persistent_buffers_set:
+                items.append((mod, n, pre + n, False))
+    return items
+
+
+class BlockLoader:
+    """Forward pre/post hooks that load a block's saved weights just in time and drop them after."""
+
+    def __init__(self, model: Any, reader: TensorReader, budget: int) -> None:
+        self.reader = reader
+        self.names = set(reader.index.parts)
+        self.aliases = self._aliases(model)
+        self.blocks = blocks(model, budget)
+        self.loaded = 0
+        self.peak_block_bytes = 0
+        self._handles: list[Any] = []
+        self._saved: dict[int, list[tuple[Any, str, Any, bool]]] = {}
+
+    @staticmethod
+    def _aliases(model: Any) -> dict[str, list[str]]:
+        """Tied weights: every name of a shared parameter (only one of them is saved)."""
+        by_id: dict[int, list[str]] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            by_id.setdefault(id(p), []).append(name)
+        return {n: names for names in by_id.values() for n in names if len(names) > 1}
+
+    def _source_name(self, key: str) -> str:
+        if key in self.names:
+            return key
+        for other in self.aliases.get(key, []):
+            if other in self.names:
+                return other
+        raise KeyError(f"{key} is not in the saved files ({self.reader.source.where})")
+
+    def attach(self) -> None:
+        for prefix, module, whole in self.blocks:
+            self._handles.append(module.register_forward_pre_hook(self._loader(prefix, module, whole)))
+            self._handles.append(module.register_forward_hook(self._dropper(module)))
+
+    def detach(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _loader(self, prefix: str, module: Any, whole: bool) -> Any:
+        def hook(mod: Any, args: Any) -> None:
+            items = _own_state(module, whole)
+            state = {suffix: self.reader.read(self._source_name(prefix + suffix)) for _, _, suffix, _ in items}
+            size = sum(_nbytes(t) for t in state.values())
+            self.peak_block_bytes = max(self.peak_block_bytes, size)
+            self._saved[id(module)] = [(owner, attr, (owner._parameters if is_p else owner._buffers)[attr], is_p)
+                                       for owner, attr, _, is_p in items]
+            if whole:
+                result = module.load_state_dict(state, strict=True, assign=True)
+            else:
+                result = module.load_state_dict(state, strict=False, assign=True)
+                own = {s for _, _, s, _ in items}
+                bad = [k for k in result.missing_keys if k in own]
+                if bad or result.unexpected_keys:
+                    raise RuntimeError(f"block {prefix or 'root'}: missing {bad[:3]}, unexpected {result.unexpected_keys[:3]}")
+            self.loaded += 1
+
+        return hook
+
+    def _dropper(self, module: Any) -> Any:
+        def hook(mod: Any, args: Any, output: Any) -> None:
+            for owner, attr, original, is_p in self._saved.pop(id(module), []):
+                (owner._parameters if is_p else owner._buffers)[attr] = original  # back to meta: memory freed
+            gc.collect()
+
+        return hook
+
+
+def _nbytes(t: Any) -> int:
+    if hasattr(t, "__tensor_flatten__") and type(t).__name__ not in ("Tensor", "Parameter"):
+        inner, _ = t.__tensor_flatten__()
+        return sum(getattr(t, n).numel() * getattr(t, n).element_size() for n in inner)
+    return int(t.numel() * t.element_size())
+
+
+@dataclass
+class BlockForward:
+    output: Any
+    blocks: int  # blocks loaded during the pass
+    peak_block_bytes: int
+
+
+def block_forward(source: Any, library: str, class_name: str, config: dict[str, Any], inputs: dict[str, Any],
+                  budget: int = BLOCK_BUDGET, index: CheckpointIndex | None = None) -> BlockForward:
+    """One forward pass with at most one block's weights in memory."""
+    from .verify_worker import forward
+
+    model = meta_model(library, class_name, config)
+    index = index or build_index(source)
+    with TensorReader(source, index) as reader:
+        loader = BlockLoader(model, reader, budget)
+        loader.attach()
+        try:
+            out = forward(model, library, inputs).detach().clone()
+        finally:
+            loader.detach()
+    return BlockForward(out, loader.loaded, loader.peak_block_bytes)
+
+
+def iter_blocks(model: Any, budget: int) -> Iterator[str]:
+    for prefix, _, whole in blocks(model, budget):
+        yield (prefix.rstrip(".") or "(root)") + ("" if whole else " (own weights)")
+
+
+def load_config(source: Any) -> dict[str, Any]:
+    text = source.text("config.json")
+    if text is None:
+        raise FileNotFoundError(f"no config.json in {source.where}")
+    return dict(json.loads(text))

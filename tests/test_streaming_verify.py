@@ -1,0 +1,222 @@
+"""Bounded-memory verification and bounded-disk input (issue 5): the streaming engine's in-memory digests,
+tensor-by-tensor checks, block-by-block forward passes, --verify-mode and --low-disk through the real CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import seed
+
+from publisher import recipes
+
+CPU_RECIPES = [r.name for r in recipes.all_recipes() if not r.quantize.cuda or r.cpu_producible]
+SMALL = ["--sample-steps", "2", "--sample-size", "64"]
+COMPONENTS = [("transformer", "diffusers", "FluxTransformer2DModel"), ("text_encoder_2", "transformers", "T5EncoderModel"),
+              ("", "transformers", "LlamaForCausalLM")]
+
+
+def _src(tiny_flux_dir: Path, tiny_llama_dir: Path, sub: str) -> Path:
+    return tiny_llama_dir if not sub else tiny_flux_dir / sub
+
+
+@pytest.fixture(scope="module")
+def streamed(tiny_flux_dir: Path, tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """stream_quantize results, cached per (component, recipe)."""
+    from publisher.streaming import stream_quantize
+
+    cache: dict[tuple[str, str], tuple[Path, Any]] = {}
+    root = tmp_path_factory.mktemp("streamed")
+
+    def get(sub: str, lib: str, cls: str, recipe: str) -> tuple[Path, Any]:
+        if (sub, recipe) not in cache:
+            out = root / f"{sub or 'llama'}-{recipe}"
+            res = stream_quantize(_src(tiny_flux_dir, tiny_llama_dir, sub), out, library=lib,  # type: ignore[arg-type]
+                                  recipe=recipes.get(recipe), class_name=cls, progress=False)
+            cache[(sub, recipe)] = (out, res)
+        return cache[(sub, recipe)]
+
+    return get
+
+
+@pytest.mark.parametrize("recipe", CPU_RECIPES)
+@pytest.mark.parametrize("sub,lib,cls", COMPONENTS)
+def test_engine_digests_equal_the_library_reload(streamed: Any, sub: str, lib: str, cls: str, recipe: str) -> None:
+    """The digests the engine records in memory are those of the model a user loads (tied weights saved once)."""
+    from publisher.verify_worker import inspect_model, load_component
+
+    out, res = streamed(sub, lib, cls, recipe)
+    full = inspect_model(load_component(lib, cls, out))["digests"]
+    assert res.digests, "no digests recorded"
+    for name, digest in res.digests.items():
+        assert full[name] == digest, name
+    assert all(d in set(res.digests.values()) for d in full.values())
+
+
+@pytest.mark.parametrize("sub,lib,cls", COMPONENTS)
+def test_tensor_check_passes_and_catches_damage(streamed: Any, tmp_path: Path, sub: str, lib: str, cls: str) -> None:
+    from publisher.streaming.sources import LocalShards
+    from publisher.verify_stream import check_tensors
+
+    out, res = streamed(sub, lib, cls, "int8wo")
+    good = check_tensors(LocalShards(out), res.digests, res.quantized, "Int8Tensor")
+    assert good.ok and good.checked == len(res.digests) and good.quantized_layers == len(res.quantized) > 0
+
+    wrong_class = check_tensors(LocalShards(out), res.digests, res.quantized, "Float8Tensor")
+    assert not wrong_class.ok and "reloaded as Int8Tensor, expected Float8Tensor" in wrong_class.detail
+
+    missing = check_tensors(LocalShards(out), {**res.digests, "extra.weight": "0" * 64}, res.quantized, "Int8Tensor")
+    assert not missing.ok and "tensor extra.weight missing" in missing.detail
+
+    # one byte flipped in a quantized weight's int8 data
+    damaged = tmp_path / "damaged"
+    shutil.copytree(out, damaged)
+    from publisher.streaming import safetensors_io as stio
+
+    shard = sorted(damaged.glob("*.safetensors"))[0]
+    _, header = stio.read_header(shard)
+    key = next(k for k in header if k.endswith("_weight_qdata"))
+    with open(shard, "r+b") as f:
+        f.seek(header[key].begin)
+        b = f.read(1)
+        f.seek(header[key].begin)
+        f.write(bytes([b[0] ^ 0x01]))
+    bad = check_tensors(LocalShards(damaged), res.digests, res.quantized, "Int8Tensor")
+    assert not bad.ok and "differs from the in-memory quantized tensor" in bad.detail
+    assert bad.detail.startswith(f"tensor {key.replace('._weight_qdata', '.weight')} ")
+
+
+@pytest.mark.parametrize("budget", [0, 256 * 1024 * 1024])
+@pytest.mark.parametrize("sub,lib,cls", [COMPONENTS[0], COMPONENTS[2]])
+def test_block_forward_equals_a_full_reload(streamed: Any, tiny_flux_dir: Path, tiny_llama_dir: Path,
+                                            sub: str, lib: str, cls: str, budget: int) -> None:
+    import torch
+
+    from publisher.inputs import build_inputs
+    from publisher.streaming.sources import LocalShards
+    from publisher.verify_stream import block_forward
+    from publisher.verify_worker import forward, load_component
+
+    out, _ = streamed(sub, lib, cls, "int8wo")
+    config = json.loads((out / "config.json").read_text())
+    inputs = build_inputs(lib, cls, config)
+    full = forward(load_component(lib, cls, out), lib, inputs)
+    bf = block_forward(LocalShards(out), lib, cls, config, inputs, budget=budget)
+    assert torch.equal(bf.output, full)
+    if budget == 0:  # every module with weights is its own block: many loads, each small
+        assert bf.blocks > 10 and bf.peak_block_bytes < sum(p.stat().st_size for p in out.glob("*.safetensors")) / 5
+    else:
+        assert bf.blocks == 1
+    # the bf16 base the same way: equal to its full load too
+    src = _src(tiny_flux_dir, tiny_llama_dir, sub)
+    base = block_forward(LocalShards(src), lib, cls, json.loads((src / "config.json").read_text()), inputs, budget=budget)
+    assert torch.equal(base.output, forward(load_component(lib, cls, src), lib, inputs))
+
+
+def _verify_results(data: dict[str, Any]) -> list[dict[str, Any]]:
+    return list(data["verification"]["results"])
+
+
+@pytest.mark.slow
+def test_cli_streaming_verification(cli: Any, tiny_flux_dir: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = cli(str(tiny_flux_dir), "--quant", "int8wo", "--components", "transformer,text_encoder_2", "--no-push",
+                 "--output-dir", str(out), "--verify-mode", "streaming", "--json", *SMALL)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["verification"]["mode"] == "streaming" and data["verified"]
+    results = _verify_results(data)
+    assert {(r["component"], r["path"]) for r in results} == {("transformer", "streaming"), ("text_encoder_2", "streaming")}
+    for r in results:
+        assert r["ok"] and r["forward_checked"] and r["tensors_checked"] > 0 and r["quantized_layers"] > 0, r
+    assert {q["component"] for q in data["quality"]} == {"transformer", "text_encoder_2"}
+    assert all(q["cosine"] > 0.99 for q in data["quality"])
+    card = (out / "README.md").read_text()
+    assert "verified streaming, within a memory bound" in card and "| transformer | streaming |" in card
+
+
+@pytest.mark.slow
+def test_cli_streaming_verification_failure_pushes_nothing(cli: Any, flux_repo: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor written differently from the one in memory (a disk fault) fails the run before any repo exists."""
+    from huggingface_hub import HfApi
+
+    from publisher.streaming import safetensors_io as stio
+
+    real = stio.tensor_bytes
+    state = {"done": False}
+
+    def corrupting(t: Any) -> memoryview:
+        data = real(t)
+        if not state["done"] and str(t.dtype) == "torch.int8" and len(data) > 16:  # first quantized payload
+            state["done"] = True
+            flipped = bytearray(data)
+            flipped[3] ^= 0xFF
+            return memoryview(bytes(flipped))
+        return data
+
+    monkeypatch.setattr(stio, "tensor_bytes", corrupting)
+    result = cli(flux_repo, "--quant", "int8wo", "--verify-mode", "streaming", "--repo-id", "alice/never-streamed",
+                 token="tok_alice")
+    assert result.exit_code == 1
+    assert "differs from the in-memory quantized tensor" in result.stderr and "nothing was pushed" in result.stderr
+    assert not HfApi(token="tok_alice").repo_exists("alice/never-streamed")
+
+
+def _cached_weights(repo_id: str) -> list[Path]:
+    hub_cache = Path(os.environ["HF_HOME"]) / "hub" / f"models--{repo_id.replace('/', '--')}"
+    return [p for p in hub_cache.rglob("transformer/*.safetensors")] if hub_cache.exists() else []
+
+
+@pytest.mark.slow
+def test_low_disk_publish_reads_by_range_and_verifies_streaming(cli: Any, hub: Any, tiny_flux_dir: Path) -> None:
+    import torch
+    from diffusers import DiffusionPipeline
+
+    seed("bfl/tiny-flux-lowdisk", tiny_flux_dir, "tok_bfl")
+    hub.app.seen.clear()
+    result = cli("bfl/tiny-flux-lowdisk", "--quant", "int8wo", "--low-disk", "--verify-mode", "streaming", "--json",
+                 *SMALL, token="tok_alice")
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["verified"] and data["pushed"] and data["verification"]["mode"] == "streaming"
+    # the base transformer's weights were read by HTTP range and never written to disk
+    ranged = [p for m, p, r in hub.app.seen if r and "/bfl/tiny-flux-lowdisk/resolve/" in p and p.endswith(".safetensors")]
+    assert any("transformer/diffusion_pytorch_model" in p for p in ranged)
+    assert not _cached_weights("bfl/tiny-flux-lowdisk")
+    # the published commit was checked tensor by tensor and block by block, over range reads too
+    published = data["published_check"]
+    assert published and all(r["ok"] and r["path"] == "streaming" and r["forward_checked"] for r in published)
+    assert any("/alice/tiny-flux-lowdisk-torchao-int8wo/resolve/" in p for m, p, r in hub.app.seen if r)
+    pipe = DiffusionPipeline.from_pretrained("alice/tiny-flux-lowdisk-torchao-int8wo", torch_dtype=torch.bfloat16)
+    assert type(pipe.transformer.transformer_blocks[0].ff.net[2].weight).__name__ == "Int8Tensor"
+
+
+@pytest.mark.slow
+def test_low_disk_is_chosen_when_the_download_would_not_fit(cli: Any, flux_repo: str, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from publisher import resources
+
+    real = resources._fits
+    monkeypatch.setattr(resources, "_fits", lambda est, out, cache: None if est.low_disk else (out, 10**12, 10**9))
+    result = cli(flux_repo, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "out"), *SMALL)
+    assert result.exit_code == 0, result.output
+    assert "reading the quantized components' weights by HTTP range instead (--low-disk)" in result.stderr
+    monkeypatch.setattr(resources, "_fits", lambda est, out, cache: (out, 10**12, 10**9))
+    result = cli(flux_repo, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "out2"))
+    assert result.exit_code == 1
+    assert result.stderr.strip().splitlines()[-1].startswith("Error: not enough disk")
+    assert "--low-disk" not in result.stderr  # low-disk was tried (auto) and does not fit either
+    assert real is not None
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--verify-mode", "streaming", "--verify-env", "python3"], "--verify-env reloads whole components"),
+    (["--low-disk", "--engine", "library"], "--low-disk reads weights by HTTP range"),
+])
+def test_option_conflicts_are_usage_errors(cli: Any, tiny_flux_dir: Path, args: list[str], message: str) -> None:
+    result = cli(str(tiny_flux_dir), "--quant", "int8wo", "--no-push", *args)
+    assert result.exit_code == 2 and message in result.stderr
