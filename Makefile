@@ -24,7 +24,7 @@ test: setup
 	$(BIN)/python -m pytest
 
 bench: setup
-	$(BIN)/python benchmarks/bench_streaming.py
+	$(BIN)/python benchmarks/bench_streaming.py --publish
 
 clean:
 	rm -rf $(VENV) demo-output

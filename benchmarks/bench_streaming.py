@@ -9,7 +9,13 @@ cache and deleted once read, as the CLI does), and a compute floor (read every t
 every Linear weight on a bare nn.Linear, write the bytes; no framework). Prints wall time per
 stage, peak RSS (the child's own ru_maxrss, cross-checked by sampling), peak disk (input + output
 bytes present at once, sampled) and a linear projection to FLUX.1-dev (23.8 GB bf16); checks the two
-outputs are the same files. Figures only: nothing here asserts a time.
+outputs are the same files.
+
+With ``--publish`` it then runs the whole publish job as a user would, in a fresh process: the real
+CLI against a loopback Hub seeded with a pipeline whose transformer is that checkpoint,
+``--low-disk --verify-mode streaming`` (base weights read by HTTP range, verification tensor by
+tensor and block by block, push, post-push check over range reads), and prints its stage times,
+the peak RSS of its whole process tree and its peak disk. Figures only: nothing here asserts a time.
 """
 
 from __future__ import annotations
@@ -230,13 +236,100 @@ def run_child(kind: str, args: list[str], watch: list[Path]) -> dict:
     return result
 
 
-def _du(path: Path) -> int:
-    """Allocated bytes (sparse files count what is written)."""
-    if not path.exists():
-        return 0
-    if path.is_file():
-        return path.stat().st_blocks * 512
-    return sum(p.stat().st_blocks * 512 for p in path.rglob("*") if p.is_file())
+def _du(*paths: Path) -> int:
+    """Allocated bytes (sparse files count what is written; a hard-linked file counts once)."""
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    for path in paths:
+        if not path.exists():
+            continue
+        for p in [path] if path.is_file() else path.rglob("*"):
+            try:
+                st = p.stat()
+            except OSError:  # removed while we walk
+                continue
+            if p.is_file() and (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                total += st.st_blocks * 512
+    return total
+
+
+# ------------------------------------------------------------------ the whole publish run
+
+def run_publish(work: Path, ckpt: Path, recipe: str) -> dict:
+    """The CLI end to end on a pipeline whose transformer is ``ckpt``, against a loopback Hub process."""
+    import psutil
+
+    from publisher.hubserver import spawn_server
+    from publisher.tiny import build_tiny_flux
+
+    repo = work / "pipeline"
+    shutil.rmtree(repo, ignore_errors=True)
+    build_tiny_flux(repo)
+    shutil.rmtree(repo / "transformer")
+    (repo / "transformer").mkdir()
+    for f in ckpt.iterdir():
+        os.link(f, repo / "transformer" / f.name)  # no second copy of the checkpoint on disk
+    hf_home, out = work / "hf_home", work / "publish-out"
+    for d in (hf_home, out, work / "hubdata"):
+        shutil.rmtree(d, ignore_errors=True)
+    url, server = spawn_server(work / "hubdata", tokens={"tok_bench": "bench"}, env={"HF_HUB_DISABLE_XET": "1"})
+    env = {**os.environ, "HF_ENDPOINT": url, "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(hf_home), "HF_TOKEN": "tok_bench",
+           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "PYTHONPATH": str(ROOT)}
+    try:
+        seed = ("import sys; from huggingface_hub import HfApi; api = HfApi(); api.create_repo('bench/flux-shaped'); "
+                "api.upload_folder(repo_id='bench/flux-shaped', folder_path=sys.argv[1])")
+        subprocess.run([sys.executable, "-c", seed, str(repo)], env=env, check=True, capture_output=True)
+        shutil.rmtree(repo)
+        cmd = [sys.executable, "-m", "publisher.cli", "bench/flux-shaped", "--quant", recipe, "--low-disk",
+               "--verify-mode", "streaming", "--output-dir", str(out), "--repo-id", f"bench/flux-shaped-{recipe}", "--json"]
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        peak = {"rss": 0, "disk": 0}
+        done = threading.Event()
+
+        def sample() -> None:
+            root = psutil.Process(proc.pid)
+            while not done.is_set():
+                try:  # the whole tree: the CLI and any process it starts
+                    tree = [root, *root.children(recursive=True)]
+                    peak["rss"] = max(peak["rss"], sum(p.memory_info().rss for p in tree))
+                except psutil.Error:
+                    pass
+                peak["disk"] = max(peak["disk"], _du(hf_home, out))
+                done.wait(0.1)
+
+        th = threading.Thread(target=sample, daemon=True)
+        th.start()
+        stdout, stderr = proc.communicate()
+        done.set()
+        th.join()
+        wall = time.perf_counter() - t0
+        if proc.returncode:
+            raise SystemExit(f"publish run failed ({proc.returncode}): {stderr.strip().splitlines()[-1:]}")
+        data = json.loads(stdout)
+        return {"wall": wall, "rss_after": data["peak_rss_after_stage"], "tree_rss": peak["rss"], "peak_disk": peak["disk"], "seconds": data["seconds"],
+                "self_rss": data["peak_rss_bytes"]["process"], "children_rss": data["peak_rss_bytes"]["children"],
+                "verified": data["verified"], "published_check": [r["ok"] for r in data["published_check"]],
+                "out_bytes": sum(p.stat().st_size for p in (out / "transformer").glob("*.safetensors"))}
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def report_publish(pub: dict, size: int) -> None:
+    scale = FLUX_DEV_BYTES / size
+    stages = ", ".join(f"{k} {v:.1f}s" for k, v in pub["seconds"].items())
+    print("\nwhole publish run (CLI, --low-disk --verify-mode streaming, push to a loopback Hub):")
+    print(f"  wall {pub['wall']:.1f}s ({stages})")
+    print(f"  peak RSS of the process tree {pub['tree_rss'] / GIB:.2f} GiB (CLI ru_maxrss {pub['self_rss'] / GIB:.2f} GiB, "
+          f"largest child {pub['children_rss'] / GIB:.2f} GiB)")
+    print(f"  peak disk (HF cache + output folder) {pub['peak_disk'] / GIB:.2f} GiB; quantized transformer "
+          f"{pub['out_bytes'] / GIB:.2f} GiB; base transformer weights on disk: none (HTTP range reads)")
+    print("  CLI peak RSS after each stage: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in pub["rss_after"].items()) + " GiB")
+    print(f"  verified: {pub['verified']}, post-push check: {pub['published_check']}")
+    print(f"  projection to FLUX.1-dev: RSS ~{pub['tree_rss'] / GIB:.1f} GiB (does not grow with the model), disk ~"
+          f"{pub['out_bytes'] * scale / GIB:.1f} GiB (the quantized output), wall ~{pub['wall'] * scale / 60:.0f} min")
 
 
 # ------------------------------------------------------------------ comparison and report
@@ -311,6 +404,7 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--keep", action="store_true", help="keep the workdir")
     ap.add_argument("--progress", action="store_true")
+    ap.add_argument("--publish", action="store_true", help="also run the whole publish job (CLI, loopback Hub)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--src", help=argparse.SUPPRESS)
     ap.add_argument("--dst", help=argparse.SUPPRESS)
@@ -341,6 +435,10 @@ def main() -> None:
         floor = run_child("floor", [*common, "--src", str(hub), "--dst", str(floor_out), "--linear", linear], [hub, floor_out])
         st["out_bytes"] = sum(p.stat().st_size for p in st_out.glob("*.safetensors"))
         report(size, a.recipe, lib, st, floor, same_output(lib_out, st_out), blocks)
+        if a.publish:
+            for d in (lib_out, floor_out):  # room for the publish run
+                shutil.rmtree(d, ignore_errors=True)
+            report_publish(run_publish(work, hub, a.recipe), size)
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -75,6 +75,7 @@ class Outcome:
     published_check: list[dict[str, Any]] = field(default_factory=list)
     sample: dict[str, Any] | None = None
     seconds: dict[str, float] = field(default_factory=dict)  # stage wall times
+    rss_after: dict[str, int] = field(default_factory=dict)  # this process's peak RSS at the end of each stage
     benchmark: dict[str, Any] | None = None  # gpubench.measure result
 
     def to_json(self) -> dict[str, Any]:
@@ -96,6 +97,7 @@ class Outcome:
             "quality": [asdict(q) for q in self.report.quality] if self.report else [],
             "sample": self.sample,
             "seconds": self.seconds,
+            "peak_rss_after_stage": self.rss_after,
             "benchmark": self.benchmark,
             "peak_rss_bytes": _peak_rss(),
             "error": self.error,
@@ -376,7 +378,8 @@ def _push_one(run: _Run, outcome: Outcome, previous: dict[str, Any] | None) -> N
     outcome.seconds["push"] = round(time.monotonic() - started, 3)
     run.caches[outcome.recipe].drop([c.name for c in run.plan.quantized])  # published: nothing to resume
     if outcome.pushed and not run.req.create_pr:
-        _check_published(outcome, report, run.work / outcome.recipe, run.token)
+        with _timed(outcome, "published_check"):
+            _check_published(outcome, report, run.work / outcome.recipe, run.token)
 
 
 def _base_sources(run: _Run) -> dict[str, Any]:
@@ -414,11 +417,14 @@ def _check_published(outcome: Outcome, report: VerifyReport, work: Path, token: 
 
 @contextmanager
 def _timed(outcome: Outcome, stage: str) -> Iterator[None]:
+    import resource
+
     started = time.monotonic()
     try:
         yield
     finally:
         outcome.seconds[stage] = round(time.monotonic() - started, 3)
+        outcome.rss_after[stage] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _peak_rss() -> dict[str, int]:

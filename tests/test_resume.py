@@ -11,15 +11,16 @@ import pytest
 
 
 def _interrupted_run(cli: Any, args: list[str], monkeypatch: pytest.MonkeyPatch, cache: Path) -> None:
-    """Run the CLI with verification failing right after quantization, then restore verification."""
+    """Run the CLI with the run stopping right after quantization (an error that is not a failed verification,
+    which would drop the cache entry), then restore verification."""
     from publisher import publish
-    from publisher.errors import VerificationError
+    from publisher.errors import PublishError
 
     monkeypatch.setenv("HF_AO_PUBLISH_CACHE", str(cache))
     real_verify = publish.verify
 
     def interrupted(*a: Any, **k: Any) -> Any:
-        raise VerificationError("injected: the run stops after quantization")
+        raise PublishError("injected: the run stops after quantization")
 
     monkeypatch.setattr(publish, "verify", interrupted)
     assert cli(*args).exit_code == 1
@@ -65,3 +66,22 @@ def test_damaged_cache_entry_is_quantized_again(cli: Any, tiny_llama_dir: Path, 
     assert result.exit_code == 0, result.output
     messages = [r.getMessage() for r in caplog.records]
     assert any("is damaged" in m for m in messages) and not any("reusing" in m for m in messages)
+
+
+@pytest.mark.slow
+def test_failed_verification_drops_the_cache_entry(cli: Any, tiny_llama_dir: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """What failed verification is never reused by a later run."""
+    from publisher import publish
+    from publisher.errors import VerificationError
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("HF_AO_PUBLISH_CACHE", str(cache))
+
+    def failing(*a: Any, **k: Any) -> Any:
+        raise VerificationError("injected: a load path failed")
+
+    monkeypatch.setattr(publish, "verify", failing)
+    result = cli(str(tiny_llama_dir), "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "out"))
+    assert result.exit_code == 1 and "injected: a load path failed" in result.stderr
+    assert cache.is_dir() and not any(cache.iterdir())
