@@ -19,12 +19,12 @@ Peak memory: one block (bf16 for the base forward) plus activations, whatever th
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 from dataclasses import dataclass
 from typing import Any, Iterator
 
+from .streaming.engine import trim_memory
 from .streaming.sources import CheckpointIndex, TensorReader, build_index
 
 log = logging.getLogger(__name__)
@@ -51,8 +51,10 @@ def check_tensors(source: Any, expected: dict[str, str], quantized: list[str], t
     seen: set[str] = set()
     classes = 0
     known = set(expected.values())
-    with TensorReader(source, index) as reader:
+    with TensorReader(source, index) as reader, _bar(sum(index.nbytes(n) for n in names), f"verify {source.where}",
+                                                     "B") as bar:
         for name in names:
+            bar.update(index.nbytes(name))
             t = reader.read(name)
             if name in wanted_class:
                 if type(t).__name__ != tensor_class:
@@ -67,6 +69,7 @@ def check_tensors(source: Any, expected: dict[str, str], quantized: list[str], t
                 return TensorCheck(False, len(seen), f"unexpected tensor {name} in {source.where}")
             if digest != expected[name]:
                 return TensorCheck(False, len(seen), f"tensor {name} differs from the in-memory quantized tensor")
+    trim_memory()
     missing = sorted(set(expected) - seen)
     if missing:
         return TensorCheck(False, len(seen), f"tensor {missing[0]} missing from {source.where}")
@@ -144,6 +147,7 @@ class BlockLoader:
         self.blocks = blocks(model, budget)
         self.loaded = 0
         self.peak_block_bytes = 0
+        self.bar: Any = None
         self._handles: list[Any] = []
         self._saved: dict[int, list[tuple[Any, str, Any, bool]]] = {}
 
@@ -190,6 +194,8 @@ class BlockLoader:
                 if bad or result.unexpected_keys:
                     raise RuntimeError(f"block {prefix or 'root'}: missing {bad[:3]}, unexpected {result.unexpected_keys[:3]}")
             self.loaded += 1
+            if self.bar is not None:
+                self.bar.update(1)
 
         return hook
 
@@ -197,7 +203,7 @@ class BlockLoader:
         def hook(mod: Any, args: Any, output: Any) -> None:
             for owner, attr, original, is_p in self._saved.pop(id(module), []):
                 (owner._parameters if is_p else owner._buffers)[attr] = original  # back to meta: memory freed
-            gc.collect()
+            trim_memory()
 
         return hook
 
@@ -225,12 +231,24 @@ def block_forward(source: Any, library: str, class_name: str, config: dict[str, 
     index = index or build_index(source)
     with TensorReader(source, index) as reader:
         loader = BlockLoader(model, reader, budget)
-        loader.attach()
-        try:
-            out = forward(model, library, inputs).detach().clone()
-        finally:
-            loader.detach()
+        with _bar(len(loader.blocks), f"forward block by block {source.where}", "block") as bar:
+            loader.bar = bar
+            loader.attach()
+            try:
+                out = forward(model, library, inputs).detach().clone()
+            finally:
+                loader.detach()
     return BlockForward(out, loader.loaded, loader.peak_block_bytes)
+
+
+def _bar(total: int, desc: str, unit: str) -> Any:
+    """huggingface_hub's tqdm (honours HF_HUB_DISABLE_PROGRESS_BARS), shown when progress is logged."""
+    import sys
+
+    from huggingface_hub.utils import tqdm
+
+    scale = {"unit_scale": True, "unit_divisor": 1024} if unit == "B" else {}
+    return tqdm(total=total, desc=desc, unit=unit, disable=not log.isEnabledFor(logging.INFO), file=sys.stderr, **scale)
 
 
 def iter_blocks(model: Any, budget: int) -> Iterator[str]:

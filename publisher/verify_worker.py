@@ -136,14 +136,20 @@ def tensor_digest(t: Any) -> str:
     """sha256 over the raw bytes of a tensor, or of every inner tensor of a torchao tensor subclass."""
     import torch
 
-    h = hashlib.sha256()
-    parts: list[Any]
     if hasattr(t, "__tensor_flatten__") and type(t) is not torch.Tensor and type(t) is not torch.nn.Parameter:
         inner, _ = t.__tensor_flatten__()
-        parts = [getattr(t, n) for n in inner]
-        h.update(type(t).__name__.encode())
-    else:
-        parts = [t]
+        return digest_parts(type(t).__name__, [getattr(t, n) for n in inner])
+    return digest_parts(None, [t])
+
+
+def digest_parts(subclass: str | None, parts: list[Any]) -> str:
+    """``tensor_digest`` from a tensor subclass's name and its inner tensors (in ``__tensor_flatten__`` order),
+    or from a plain tensor (``subclass`` None): the streaming engine hashes what it writes this way."""
+    import torch
+
+    h = hashlib.sha256()
+    if subclass is not None:
+        h.update(subclass.encode())
     for p in parts:
         p = p.detach().contiguous().cpu()
         h.update(_digest_prefix(p.dtype, p.shape))

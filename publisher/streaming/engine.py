@@ -9,9 +9,11 @@ order; an output shard is reported as soon as its last tensor lands.
 from __future__ import annotations
 
 import json
+import queue
 import re
 import resource
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
@@ -24,6 +26,62 @@ from .plan import OutFile, OutTensor, Plan, Work
 def peak_rss_bytes() -> int:
     """This process's peak resident set so far (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def trim_memory() -> None:
+    """Hand freed heap memory back to the OS (glibc keeps freed blocks of up to 32 MB in its arenas, which
+    then count as RSS); a no-op elsewhere."""
+    import ctypes
+    import gc
+
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class _Sink:
+    """One background thread that hashes and writes quantized tensors in submission order, so that the next
+    tensor's read and quantization overlap them (hashlib, file writes and torch kernels release the GIL).
+    At most one job waits while one runs: two tensors' bytes at most, whatever the model size."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=1)
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name="hf-ao-publish-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            job = self.jobs.get()
+            try:
+                if job is None:
+                    return
+                if self.error is None:
+                    job()
+            except BaseException as exc:  # handed to the main thread by the next submit/drain
+                self.error = exc
+            finally:
+                self.jobs.task_done()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            exc, self.error = self.error, None
+            raise exc
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._raise()
+        self.jobs.put(job)
+
+    def drain(self) -> None:
+        """Wait until every submitted job is done (before anything else writes, and at the end)."""
+        self.jobs.join()
+        self._raise()
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.thread.join()
 
 
 class _Outputs:
@@ -79,7 +137,8 @@ def execute(plan: Plan, dst: Path, *, fetch_shard: Callable[[str], Any],
     from huggingface_hub.utils import tqdm
 
     outputs = _Outputs(dst, plan.files, report)
-    ctx = _Ctx(plan, outputs, seconds, digests if digests is not None else {}, on_tensor)
+    sink = _Sink()
+    ctx = _Ctx(plan, outputs, seconds, digests if digests is not None else {}, on_tensor, sink)
     try:
         for name in plan.input_files:
             src = fetch_shard(name)
@@ -101,8 +160,11 @@ def execute(plan: Plan, dst: Path, *, fetch_shard: Callable[[str], Any],
                         bar.update(header[w.key].end - header[w.key].begin)
             finally:
                 f.close()
+            sink.drain()
             release_shard(src)
+            trim_memory()
     finally:
+        sink.close()
         outputs.close()
     unfinished = [n for n, left in outputs.remaining.items() if left]
     if unfinished:
@@ -113,8 +175,9 @@ class _Ctx:
     """What every tensor's step shares."""
 
     def __init__(self, plan: Plan, outputs: _Outputs, seconds: dict[str, float], digests: dict[str, str],
-                 on_tensor: Callable[[str, Any, Any], None] | None) -> None:
+                 on_tensor: Callable[[str, Any, Any], None] | None, sink: _Sink) -> None:
         self.plan, self.outputs, self.seconds, self.digests, self.on_tensor = plan, outputs, seconds, digests, on_tensor
+        self.sink = sink
 
 
 def _one(ctx: _Ctx, w: Work, entry: stio.HeaderEntry, f: BinaryIO) -> None:
@@ -136,6 +199,7 @@ def _one(ctx: _Ctx, w: Work, entry: stio.HeaderEntry, f: BinaryIO) -> None:
         )
     if w.kind == "pass":
         if w.outputs:  # tied weights are read by nobody and saved under their other name
+            ctx.sink.drain()  # copy_cast writes in this thread: nothing may write concurrently
             out = w.outputs[0]
             ctx.digests[out.name] = stio.copy_cast(f, entry, outputs.handle(out.file), out.offset, w.dtype, seconds)
             outputs.done(out)
@@ -143,9 +207,10 @@ def _one(ctx: _Ctx, w: Work, entry: stio.HeaderEntry, f: BinaryIO) -> None:
     t0 = time.perf_counter()
     raw = stio.read_tensor(f, entry)
     t1 = time.perf_counter()
-    parts, meta = _quantize(ctx, w, raw)
+    parts, meta, subclass, inner = _quantize(ctx, w, raw)
     del raw
     t2 = time.perf_counter()
+    writes = []
     for out in w.outputs:
         t = parts.pop(out.name)
         if t.dtype != out.dtype or tuple(t.shape) != out.shape:
@@ -153,23 +218,38 @@ def _one(ctx: _Ctx, w: Work, entry: stio.HeaderEntry, f: BinaryIO) -> None:
                 f"torchao produced {out.name} as {t.dtype}{list(t.shape)}, planned {out.dtype}{list(out.shape)}; "
                 "this config's layout depends on the data: use the library path"
             )
-        fh = outputs.handle(out.file)
-        fh.seek(out.offset)
-        fh.write(stio.tensor_bytes(t.cpu()))
-        outputs.done(out)
+        writes.append((out, t))
     if parts or meta != w.metadata:
         raise QuantizeError(f"torchao's metadata for {w.key} differs from the planned one; use the library path")
     seconds["read"] += t1 - t0
     seconds["quantize"] += t2 - t1
-    seconds["write"] += time.perf_counter() - t2
+    ctx.sink.submit(lambda: _write(ctx, w.key, subclass, inner, writes))
 
 
-def _quantize(ctx: _Ctx, w: Work, raw: Any) -> tuple[dict[str, Any], str]:
+def _write(ctx: _Ctx, key: str, subclass: str | None, inner: list[str], writes: list[tuple[OutTensor, Any]]) -> None:
+    """(writer thread) Hash the tensor as it was in memory, then write its parts at their planned offsets."""
+    from ..verify_worker import digest_parts
+
+    t0 = time.perf_counter()
+    by_name = {out.name: t for out, t in writes}
+    # the in-memory tensor's digest: what every reload must reproduce (streaming verification)
+    ctx.digests[key] = digest_parts(subclass, [by_name[n] for n in inner])
+    for out, t in writes:
+        fh = ctx.outputs.handle(out.file)
+        fh.seek(out.offset)
+        fh.write(stio.tensor_bytes(t.cpu()))
+        ctx.outputs.done(out)
+    ctx.seconds["write"] += time.perf_counter() - t0
+
+
+def _quantize(ctx: _Ctx, w: Work, raw: Any) -> tuple[dict[str, Any], str, str | None, list[str]]:
+    """Cast like the loader, run the library's quantize call on the model's own Linear, flatten like save.
+
+    Returns the flattened parts, the torchao metadata, and what ``digest_parts`` needs: the subclass name
+    (None for a plain tensor) and the part names in ``__tensor_flatten__`` order."""
     """Cast like the loader, run the library's quantize call on the model's own Linear, flatten like save."""
     import torch
     from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
-
-    from ..verify_worker import tensor_digest
 
     plan = ctx.plan
     comp = plan.component
@@ -180,9 +260,12 @@ def _quantize(ctx: _Ctx, w: Work, raw: Any) -> tuple[dict[str, Any], str]:
         if ctx.on_tensor is not None:
             ctx.on_tensor(w.key, value, weight)
         del value
-        # the in-memory tensor's digest: what every reload must reproduce (streaming verification)
-        ctx.digests[w.key] = tensor_digest(weight.detach())
         flat, meta = flatten_tensor_state_dict({w.key: weight.detach()})  # as state_dict() hands it over
+        if type(weight) is torch.Tensor or type(weight) is torch.nn.Parameter:
+            subclass, inner = None, [w.key]
+        else:  # the parts flatten_tensor_state_dict cloned, named as it names them
+            module, attr = w.key.rsplit(".", 1)
+            subclass, inner = type(weight).__name__, [f"{module}._{attr}_{n}" for n in weight.__tensor_flatten__()[0]]
         del weight
     except (RuntimeError, ValueError, TypeError, AssertionError, NotImplementedError, ImportError) as exc:
         raise QuantizeError(f"quantizing {w.key} on {plan.device} failed: {exc}") from exc
@@ -190,4 +273,4 @@ def _quantize(ctx: _Ctx, w: Work, raw: Any) -> tuple[dict[str, Any], str]:
         comp.detach_weight(w.key)
     if w.kind == "skip" and json.loads(meta[w.key]).get("_type") != "Tensor":
         raise QuantizeError(f"torchao quantized {w.key}, which it left alone at planning time; use the library path")
-    return dict(flat), meta[w.key]
+    return dict(flat), meta[w.key], subclass, inner

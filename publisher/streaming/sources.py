@@ -1,8 +1,8 @@
 """Where safetensors shards are read from, one tensor at a time: a local folder, or a Hub repo by HTTP range.
 
 Range reads are what keep the disk bound of ``--low-disk``: a quantized component's input shards
-are never written to disk, each tensor is fetched (``Range: bytes=...``) by huggingface_hub's own
-``HfFileSystem`` when the engine needs it. The same sources serve the streaming verification,
+are never written to disk, each tensor is fetched (``Range: bytes=...``, through huggingface_hub's
+HTTP session) when the engine needs it. The same sources serve the streaming verification,
 which also reads the published repo back this way.
 
 ``CheckpointIndex`` joins every shard's header into one table: the state-dict name of every tensor
@@ -43,16 +43,9 @@ class HubShards:
 
     def __init__(self, repo_id: str, revision: str | None, subfolder: str = "", token: str | None = None,
                  listing: list[str] | None = None) -> None:
-        from huggingface_hub import HfFileSystem
-
-        self.repo_id, self.revision, self.subfolder = repo_id, revision, subfolder.strip("/")
-        self.fs = HfFileSystem(token=token or None, block_size=4 * 1024 * 1024)
+        self.repo_id, self.revision, self.subfolder, self.token = repo_id, revision, subfolder.strip("/"), token
         self.where = f"{repo_id}@{(revision or 'main')[:12]}" + (f"/{self.subfolder}" if self.subfolder else "")
         self._listing = listing
-
-    def _path(self, name: str) -> str:
-        rel = f"{self.subfolder}/{name}" if self.subfolder else name
-        return f"{self.repo_id}/{rel}"
 
     def files(self) -> list[str]:
         if self._listing is None:
@@ -60,14 +53,17 @@ class HubShards:
 
             from .. import retry
 
-            api = HfApi(token=self.fs.token or None)
+            api = HfApi(token=self.token or None)
             every = retry.call(api.list_repo_files, self.repo_id, revision=self.revision, what=f"listing {self.repo_id}")
             prefix = f"{self.subfolder}/" if self.subfolder else ""
             self._listing = [f[len(prefix):] for f in every if f.startswith(prefix) and "/" not in f[len(prefix):]]
         return sorted(n for n in self._listing if n.endswith(".safetensors"))
 
     def open(self, name: str) -> BinaryIO:
-        return self.fs.open(self._path(name), "rb", revision=self.revision)  # type: ignore[no-any-return]
+        from huggingface_hub import hf_hub_url
+
+        url = hf_hub_url(self.repo_id, name, subfolder=self.subfolder or None, revision=self.revision)
+        return RangeFile(url, self.token, f"{self.where}/{name}")  # type: ignore[return-value]
 
     def text(self, name: str) -> str | None:
         from huggingface_hub import hf_hub_download
@@ -75,10 +71,67 @@ class HubShards:
 
         try:
             path = hf_hub_download(self.repo_id, name, subfolder=self.subfolder or None, revision=self.revision,
-                                   token=self.fs.token or None)
+                                   token=self.token or None)
         except EntryNotFoundError:
             return None
         return Path(path).read_text(encoding="utf-8")
+
+
+class RangeFile:
+    """A read-only remote file: every ``readinto`` is one ``Range`` GET streamed straight into the caller's
+    buffer (huggingface_hub's session, auth headers and retries), so a tensor is held once, in that buffer.
+    fsspec's HfFileSystem would buffer each range two or three times over."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self, url: str, token: str | None, name: str) -> None:
+        self.url, self.token, self.name = url, token, name
+        self.pos = 0
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        if whence != 0:
+            raise ValueError("RangeFile seeks from the start only")
+        self.pos = pos
+        return pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def read(self, n: int) -> bytes:
+        buf = bytearray(n)
+        got = self.readinto(memoryview(buf))
+        return bytes(buf[:got])
+
+    def readinto(self, view: Any) -> int:
+        from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_stream_backoff
+
+        view = memoryview(view).cast("B")
+        want = len(view)
+        if want == 0:
+            return 0
+        headers = {**build_hf_headers(token=self.token or None), "Range": f"bytes={self.pos}-{self.pos + want - 1}"}
+        done = 0
+        with http_stream_backoff("GET", self.url, headers=headers) as r:
+            hf_raise_for_status(r)
+            if r.status_code != 206 and self.pos:
+                raise OSError(f"{self.name}: the server ignored the byte range (HTTP {r.status_code})")
+            for chunk in r.iter_bytes(self.CHUNK):
+                n = min(len(chunk), want - done)
+                view[done:done + n] = chunk[:n]
+                done += n
+                if done == want:
+                    break
+        self.pos += done
+        return done
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> RangeFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 @dataclass
