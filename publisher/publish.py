@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from . import __version__, card, plan as planning, push as pushing, recipes as recipe_registry, resources, snapshot, source as sources
-from .errors import PublishError, TargetError, VerificationError
+from .errors import PublishError, ResourceError, TargetError, VerificationError
 from .cache import ComponentCache, default_root
 from .quantize import Artifacts, finalize, partial_folder, prepare_output, quantize_recipe
 from .recipes import Recipe
@@ -247,6 +247,9 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
         log.info("--low-disk has no effect on a local base folder: its weights are already on disk")
     estimate = resources.check(plan, req.output_dir or Path(tempfile.gettempdir()), Path(constants.HF_HUB_CACHE),
                                req.engine, req.low_disk)
+    if estimate.low_disk and (req.sample_prompt or req.benchmark):
+        raise ResourceError("the base does not fit on disk, so its weights would be read by HTTP range, but "
+                            "--sample-prompt / --benchmark need it whole; drop them or free disk space")
     remote = snapshot.RemoteWeights(plan, token) if estimate.low_disk else None
     out_root = Path(tempfile.mkdtemp(prefix="hf-ao-publish-")) if auto_dir else req.output_dir
     assert out_root is not None
