@@ -208,35 +208,42 @@ def child_floor(a: argparse.Namespace) -> dict:
 
 def run_child(kind: str, args: list[str], watch: list[Path]) -> dict:
     """Run one child; sample its RSS (psutil) and the bytes present under `watch` while it runs."""
+    cmd = [sys.executable, __file__, "--child", kind, *args]
+    out, _, code, wall, rss, disk = run_watched(cmd, None, watch)
+    if code:
+        raise SystemExit(f"{kind} child failed with exit code {code}")
+    result = json.loads(out.strip().splitlines()[-1])
+    result.update(wall=wall, sampled_rss=rss, peak_disk=disk)
+    return result
+
+
+def run_watched(cmd: list[str], env: dict | None, watch: list[Path]) -> tuple[str, str, int, float, int, int]:
+    """(stdout, stderr, exit code, wall s, peak RSS of the process tree, peak bytes under `watch`), sampled every 0.1 s."""
     import psutil
 
-    cmd = [sys.executable, __file__, "--child", kind, *args]
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     peak = {"rss": 0, "disk": 0}
     done = threading.Event()
 
     def sample() -> None:
-        p = psutil.Process(proc.pid)
+        root = psutil.Process(proc.pid)
         while not done.is_set():
-            try:
-                peak["rss"] = max(peak["rss"], p.memory_info().rss)
+            try:  # the whole tree: the process and any process it starts
+                peak["rss"] = max(peak["rss"], sum(p.memory_info().rss for p in [root, *root.children(recursive=True)]))
             except psutil.Error:
                 pass
-            peak["disk"] = max(peak["disk"], sum(_du(w) for w in watch))
+            peak["disk"] = max(peak["disk"], _du(*watch))
             done.wait(0.1)
 
     th = threading.Thread(target=sample, daemon=True)
     th.start()
-    out, _ = proc.communicate()
+    out, err = proc.communicate()
     done.set()
     th.join()
-    wall = time.perf_counter() - t0
     if proc.returncode:
-        raise SystemExit(f"{kind} child failed with exit code {proc.returncode}")
-    result = json.loads(out.strip().splitlines()[-1])
-    result.update(wall=wall, sampled_rss=peak["rss"], peak_disk=peak["disk"])
-    return result
+        sys.stderr.write(err[-4000:])
+    return out, err, proc.returncode, time.perf_counter() - t0, peak["rss"], peak["disk"]
 
 
 def _du(*paths: Path) -> int:
@@ -261,8 +268,6 @@ def _du(*paths: Path) -> int:
 
 def run_publish(work: Path, ckpt: Path, recipe: str) -> dict:
     """The CLI end to end on a pipeline whose transformer is ``ckpt``, against a loopback Hub process."""
-    import psutil
-
     from publisher.hubserver import spawn_server
     from publisher.tiny import build_tiny_flux
 
@@ -286,32 +291,12 @@ def run_publish(work: Path, ckpt: Path, recipe: str) -> dict:
         shutil.rmtree(repo)
         cmd = [sys.executable, "-m", "publisher.cli", "bench/flux-shaped", "--quant", recipe, "--low-disk",
                "--verify-mode", "streaming", "--output-dir", str(out), "--repo-id", f"bench/flux-shaped-{recipe}", "--json"]
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-        peak = {"rss": 0, "disk": 0}
-        done = threading.Event()
-
-        def sample() -> None:
-            root = psutil.Process(proc.pid)
-            while not done.is_set():
-                try:  # the whole tree: the CLI and any process it starts
-                    tree = [root, *root.children(recursive=True)]
-                    peak["rss"] = max(peak["rss"], sum(p.memory_info().rss for p in tree))
-                except psutil.Error:
-                    pass
-                peak["disk"] = max(peak["disk"], _du(hf_home, out))
-                done.wait(0.1)
-
-        th = threading.Thread(target=sample, daemon=True)
-        th.start()
-        stdout, stderr = proc.communicate()
-        done.set()
-        th.join()
-        wall = time.perf_counter() - t0
-        if proc.returncode:
-            raise SystemExit(f"publish run failed ({proc.returncode}): {stderr.strip().splitlines()[-1:]}")
+        stdout, stderr, code, wall, tree_rss, disk = run_watched(cmd, env, [hf_home, out])
+        if code:
+            raise SystemExit(f"publish run failed ({code}): {stderr.strip().splitlines()[-1:]}")
         data = json.loads(stdout)
-        return {"wall": wall, "rss_after": data["peak_rss_after_stage"], "tree_rss": peak["rss"], "peak_disk": peak["disk"], "seconds": data["seconds"],
+        return {"wall": wall, "rss_after": data["peak_rss_after_stage"], "tree_rss": tree_rss, "peak_disk": disk,
+                "seconds": data["seconds"],
                 "self_rss": data["peak_rss_bytes"]["process"], "children_rss": data["peak_rss_bytes"]["children"],
                 "verified": data["verified"], "published_check": [r["ok"] for r in data["published_check"]],
                 "out_bytes": sum(p.stat().st_size for p in (out / "transformer").glob("*.safetensors"))}
@@ -397,8 +382,8 @@ def report(size: int, recipe: str, lib: dict, st: dict, floor: dict, verdict: st
           f"disk ~{lib['peak_disk'] * scale / GIB:.1f} GiB (snapshot + output)")
     # FLUX.1-dev's largest input shard is ~10 GB; outputs are out_ratio of the input.
     print(f"  streaming: RSS ~{st['rss'] / GIB:.1f} GiB (does not grow), wall ~{st['wall'] * scale / 60:.1f} min, "
-          f"disk ~{(10e9 + out_ratio * FLUX_DEV_BYTES) / GIB:.1f} GiB (largest input shard + outputs), "
-          f"~{(10e9 + min(10e9, out_ratio * FLUX_DEV_BYTES)) / GIB:.1f} GiB if outputs are uploaded and deleted as reported")
+          f"disk ~{(10e9 + out_ratio * FLUX_DEV_BYTES) / GIB:.1f} GiB with shards downloaded one at a time (largest "
+          f"input shard + outputs), ~{out_ratio * FLUX_DEV_BYTES / GIB:.1f} GiB with --low-disk (HTTP range: outputs only)")
     print(f"  floor:     wall ~{floor['wall'] * scale / 60:.1f} min")
     print(f"\noutputs: {verdict}")
 
