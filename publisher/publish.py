@@ -404,8 +404,9 @@ def _check_published(outcome: Outcome, report: VerifyReport, work: Path, token: 
         from .streaming.sources import HubShards
         from .verify import streaming_check
 
+        cuda_recipe = recipe_registry.get(outcome.recipe).run.cuda
         results = [streaming_check(exp, HubShards(outcome.repo_id, outcome.commit, exp.component, token),
-                                   report.tensor_class) for exp in report.expected]
+                                   report.tensor_class, forward_optional=cuda_recipe) for exp in report.expected]
     else:
         results = check_location(report.expected, outcome.repo_id, outcome.commit, work, token=token,
                                  tensor_class=report.tensor_class, paths=("library",), device=report.device)

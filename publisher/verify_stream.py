@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 from .streaming.engine import trim_memory
 from .streaming.sources import CheckpointIndex, TensorReader, build_index
@@ -249,11 +249,6 @@ def _bar(total: int, desc: str, unit: str) -> Any:
 
     scale = {"unit_scale": True, "unit_divisor": 1024} if unit == "B" else {}
     return tqdm(total=total, desc=desc, unit=unit, disable=not log.isEnabledFor(logging.INFO), file=sys.stderr, **scale)
-
-
-def iter_blocks(model: Any, budget: int) -> Iterator[str]:
-    for prefix, _, whole in blocks(model, budget):
-        yield (prefix.rstrip(".") or "(root)") + ("" if whole else " (own weights)")
 
 
 def load_config(source: Any) -> dict[str, Any]:

@@ -200,7 +200,6 @@ def test_low_disk_is_chosen_when_the_download_would_not_fit(cli: Any, flux_repo:
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     from publisher import resources
 
-    real = resources._fits
     monkeypatch.setattr(resources, "_fits", lambda est, out, cache: None if est.low_disk else (out, 10**12, 10**9))
     result = cli(flux_repo, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "out"), *SMALL)
     assert result.exit_code == 0, result.output
@@ -213,7 +212,6 @@ def test_low_disk_is_chosen_when_the_download_would_not_fit(cli: Any, flux_repo:
     assert result.exit_code == 1
     assert result.stderr.strip().splitlines()[-1].startswith("Error: not enough disk")
     assert "--low-disk" not in result.stderr  # low-disk was tried (auto) and does not fit either
-    assert real is not None
 
 
 @pytest.mark.parametrize("args,message", [
@@ -224,3 +222,26 @@ def test_low_disk_is_chosen_when_the_download_would_not_fit(cli: Any, flux_repo:
 def test_option_conflicts_are_usage_errors(cli: Any, tiny_flux_dir: Path, args: list[str], message: str) -> None:
     result = cli(str(tiny_flux_dir), "--quant", "int8wo", "--no-push", *args)
     assert result.exit_code == 2 and message in result.stderr
+
+
+@pytest.mark.parametrize("optional", [True, False])
+def test_block_forward_failure_counts_unless_the_recipe_runs_on_a_gpu(streamed: Any, tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch, optional: bool) -> None:
+    """A CPU without a GPU recipe's kernel costs the forward check (said in the detail); any other failure fails."""
+    from publisher import verify_stream
+    from publisher.inputs import build_inputs, save_inputs
+    from publisher.streaming.sources import LocalShards
+    from publisher.verify import _Expected, streaming_check
+
+    out, res = streamed(*COMPONENTS[0], "int8wo")
+    inputs = save_inputs(build_inputs("diffusers", COMPONENTS[0][2], json.loads((out / "config.json").read_text())),
+                         tmp_path / "inputs.safetensors")
+    exp = _Expected("transformer", "diffusers", COMPONENTS[0][2], inputs, None, dict(res.digests), res.quantized)
+
+    def no_kernel(*a: Any, **k: Any) -> Any:
+        raise RuntimeError("_scaled_mm only supports per-tensor scaling for CPU backend")
+
+    monkeypatch.setattr(verify_stream, "block_forward", no_kernel)
+    r = streaming_check(exp, LocalShards(out), "Int8Tensor", forward_optional=optional)
+    assert r.ok is optional and not r.forward_checked and r.tensors_checked == len(res.digests)
+    assert ("forward pass not checked on this CPU" in r.detail) if optional else r.detail.startswith("RuntimeError: _scaled_mm")
