@@ -146,8 +146,10 @@ def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str, 
 
 
 def write_cards(plan: Plan, done: dict[str, tuple[Artifacts, VerifyReport]], samples: dict[str, Any],
-                benchmarks: dict[str, Any], *, command: str, sample: dict[str, Any], endpoint: str) -> None:
-    """Cards are written once every recipe is done, so each can link to its sibling variants."""
+                benchmarks: dict[str, Any], *, command: str, sample: dict[str, Any], endpoint: str,
+                only: str | None = None) -> list[Path]:
+    """Cards are written once every recipe is done, so each can link to its sibling variants. ``only``: rewrite
+    one recipe's card and report (after a later check). Returns the files written."""
     from . import recipes as recipe_registry
 
     variants = []
@@ -159,7 +161,10 @@ def write_cards(plan: Plan, done: dict[str, tuple[Artifacts, VerifyReport]], sam
                 "size": sum(artifacts.files().values()), "runs_on": recipe_registry.get(name).run.describe(), "quality": quality,
             })
     default_prompt = "a photo of a cat" if plan.kind == "pipeline" else "The capital of France is"
+    written: list[Path] = []
     for name, (artifacts, report) in done.items():
+        if only is not None and name != only:
+            continue
         inputs = CardInputs(
             command=command,
             sample={**sample, "prompt": sample.get("prompt") or default_prompt},
@@ -171,7 +176,8 @@ def write_cards(plan: Plan, done: dict[str, tuple[Artifacts, VerifyReport]], sam
             psnr=samples[name].psnr if name in samples else None,
         )
         (artifacts.folder / "README.md").write_text(render(plan, artifacts, report, plan.targets[name], inputs), encoding="utf-8")
-        report.write(artifacts.folder)
+        written += [artifacts.folder / "README.md", report.write(artifacts.folder)]
+    return written
 
 
 def _produced_on(artifacts: Artifacts) -> str:

@@ -168,6 +168,9 @@ def publish_cmd(model_id: str, quant: tuple[str, ...], components: str | None, e
         raise click.UsageError("--verify-env reloads whole components in another interpreter; use --verify-mode full or auto with it")
     if low_disk and (sample_prompt or benchmark):
         raise click.UsageError("--sample-prompt and --benchmark run the whole bf16 base, which --low-disk does not download; drop one of them")
+    if low_disk and verify_envs and not no_push:
+        raise click.UsageError("with --low-disk a push uploads and deletes each shard as it is made, so --verify-env has "
+                               "nothing to reload; drop --verify-env, or add --no-push")
     if low_disk and engine == "library":
         raise click.UsageError("--low-disk reads weights by HTTP range, which only the streaming engine does; drop --engine library")
     _setup_logging(debug, quiet)

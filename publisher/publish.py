@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from . import __version__, card, plan as planning, push as pushing, recipes as recipe_registry, resources, snapshot, source as sources
+from . import __version__, card, plan as planning, push as pushing, recipes as recipe_registry, resources, shard_upload, snapshot, source as sources
 from .errors import PublishError, ResourceError, TargetError, VerificationError
 from .cache import ComponentCache, default_root
 from .quantize import Artifacts, finalize, partial_folder, prepare_output, quantize_recipe
@@ -231,6 +231,8 @@ class _Run:
     samples: dict[str, Any] = field(default_factory=dict)
     finals: dict[str, Path] = field(default_factory=dict)
     caches: dict[str, ComponentCache] = field(default_factory=dict)
+    created: dict[str, bool] = field(default_factory=dict)  # --low-disk push: target repo created by this run
+    card_args: dict[str, Any] = field(default_factory=dict)  # how the cards were written (to rewrite one later)
 
 
 def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outcomes: list[Outcome]) -> list[Outcome]:
@@ -246,10 +248,13 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
     if req.low_disk and plan.source.local_dir is not None:
         log.info("--low-disk has no effect on a local base folder: its weights are already on disk")
     estimate = resources.check(plan, req.output_dir or Path(tempfile.gettempdir()), Path(constants.HF_HUB_CACHE),
-                               req.engine, req.low_disk)
+                               req.engine, req.low_disk, req.push)
     if estimate.low_disk and (req.sample_prompt or req.benchmark):
         raise ResourceError("the base does not fit on disk, so its weights would be read by HTTP range, but "
                             "--sample-prompt / --benchmark need it whole; drop them or free disk space")
+    if estimate.low_disk and req.push and req.verify_envs:
+        raise ResourceError("the base does not fit on disk, so shards would be uploaded and deleted as they are made, "
+                            "but --verify-env needs them whole on disk; drop --verify-env or free disk space")
     remote = snapshot.RemoteWeights(plan, token) if estimate.low_disk else None
     out_root = Path(tempfile.mkdtemp(prefix="hf-ao-publish-")) if auto_dir else req.output_dir
     assert out_root is not None
@@ -274,9 +279,10 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
                 if not req.keep_going:
                     raise
                 log.error("%s: %s (continuing: --keep-going)", recipe.name, exc)
-        card.write_cards(plan, run.done, run.samples, {o.recipe: o.benchmark for o in outcomes}, command=req.command,
-                         sample={"prompt": req.sample_prompt, "steps": req.sample_steps, "size": req.sample_size},
-                         endpoint=_endpoint())
+        run.card_args = dict(samples=run.samples, benchmarks={o.recipe: o.benchmark for o in outcomes}, command=req.command,
+                             sample={"prompt": req.sample_prompt, "steps": req.sample_steps, "size": req.sample_size},
+                             endpoint=_endpoint())
+        card.write_cards(plan, run.done, **run.card_args)
         for name, (artifacts, report) in run.done.items():
             finalize(artifacts, run.finals[name])
             report.location = str(artifacts.folder)
@@ -287,11 +293,15 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
             if outcome.recipe not in run.done:
                 outcome.folder = None  # removed, or never finished: nothing there passes for a repo
             elif outcome.folder is not None:
-                outcome.files = _files(outcome.folder)
+                outcome.files = run.done[outcome.recipe][0].files()
         if req.push:
             for outcome in outcomes:
                 if outcome.recipe in run.done:
                     _push_one(run, outcome, previous.get(outcome.recipe))
+    except BaseException:
+        for name, created in run.created.items():  # --low-disk push: repos made for recipes never pushed
+            shard_upload.discard(plan.targets[name], token, created)
+        raise
     finally:
         work_dir.cleanup()
         if auto_dir and req.push:
@@ -321,21 +331,39 @@ def _up_to_date(req: PublishRequest, outcome: Outcome, state: dict[str, Any],
 
 
 def _build(run: _Run, recipe: Recipe, outcome: Outcome) -> None:
-    """The local stages for one recipe: quantize, verify, state file, measurements, sample."""
+    """The local stages for one recipe: quantize, verify, state file, measurements, sample.
+
+    --low-disk with a push: each finished output shard is checked, pre-uploaded and deleted as it is written
+    (shard_upload), so the target repo exists from the start; a repo this run created goes again on failure."""
     req, plan = run.req, run.plan
     folder = prepare_output(run.out_root, recipe, len(plan.recipes) > 1)
     outcome.folder = folder
     run.finals[recipe.name] = folder
+    uploader = None
+    if run.remote is not None and req.push:
+        target = plan.targets[recipe.name]
+        run.created[recipe.name] = shard_upload.ensure_repo(target, run.token, req.private)
+        uploader = shard_upload.ShardUploader(target, run.token, partial_folder(folder, run.out_root), recipe.tensor_class)
+    try:
+        _build_stages(run, recipe, outcome, folder, uploader)
+    except BaseException:
+        if uploader is not None:
+            shard_upload.discard(uploader.repo_id, run.token, run.created.pop(recipe.name, False))
+        raise
+
+
+def _build_stages(run: _Run, recipe: Recipe, outcome: Outcome, folder: Path, uploader: Any) -> None:
+    req, plan = run.req, run.plan
     run_on = recipe_registry.run_device(recipe, run.capability)
     with _timed(outcome, "quantize"):
         cache = run.caches[recipe.name] = ComponentCache(default_root(), run.states[recipe.name]["fingerprint"])
         artifacts = quantize_recipe(plan, run.base_dir, recipe, partial_folder(folder, run.out_root),
                                     recipe_registry.quantize_device(recipe, run.capability), engine=req.engine, cache=cache,
-                                    remote=run.remote)
+                                    remote=run.remote, uploader=uploader)
     outcome.components = [_component_json(c) for c in artifacts.components]
     with _timed(outcome, "verify"):
         report = verify(artifacts, run.work / recipe.name, envs=req.verify_envs, base_sources=_base_sources(run),
-                        token=run.token, device=run_on, mode=req.verify_mode)
+                        token=run.token, device=run_on, mode="streaming" if uploader is not None else req.verify_mode)
     outcome.report = report
     outcome.verified = report.passed
     require_passed(report)
@@ -363,13 +391,18 @@ def _push_one(run: _Run, outcome: Outcome, previous: dict[str, Any] | None) -> N
     src = run.plan.source
     message = f"Quantize {src.repo_id or src.local_dir.name}@{(src.sha or 'local')[:12]} with torchao {outcome.recipe}"  # type: ignore[union-attr]
     started = time.monotonic()
+    description = _changes(previous, state) + f"\n\nMade with hf-ao-publish {__version__}."
     try:
-        result = pushing.push(
-            artifacts.folder, report, repo_id=outcome.repo_id, token=run.token, private=run.req.private,
-            create_pr=run.req.create_pr, message=message,
-            description=_changes(previous, state) + f"\n\nMade with hf-ao-publish {__version__}.",
-            state=state,
-        )
+        if artifacts.uploader is not None:
+            result = shard_upload.push_staged(
+                artifacts.folder, report, artifacts.uploader, token=run.token, create_pr=run.req.create_pr,
+                message=message, description=description, created=run.created.pop(outcome.recipe, False),
+                check=lambda oid: _check_pull_request(run, outcome, oid))
+        else:
+            result = pushing.push(
+                artifacts.folder, report, repo_id=outcome.repo_id, token=run.token, private=run.req.private,
+                create_pr=run.req.create_pr, message=message, description=description, state=state,
+            )
     except Exception as exc:  # re-raised: the outcome records the one-line reason for --json
         from .messages import describe
 
@@ -377,12 +410,38 @@ def _push_one(run: _Run, outcome: Outcome, previous: dict[str, Any] | None) -> N
         raise
     outcome.url, outcome.commit, outcome.pr_url = result.url, result.commit, result.pr_url
     outcome.up_to_date, outcome.pushed = result.up_to_date, not result.up_to_date
-    outcome.files = _files(artifacts.folder)
+    outcome.files = artifacts.files()
     outcome.seconds["push"] = round(time.monotonic() - started, 3)
     run.caches[outcome.recipe].drop([c.name for c in run.plan.quantized])  # published: nothing to resume
     if outcome.pushed and not run.req.create_pr:
         with _timed(outcome, "published_check"):
             _check_published(outcome, report, run.work / outcome.recipe, run.token)
+
+
+def _check_pull_request(run: _Run, outcome: Outcome, revision: str) -> list[Path]:
+    """--low-disk push: the shards left the disk after their tensor-by-tensor check, so the block-by-block
+    forward (and the quality figures) run on the pull request's commit over HTTP range, before the merge.
+    Raises on failure; returns the rewritten card and report, which join the pull request."""
+    from .streaming.sources import HubShards
+    from .verify import quality_against_base, streaming_check
+
+    artifacts, report = run.done[outcome.recipe]
+    uploaded = {c.name for c in artifacts.components if artifacts.uploader.checked.get(c.name)}
+    results = []
+    for exp in report.expected:
+        if exp.component in uploaded:
+            r = streaming_check(exp, HubShards(outcome.repo_id, revision, exp.component, run.token), report.tensor_class,
+                                forward_optional=artifacts.recipe.run.cuda)
+            r.env = "current, pull request before merge"
+            results.append(r)
+    report.results = [r for r in report.results if r.component not in uploaded] + results
+    report.quality = quality_against_base(report.expected, _base_sources(run))
+    report.passed = not report.failures()
+    outcome.report, outcome.verified = report, report.passed
+    if not report.passed:
+        raise VerificationError(f"verification of {outcome.recipe} failed on the pull request: {report.summary()}; "
+                                "it was closed and nothing was merged")
+    return card.write_cards(run.plan, run.done, **run.card_args, only=outcome.recipe)
 
 
 def _base_sources(run: _Run) -> dict[str, Any]:

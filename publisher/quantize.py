@@ -53,13 +53,14 @@ class Artifacts:
     components: list[QuantizedComponent]
     models: dict[str, Any] = field(default_factory=dict, repr=False)  # in-memory quantized models, for verify
     device: str = "cpu"  # where the weights were quantized
+    uploader: Any = None  # shard_upload.ShardUploader: shards already pre-uploaded and deleted (--low-disk push)
 
     def files(self) -> dict[str, int]:
-        return {
-            p.relative_to(self.folder).as_posix(): p.stat().st_size
-            for p in sorted(self.folder.rglob("*"))
-            if p.is_file()
-        }
+        """Every file of the repo: those on disk and those already uploaded."""
+        local = {p.relative_to(self.folder).as_posix(): p.stat().st_size for p in self.folder.rglob("*") if p.is_file()}
+        if self.uploader is not None:
+            local.update(self.uploader.sizes)
+        return dict(sorted(local.items()))
 
     def release_models(self) -> None:
         self.models.clear()
@@ -106,13 +107,15 @@ def finalize(artifacts: Artifacts, folder: Path) -> None:
 
 
 def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, device: str = "cpu",
-                    engine: str = "auto", cache: Any = None, remote: Any = None) -> Artifacts:
+                    engine: str = "auto", cache: Any = None, remote: Any = None, uploader: Any = None) -> Artifacts:
     """Quantize every planned component with ``recipe`` and write the standalone repo into ``folder``.
 
     engine "auto": the streaming engine (one tensor in memory, same bytes as the library path) for every
     component it supports, the library path otherwise; "library" / "streaming" force one.
     ``remote`` (``snapshot.RemoteWeights``, --low-disk): the quantized components' weight files were not
-    downloaded; the streaming engine reads them by HTTP range, the library path has them fetched first."""
+    downloaded; the streaming engine reads them by HTTP range, the library path has them fetched first.
+    ``uploader`` (``shard_upload.ShardUploader``): each finished shard of a streamed component is checked,
+    pre-uploaded and deleted at once (no resume cache then: its files leave the disk)."""
     if partial.exists():
         shutil.rmtree(partial)
     partial.mkdir(parents=True)
@@ -135,7 +138,7 @@ def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, d
             elif reason is None:
                 log.info("quantizing %s (%s) with %s (streaming engine%s)", comp.label, comp.class_name, recipe.name,
                          ", reading the base by HTTP range" if remote is not None else "")
-                qc = _stream_component(plan, src, comp, recipe, partial, device, remote)
+                qc = _stream_component(plan, src, comp, recipe, partial, device, remote, uploader)
                 model = None
             else:
                 if engine == "streaming":
@@ -147,7 +150,7 @@ def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, d
                 models[comp.name] = model
             if device == "cpu" and recipe.cpu_producible and model is not None:
                 qc.fp8_check = fp8_dequant_check(model, src)  # streamed components were checked tensor by tensor
-            if cache is not None and reused is None:
+            if cache is not None and reused is None and uploader is None:
                 cache.store(comp.name, dst, qc)
             done.append(qc)
     except OSError as exc:
@@ -158,7 +161,7 @@ def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, d
     except BaseException:
         shutil.rmtree(partial, ignore_errors=True)
         raise
-    return Artifacts(recipe=recipe, folder=partial, components=done, models=models, device=device)
+    return Artifacts(recipe=recipe, folder=partial, components=done, models=models, device=device, uploader=uploader)
 
 
 def _streaming_reason(comp: Component, src: Path, recipe: Recipe, device: str, remote: Any) -> str | None:
@@ -193,14 +196,18 @@ class _Fp8Bound:
 
 
 def _stream_component(plan: Plan, src: Path, comp: Component, recipe: Recipe, out: Path, device: str,
-                      remote: Any) -> QuantizedComponent:
+                      remote: Any, uploader: Any) -> QuantizedComponent:
     from .streaming import stream_quantize
 
     dst = out / comp.name if comp.name else out
     fp8 = _Fp8Bound(comp.label) if device == "cpu" and recipe.cpu_producible else None
+    digests: dict[str, str] = {}
+    hook = uploader.for_component(comp.name, dst, digests) if uploader is not None else None
     result = stream_quantize(src, dst, library=comp.library, recipe=recipe, exclude=list(plan.exclude),  # type: ignore[arg-type]
                              class_name=comp.class_name, device=device, progress=log.isEnabledFor(logging.INFO),
-                             fetch_shard=remote.opener(comp) if remote is not None else None, on_tensor=fp8)
+                             fetch_shard=remote.opener(comp) if remote is not None else None, on_tensor=fp8,
+                             digests=digests, on_planned=hook.planned if hook else None,
+                             on_output_file=hook.finished if hook else None)
     config = json.loads((dst / "config.json").read_text())
     return QuantizedComponent(
         name=comp.name,
@@ -211,7 +218,7 @@ def _stream_component(plan: Plan, src: Path, comp: Component, recipe: Recipe, ou
         excluded=list(result.excluded),
         tensor_classes={recipe.tensor_class: len(result.quantized)} if result.quantized else {},
         bytes_before=comp.param_bytes,
-        bytes_after=sum(p.stat().st_size for p in dst.glob("*.safetensors")),
+        bytes_after=sum(p.stat().st_size for p in dst.glob("*.safetensors")) + (uploader.uploaded_bytes(dst) if uploader else 0),
         quantization_config=config.get("quantization_config", {}),
         engine="streaming",
         fp8_check=fp8.summary() if fp8 is not None else None,

@@ -24,7 +24,9 @@ class Estimate:
     low_disk: bool = False  # the quantized components' weights are read by HTTP range, not downloaded
 
 
-def estimate(plan: Plan, engine: str = "auto", low_disk: bool = False) -> Estimate:
+def estimate(plan: Plan, engine: str = "auto", low_disk: bool = False, push: bool = False) -> Estimate:
+    """``low_disk`` and ``push``: output shards are uploaded and deleted as they are finished, so the output folder
+    holds at most about one component's quantized weights at a time (an upper bound on one shard)."""
     from .snapshot import weight_files
 
     src = plan.source
@@ -34,8 +36,8 @@ def estimate(plan: Plan, engine: str = "auto", low_disk: bool = False) -> Estima
                if not any(f.startswith(f"{c.name}/") or (not c.name and "/" not in f) for c in plan.quantized))
     output = 0
     for recipe in plan.recipes:
-        quantized = sum(c.param_bytes * recipe.bits // 16 for c in plan.quantized)
-        output += kept + quantized
+        sizes = [c.param_bytes * recipe.bits // 16 for c in plan.quantized]
+        output += kept + (max(sizes, default=0) if low_disk and push else sum(sizes))
     largest = max((c.param_bytes for c in plan.quantized), default=0)
     if engine == "library":
         # measured: the library path peaks at about 2x the bf16 size (model + torchao's flattening copies)
@@ -63,16 +65,17 @@ def _fits(est: Estimate, output_root: Path, cache_dir: Path) -> tuple[Path, int,
     return None
 
 
-def check(plan: Plan, output_root: Path, cache_dir: Path, engine: str = "auto", low_disk: bool | None = False) -> Estimate:
+def check(plan: Plan, output_root: Path, cache_dir: Path, engine: str = "auto", low_disk: bool | None = False,
+          push: bool = False) -> Estimate:
     """Disk and memory for the plan. ``low_disk`` None (auto): switch to HTTP range reads of the quantized
     components' weights when downloading them would not fit but streaming them would."""
     import psutil
 
-    est = estimate(plan, engine, bool(low_disk))
+    est = estimate(plan, engine, bool(low_disk), push)
     short = _fits(est, output_root, cache_dir)
     hint = ""
     if short and not low_disk and engine != "library" and plan.source.local_dir is None and plan.quantized:
-        lean = estimate(plan, engine, True)
+        lean = estimate(plan, engine, True, push)
         lean_short = _fits(lean, output_root, cache_dir)
         if low_disk is False:  # --no-low-disk
             hint = ", or drop --no-low-disk" if lean_short is None else ""

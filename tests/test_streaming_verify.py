@@ -172,27 +172,96 @@ def _cached_weights(repo_id: str) -> list[Path]:
 
 
 @pytest.mark.slow
-def test_low_disk_publish_reads_by_range_and_verifies_streaming(cli: Any, hub: Any, tiny_flux_dir: Path) -> None:
+def test_low_disk_publish_reads_by_range_uploads_shards_and_merges_a_checked_pr(cli: Any, hub: Any, tiny_flux_dir: Path,
+                                                                                 tmp_path: Path) -> None:
     import torch
     from diffusers import DiffusionPipeline
+    from huggingface_hub import HfApi, hf_hub_download
 
     seed("bfl/tiny-flux-lowdisk", tiny_flux_dir, "tok_bfl")
     hub.app.seen.clear()
-    result = cli("bfl/tiny-flux-lowdisk", "--quant", "int8wo", "--low-disk", "--verify-mode", "streaming", "--json",
+    out = tmp_path / "out"
+    result = cli("bfl/tiny-flux-lowdisk", "--quant", "int8wo", "--low-disk", "--output-dir", str(out), "--json",
                  *SMALL, token="tok_alice")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
+    repo = "alice/tiny-flux-lowdisk-torchao-int8wo"
     assert data["verified"] and data["pushed"] and data["verification"]["mode"] == "streaming"
     # the base transformer's weights were read by HTTP range and never written to disk
     ranged = [p for m, p, r in hub.app.seen if r and "/bfl/tiny-flux-lowdisk/resolve/" in p and p.endswith(".safetensors")]
     assert any("transformer/diffusion_pytorch_model" in p for p in ranged)
     assert not _cached_weights("bfl/tiny-flux-lowdisk")
-    # the published commit was checked tensor by tensor and block by block, over range reads too
+    # each output shard was uploaded (LFS, before any commit) and deleted; configs and the card stay
+    assert not list((out / "transformer").glob("*.safetensors")) and (out / "transformer" / "config.json").is_file()
+    assert "transformer/diffusion_pytorch_model.safetensors" in {f["name"] for f in data["files"]}
+    # committed as a pull request, checked there block by block, then merged
+    prs = [d for d in HfApi(token="tok_alice").get_repo_discussions(repo) if d.is_pull_request]
+    assert len(prs) == 1 and prs[0].status == "merged"
+    results = data["verification"]["results"]
+    assert [r["env"] for r in results] == ["current, pull request before merge"]
+    assert results[0]["ok"] and results[0]["forward_checked"] and results[0]["tensors_checked"] > 0
+    assert data["quality"] and data["quality"][0]["cosine"] > 0.99
+    card = Path(hf_hub_download(repo, "README.md")).read_text()
+    assert "Quality against the bf16 base" in card and "pull request before merge" in card
+    # and the published main branch was checked again over range reads
     published = data["published_check"]
     assert published and all(r["ok"] and r["path"] == "streaming" and r["forward_checked"] for r in published)
-    assert any("/alice/tiny-flux-lowdisk-torchao-int8wo/resolve/" in p for m, p, r in hub.app.seen if r)
-    pipe = DiffusionPipeline.from_pretrained("alice/tiny-flux-lowdisk-torchao-int8wo", torch_dtype=torch.bfloat16)
+    pipe = DiffusionPipeline.from_pretrained(repo, torch_dtype=torch.bfloat16)
     assert type(pipe.transformer.transformer_blocks[0].ff.net[2].weight).__name__ == "Int8Tensor"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("existing", [False, True])
+def test_low_disk_publish_failing_on_the_pull_request_merges_nothing(cli: Any, flux_repo: str, tiny_llama_dir: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch, existing: bool) -> None:
+    """The forward fails on the PR: it is closed, main is untouched, a repo made by this run is deleted."""
+    from huggingface_hub import HfApi
+
+    from publisher import verify_stream
+
+    api = HfApi(token="tok_alice")
+    repo = f"alice/lowdisk-fails-{existing}"
+    if existing:
+        seed(repo, tiny_llama_dir, "tok_alice")
+    head = api.repo_info(repo).sha if existing else None
+
+    def broken(*a: Any, **k: Any) -> Any:
+        raise RuntimeError("injected: the forward pass breaks")
+
+    monkeypatch.setattr(verify_stream, "block_forward", broken)
+    result = cli(flux_repo, "--quant", "int8wo", "--low-disk", "--repo-id", repo, token="tok_alice")
+    assert result.exit_code == 1
+    assert "failed on the pull request" in result.stderr and "injected: the forward pass breaks" in result.stderr
+    if existing:
+        assert api.repo_info(repo).sha == head
+        prs = [d for d in api.get_repo_discussions(repo) if d.is_pull_request]
+        assert len(prs) == 1 and prs[0].status == "closed"
+    else:
+        assert not api.repo_exists(repo)
+
+
+@pytest.mark.slow
+def test_low_disk_publish_with_a_bad_shard_deletes_the_new_repo(cli: Any, flux_repo: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard that does not match the in-memory tensors is never uploaded; the repo made for it goes again."""
+    from huggingface_hub import HfApi
+
+    from publisher.streaming import safetensors_io as stio
+
+    real = stio.tensor_bytes
+
+    def corrupting(t: Any) -> memoryview:
+        data = real(t)
+        if str(t.dtype) == "torch.int8" and len(data) > 16:
+            flipped = bytearray(data)
+            flipped[5] ^= 0xFF
+            return memoryview(bytes(flipped))
+        return data
+
+    monkeypatch.setattr(stio, "tensor_bytes", corrupting)
+    result = cli(flux_repo, "--quant", "int8wo", "--low-disk", "--repo-id", "alice/lowdisk-bad-shard", token="tok_alice")
+    assert result.exit_code == 1
+    assert "differs from the in-memory quantized tensor after writing; nothing was published" in result.stderr
+    assert not HfApi(token="tok_alice").repo_exists("alice/lowdisk-bad-shard")
 
 
 @pytest.mark.slow
@@ -218,9 +287,11 @@ def test_low_disk_is_chosen_when_the_download_would_not_fit(cli: Any, flux_repo:
     (["--verify-mode", "streaming", "--verify-env", "python3"], "--verify-env reloads whole components"),
     (["--low-disk", "--engine", "library"], "--low-disk reads weights by HTTP range"),
     (["--low-disk", "--sample-prompt", "a cat"], "--sample-prompt and --benchmark run the whole bf16 base"),
+    (["--low-disk", "--verify-env", "python3", "--repo-id", "a/b"], "--verify-env has nothing to reload"),
 ])
 def test_option_conflicts_are_usage_errors(cli: Any, tiny_flux_dir: Path, args: list[str], message: str) -> None:
-    result = cli(str(tiny_flux_dir), "--quant", "int8wo", "--no-push", *args)
+    push = "--repo-id" in args  # the --verify-env conflict exists only with a push
+    result = cli(str(tiny_flux_dir), "--quant", "int8wo", *([] if push else ["--no-push"]), *args)
     assert result.exit_code == 2 and message in result.stderr
 
 

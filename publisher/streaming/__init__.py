@@ -171,6 +171,8 @@ def stream_quantize(
     release_shard: Callable[[Any], None] | None = None,
     on_output_file: Callable[[Path], None] | None = None,
     on_tensor: Callable[[str, Any, Any], None] | None = None,
+    on_planned: Callable[[dict[str, set[str]]], None] | None = None,
+    digests: dict[str, str] | None = None,
     progress: bool = True,
     class_name: str | None = None,
     device: str | None = None,
@@ -181,7 +183,9 @@ def stream_quantize(
     ``fetch_shard(name)`` makes an input shard available (default: ``src_dir / name``) as a path or an open binary
     file (e.g. ``sources.HubShards.open``: HTTP range reads); ``release_shard(it)`` is called once it is fully read;
     ``on_output_file(path)`` once an output file (config, shard, index) is complete; ``on_tensor(key, value,
-    quantized)`` with each weight before and after quantization (e.g. FP8 error bounds).
+    quantized)`` with each weight before and after quantization (e.g. FP8 error bounds); ``on_planned(files)`` once
+    the layout is known, with the output file(s) of every saved tensor (state-dict name -> file names); ``digests``
+    (filled as tensors are written, before their file is reported) receives the in-memory digests.
     ``class_name`` defaults to config.json's ``_class_name`` / ``architectures[0]``; ``device`` to cuda for recipes
     that need CUDA when a fitting GPU is present, else cpu: it must be the device the library path would quantize on
     (``device_map="cuda"`` there, plain CPU loading otherwise; FP8-dynamic recipes on a CPU run inside fp8cpu's
@@ -217,7 +221,13 @@ def stream_quantize(
     seconds = {"plan": time.perf_counter() - t_start, "read": 0.0, "quantize": 0.0, "write": 0.0}
 
     written: list[Path] = []
-    digests: dict[str, str] = {}
+    digests = {} if digests is None else digests
+    if on_planned is not None:
+        files: dict[str, set[str]] = {}
+        for w in plan.work:
+            for out in w.outputs:
+                files.setdefault(w.key if w.kind != "pass" else out.name, set()).add(out.file)
+        on_planned(files)
 
     def report(path: Path) -> None:
         written.append(path)
