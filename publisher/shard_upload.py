@@ -86,11 +86,12 @@ class _Component:
         if path.suffix != ".safetensors" or path.name not in self.pending:
             return  # configs and the index stay local: they are committed with the card
         self.complete.add(path.name)
-        ready = sorted({t for f in self.complete for t in self.pending[f] if self.files_of[t] <= self.complete})
+        waiting = [f for f in sorted(self.complete) if f in self.pending]  # finished, not yet uploaded
+        ready = sorted({t for f in waiting for t in self.pending[f] if self.files_of[t] <= self.complete})
         if ready:
             self._check(ready)
-        for f in sorted(self.complete):
-            if f in self.pending and not self.pending[f]:
+        for f in waiting:
+            if not self.pending[f]:
                 del self.pending[f]
                 self.up.upload(self.folder / f)
 

@@ -316,3 +316,41 @@ def test_block_forward_failure_counts_unless_the_recipe_runs_on_a_gpu(streamed: 
     r = streaming_check(exp, LocalShards(out), "Int8Tensor", forward_optional=optional)
     assert r.ok is optional and not r.forward_checked and r.tensors_checked == len(res.digests)
     assert ("forward pass not checked on this CPU" in r.detail) if optional else r.detail.startswith("RuntimeError: _scaled_mm")
+
+
+def test_shard_uploader_uploads_each_checked_shard_and_deletes_it(hub: Any, tiny_flux_dir: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many small output shards: each leaves the disk once its tensors (parts may span shards) are checked."""
+    from huggingface_hub import HfApi
+
+    from publisher.shard_upload import ShardUploader, ensure_repo
+    from publisher.streaming import stream_quantize
+
+    monkeypatch.setenv("HF_TOKEN", "tok_alice")
+    assert ensure_repo("alice/shard-uploader", "tok_alice", False) is True
+    assert ensure_repo("alice/shard-uploader", "tok_alice", False) is False
+    root = tmp_path / "repo"
+    dst = root / "transformer"
+    up = ShardUploader("alice/shard-uploader", "tok_alice", root, "Int8Tensor")
+    digests: dict[str, str] = {}
+    hook = up.for_component("transformer", dst, digests)
+    on_disk: list[int] = []
+    real_upload = up.upload
+
+    def watched(path: Path) -> None:
+        on_disk.append(len(list(dst.glob("*.safetensors"))))
+        real_upload(path)
+
+    monkeypatch.setattr(up, "upload", watched)
+    res = stream_quantize(tiny_flux_dir / "transformer", dst, library="diffusers", recipe=recipes.get("int8wo"),
+                          class_name="FluxTransformer2DModel", progress=False, max_shard_size="150KB",
+                          digests=digests, on_planned=hook.planned, on_output_file=hook.finished)
+    index = json.loads((dst / "diffusion_pytorch_model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 3
+    assert sorted(up.ops) == [f"transformer/{s}" for s in shards]  # every shard pre-uploaded ...
+    assert not list(dst.glob("*.safetensors"))  # ... and deleted
+    assert max(on_disk) <= 3  # never more than a couple of shards waiting on disk
+    assert up.checked["transformer"] == len(res.digests) and up.classes["transformer"] == len(res.quantized)
+    assert all(op._is_uploaded for op in up.ops.values())
+    assert HfApi(token="tok_alice").list_repo_files("alice/shard-uploader") == [".gitattributes"]  # no commit yet
