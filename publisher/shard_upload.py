@@ -37,7 +37,6 @@ class ShardUploader:
         self.sizes: dict[str, int] = {}  # path in repo -> bytes (the local file is gone)
         self.checked: dict[str, int] = {}  # component -> tensors checked before upload
         self.classes: dict[str, int] = {}  # component -> quantized layers of the recipe's class
-        self.peak_local_bytes = 0
         self._lock = threading.Lock()
 
     def for_component(self, name: str, folder: Path, digests: dict[str, str]) -> _Component:
@@ -57,13 +56,13 @@ class ShardUploader:
         retry.call(self.api.preupload_lfs_files, self.repo_id, additions=[op], free_memory=False,
                    what=f"uploading {rel} to {self.repo_id}")
         size = path.stat().st_size
+        if not (op._upload_mode == "lfs" and op._is_uploaded):  # the Hub takes it as a regular file: at the commit
+            log.info("%s (%.1f MB) stays on disk until the commit (not an LFS file for %s)", rel, size / 1e6, self.repo_id)
+            return
         with self._lock:
-            local = sum(p.stat().st_size for p in self.root.rglob("*.safetensors") if p.is_file())
-            self.peak_local_bytes = max(self.peak_local_bytes, local)
-            if op._upload_mode == "lfs" and op._is_uploaded:
-                path.unlink()
-                self.ops[rel], self.sizes[rel] = op, size
-        log.info("uploaded %s (%.1f MB) to %s before the commit", rel, size / 1e6, self.repo_id)
+            path.unlink()
+            self.ops[rel], self.sizes[rel] = op, size
+        log.info("uploaded %s (%.1f MB) to %s before the commit, and deleted it here", rel, size / 1e6, self.repo_id)
 
 
 class _Component:
