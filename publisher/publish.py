@@ -17,12 +17,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from . import __version__, card, plan as planning, push as pushing, recipes as recipe_registry, resources, shard_upload, snapshot, source as sources
+from . import __version__, card, plan as planning, published, push as pushing, recipes as recipe_registry, resources, shard_upload, snapshot, source as sources
 from .errors import PublishError, ResourceError, TargetError, VerificationError
 from .cache import ComponentCache, default_root
 from .quantize import Artifacts, finalize, partial_folder, prepare_output, quantize_recipe
 from .recipes import Recipe
-from .verify import VerifyReport, check_location, require_passed, verify
+from .verify import VerifyReport, require_passed, verify
 
 log = logging.getLogger(__name__)
 
@@ -362,7 +362,7 @@ def _build_stages(run: _Run, recipe: Recipe, outcome: Outcome, folder: Path, upl
                                     remote=run.remote, uploader=uploader)
     outcome.components = [_component_json(c) for c in artifacts.components]
     with _timed(outcome, "verify"):
-        report = verify(artifacts, run.work / recipe.name, envs=req.verify_envs, base_sources=_base_sources(run),
+        report = verify(artifacts, run.work / recipe.name, envs=req.verify_envs, base_sources=published.base_sources(run),
                         token=run.token, device=run_on, mode="streaming" if uploader is not None else req.verify_mode)
     outcome.report = report
     outcome.verified = report.passed
@@ -397,7 +397,7 @@ def _push_one(run: _Run, outcome: Outcome, previous: dict[str, Any] | None) -> N
             result = shard_upload.push_staged(
                 artifacts.folder, report, artifacts.uploader, token=run.token, create_pr=run.req.create_pr,
                 message=message, description=description, created=run.created.pop(outcome.recipe, False),
-                check=lambda oid: _check_pull_request(run, outcome, oid))
+                check=lambda oid: published.check_pull_request(run, outcome, oid))
         else:
             result = pushing.push(
                 artifacts.folder, report, repo_id=outcome.repo_id, token=run.token, private=run.req.private,
@@ -415,67 +415,7 @@ def _push_one(run: _Run, outcome: Outcome, previous: dict[str, Any] | None) -> N
     run.caches[outcome.recipe].drop([c.name for c in run.plan.quantized])  # published: nothing to resume
     if outcome.pushed and not run.req.create_pr:
         with _timed(outcome, "published_check"):
-            _check_published(outcome, report, run.work / outcome.recipe, run.token)
-
-
-def _check_pull_request(run: _Run, outcome: Outcome, revision: str) -> list[Path]:
-    """--low-disk push: the shards left the disk after their tensor-by-tensor check, so the block-by-block
-    forward (and the quality figures) run on the pull request's commit over HTTP range, before the merge.
-    Raises on failure; returns the rewritten card and report, which join the pull request."""
-    from .streaming.sources import HubShards
-    from .verify import quality_against_base, streaming_check
-
-    artifacts, report = run.done[outcome.recipe]
-    uploaded = {c.name for c in artifacts.components if artifacts.uploader.checked.get(c.name)}
-    results = []
-    for exp in report.expected:
-        if exp.component in uploaded:
-            r = streaming_check(exp, HubShards(outcome.repo_id, revision, exp.component, run.token), report.tensor_class,
-                                forward_optional=artifacts.recipe.run.cuda)
-            r.env = "current, pull request before merge"
-            results.append(r)
-    report.results = [r for r in report.results if r.component not in uploaded] + results
-    report.quality = quality_against_base(report.expected, _base_sources(run))
-    report.passed = not report.failures()
-    outcome.report, outcome.verified = report, report.passed
-    if not report.passed:
-        raise VerificationError(f"verification of {outcome.recipe} failed on the pull request: {report.summary()}; "
-                                "it was closed and nothing was merged")
-    return card.write_cards(run.plan, run.done, **run.card_args, only=outcome.recipe)
-
-
-def _base_sources(run: _Run) -> dict[str, Any]:
-    """Where each quantized component's bf16 base is read for the quality figures (one block at a time)."""
-    from .streaming.sources import LocalShards
-
-    sources: dict[str, Any] = {}
-    for comp in run.plan.quantized:
-        local = run.base_dir / comp.name if comp.name else run.base_dir
-        downloaded = run.remote is None or any(local.glob("*.safetensors"))
-        sources[comp.name] = LocalShards(local) if downloaded else run.remote.source(comp)  # type: ignore[union-attr]
-    return sources
-
-
-def _check_published(outcome: Outcome, report: VerifyReport, work: Path, token: str | None) -> None:
-    """Load the published repo itself and compare with the in-memory model again: the library path, or, when the
-    folder was verified streaming, tensor by tensor and block by block over HTTP range reads of the commit."""
-    if report.mode == "streaming":
-        from .streaming.sources import HubShards
-        from .verify import streaming_check
-
-        cuda_recipe = recipe_registry.get(outcome.recipe).run.cuda
-        results = [streaming_check(exp, HubShards(outcome.repo_id, outcome.commit, exp.component, token),
-                                   report.tensor_class, forward_optional=cuda_recipe) for exp in report.expected]
-    else:
-        results = check_location(report.expected, outcome.repo_id, outcome.commit, work, token=token,
-                                 tensor_class=report.tensor_class, paths=("library",), device=report.device)
-    for r in results:
-        r.env = "current, from the Hub"
-    outcome.published_check = [asdict(r) for r in results]
-    bad = [r for r in results if not r.ok]
-    if bad:
-        outcome.error = f"the published repo {outcome.repo_id} does not reload like the verified folder: {bad[0].detail}"
-        raise VerificationError(outcome.error)
+            published.check_published(outcome, report, run.work / outcome.recipe, run.token)
 
 
 @contextmanager

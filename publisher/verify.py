@@ -171,6 +171,7 @@ def verify(
     """Run every load path on the saved folder and compare with the in-memory model.
 
     ``base_sources``: component name -> shard source of its bf16 base (quality); default: ``base_dir``."""
+    from . import verify_stream as vs
     from .streaming.sources import LocalShards
 
     work.mkdir(parents=True, exist_ok=True)
@@ -198,15 +199,15 @@ def verify(
             folder = artifacts.folder / exp.component if exp.component else artifacts.folder
             if uploader is not None and uploader.checked.get(exp.component):
                 # --low-disk push: checked tensor by tensor before each shard was uploaded and deleted; the forward
-                # and the quality figures run on the pull request before it is merged (publish._check_pull_request)
+                # and the quality figures run on the pull request before it is merged (published.check_pull_request)
                 report.results.append(PathResult(
                     exp.component, "streaming", "current, before upload", verify_worker._versions(), True,
                     f"{uploader.checked[exp.component]} tensors equal before upload; forward pending on the pull request",
                     quantized_layers=uploader.classes.get(exp.component, 0),
                     tensors_checked=uploader.checked[exp.component]))
                 continue
-            report.results.append(streaming_check(exp, LocalShards(folder), artifacts.recipe.tensor_class,
-                                                  forward_optional=artifacts.recipe.run.cuda))
+            report.results.append(vs.streaming_check(exp, LocalShards(folder), artifacts.recipe.tensor_class,
+                                                     forward_optional=artifacts.recipe.run.cuda))
     else:
         for exp in expected:
             if not exp.needs_reference:
@@ -232,61 +233,6 @@ def verify(
     report.expected = expected
     report.device = device
     return report
-
-
-def streaming_check(exp: _Expected, source: Any, tensor_class: str, env: str = "current",
-                    forward_optional: bool = False) -> PathResult:
-    """Tensor by tensor against the in-memory digests, then a block-by-block forward (verify_stream), which
-    runs on the CPU: for a recipe made to run on a GPU (``forward_optional``) a CPU without its kernel only
-    costs the forward check, and the detail says so."""
-    import torch
-
-    from . import verify_stream as vs
-
-    res = PathResult(exp.component, "streaming", env, verify_worker._versions(), False)
-    if not exp.digests:
-        res.detail = "no in-memory digests recorded for this component (resumed from an older cache); use --verify-mode full"
-        return res
-    try:
-        index = vs.build_index(source)
-        tc = vs.check_tensors(source, exp.digests, exp.quantized, tensor_class, index)
-        res.tensors_checked, res.quantized_layers = tc.checked, tc.quantized_layers
-        if not tc.ok:
-            res.detail = tc.detail
-            return res
-        if exp.inputs is not None:
-            from safetensors.torch import load_file
-
-            config = vs.load_config(source)
-            try:
-                bf = vs.block_forward(source, exp.library, exp.class_name, config, load_file(str(exp.inputs)), index=index)
-            except (RuntimeError, NotImplementedError) as exc:
-                if not forward_optional:
-                    raise
-                res.ok = True
-                res.detail = (f"{tc.checked} tensors equal; forward pass not checked on this CPU "
-                              f"({str(exc).splitlines()[0][:160]})")
-                return res
-            out = bf.output
-            if not bool(torch.isfinite(out.float()).all()):
-                res.detail = "the block-by-block forward pass gave non-finite values"
-                return res
-            res.forward_checked = True
-            if exp.output is not None:
-                res.max_abs_diff = float((out.float() - exp.output.float()).abs().max())
-                if out.shape != exp.output.shape or not torch.equal(out, exp.output):
-                    res.detail = f"block-by-block output differs from {exp.reference} (max abs diff {res.max_abs_diff:.3g})"
-                    return res
-            else:
-                exp.output = out  # the reference for the quality figure
-            res.detail = f"{tc.checked} tensors equal; forward with {bf.blocks} block loads, at most {bf.peak_block_bytes / 2**20:.0f} MiB at once"
-        else:
-            res.detail = f"{tc.checked} tensors equal; no forward inputs for {exp.class_name}"
-    except (OSError, ValueError, KeyError, RuntimeError, TypeError, NotImplementedError) as exc:
-        res.detail = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-        return res
-    res.ok = True
-    return res
 
 
 def _block_reference(exp: _Expected, source: Any) -> None:

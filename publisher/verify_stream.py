@@ -256,3 +256,59 @@ def load_config(source: Any) -> dict[str, Any]:
     if text is None:
         raise FileNotFoundError(f"no config.json in {source.where}")
     return dict(json.loads(text))
+
+
+def streaming_check(exp: Any, source: Any, tensor_class: str, env: str = "current",
+                    forward_optional: bool = False) -> Any:
+    """A ``verify.PathResult`` for one component: tensor by tensor against the in-memory digests, then the
+    block-by-block forward, which runs on the CPU: for a recipe made to run on a GPU (``forward_optional``) a
+    CPU without its kernel only costs the forward check, and the detail says so."""
+    import torch
+
+    from . import verify_worker
+    from .verify import PathResult
+
+    res = PathResult(exp.component, "streaming", env, verify_worker._versions(), False)
+    if not exp.digests:
+        res.detail = "no in-memory digests recorded for this component (resumed from an older cache); use --verify-mode full"
+        return res
+    try:
+        index = build_index(source)
+        tc = check_tensors(source, exp.digests, exp.quantized, tensor_class, index)
+        res.tensors_checked, res.quantized_layers = tc.checked, tc.quantized_layers
+        if not tc.ok:
+            res.detail = tc.detail
+            return res
+        if exp.inputs is not None:
+            from safetensors.torch import load_file
+
+            config = load_config(source)
+            try:
+                bf = block_forward(source, exp.library, exp.class_name, config, load_file(str(exp.inputs)), index=index)
+            except (RuntimeError, NotImplementedError) as exc:
+                if not forward_optional:
+                    raise
+                res.ok = True
+                res.detail = (f"{tc.checked} tensors equal; forward pass not checked on this CPU "
+                              f"({str(exc).splitlines()[0][:160]})")
+                return res
+            out = bf.output
+            if not bool(torch.isfinite(out.float()).all()):
+                res.detail = "the block-by-block forward pass gave non-finite values"
+                return res
+            res.forward_checked = True
+            if exp.output is not None:
+                res.max_abs_diff = float((out.float() - exp.output.float()).abs().max())
+                if out.shape != exp.output.shape or not torch.equal(out, exp.output):
+                    res.detail = f"block-by-block output differs from {exp.reference} (max abs diff {res.max_abs_diff:.3g})"
+                    return res
+            else:
+                exp.output = out  # the reference for the quality figure
+            res.detail = f"{tc.checked} tensors equal; forward with {bf.blocks} block loads, at most {bf.peak_block_bytes / 2**20:.0f} MiB at once"
+        else:
+            res.detail = f"{tc.checked} tensors equal; no forward inputs for {exp.class_name}"
+    except (OSError, ValueError, KeyError, RuntimeError, TypeError, NotImplementedError) as exc:
+        res.detail = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        return res
+    res.ok = True
+    return res

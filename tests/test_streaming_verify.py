@@ -302,7 +302,8 @@ def test_block_forward_failure_counts_unless_the_recipe_runs_on_a_gpu(streamed: 
     from publisher import verify_stream
     from publisher.inputs import build_inputs, save_inputs
     from publisher.streaming.sources import LocalShards
-    from publisher.verify import _Expected, streaming_check
+    from publisher.verify import _Expected
+    from publisher.verify_stream import streaming_check
 
     out, res = streamed(*COMPONENTS[0], "int8wo")
     inputs = save_inputs(build_inputs("diffusers", COMPONENTS[0][2], json.loads((out / "config.json").read_text())),
