@@ -444,10 +444,6 @@ def _endpoint() -> str:
     return constants.ENDPOINT.rstrip("/")
 
 
-def _files(folder: Path) -> dict[str, int]:
-    return {p.relative_to(folder).as_posix(): p.stat().st_size for p in sorted(folder.rglob("*")) if p.is_file()}
-
-
 def _component_json(c: Any) -> dict[str, Any]:
     return {
         "name": c.label,

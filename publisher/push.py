@@ -109,7 +109,7 @@ def push(
     description: str,
     state: dict[str, Any],
 ) -> PushResult:
-    from huggingface_hub import CommitOperationAdd, CommitOperationDelete, HfApi
+    from huggingface_hub import HfApi
 
     if not report.passed:
         raise VerificationError(f"refusing to push {repo_id}: verification failed ({report.summary()})")
@@ -129,17 +129,7 @@ def push(
     created = head is None and not exists()
     repo_url = retry.call(api.create_repo, repo_id, private=private, exist_ok=True, what=f"creating {repo_id}")
     try:
-        additions = [
-            CommitOperationAdd(path_in_repo=p.relative_to(folder).as_posix(), path_or_fileobj=str(p))
-            for p in sorted(folder.rglob("*"))
-            if p.is_file()
-        ]
-        ops: list[Any] = list(additions)
-        ours = {op.path_in_repo for op in ops}
-        if head is not None:
-            # A republish replaces the previous content: files we no longer produce are deleted in the same commit.
-            old = retry.call(api.list_repo_files, repo_id, revision=head, what=f"listing the files of {repo_id}")
-            ops += [CommitOperationDelete(path_in_repo=f) for f in old if f not in ours and f != ".gitattributes"]
+        additions, ops = commit_operations(api, repo_id, folder, head)
         # LFS uploads first, on their own: a retried commit then re-sends only the commit, not the weights.
         retry.call(api.preupload_lfs_files, repo_id, additions=additions, revision=revision,
                    create_pr=create_pr and not pr, free_memory=False, what=f"uploading the weights to {repo_id}")
@@ -176,6 +166,22 @@ def push(
             _delete_quietly(api, repo_id)
         raise
     return PushResult(repo_id, str(repo_url), oid, pr_url, False, created)
+
+
+def commit_operations(api: Any, repo_id: str, folder: Path, head: str | None,
+                      uploaded: list[Any] = ()) -> tuple[list[Any], list[Any]]:  # type: ignore[assignment]
+    """(additions from ``folder``, every operation of the commit): ``uploaded`` adds already pre-uploaded files;
+    a republish replaces the previous content, so files we no longer produce are deleted in the same commit."""
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+
+    additions = [CommitOperationAdd(path_in_repo=p.relative_to(folder).as_posix(), path_or_fileobj=str(p))
+                 for p in sorted(folder.rglob("*")) if p.is_file()]
+    ops: list[Any] = [*uploaded, *additions]
+    if head is not None:
+        ours = {op.path_in_repo for op in ops}
+        old = retry.call(api.list_repo_files, repo_id, revision=head, what=f"listing the files of {repo_id}")
+        ops += [CommitOperationDelete(path_in_repo=f) for f in old if f not in ours and f != ".gitattributes"]
+    return additions, ops
 
 
 def _delete_quietly(api: Any, repo_id: str) -> None:

@@ -16,7 +16,6 @@ if the run fails.
 from __future__ import annotations
 
 import logging
-import threading
 from pathlib import Path
 from typing import Any, Callable
 
@@ -37,7 +36,6 @@ class ShardUploader:
         self.sizes: dict[str, int] = {}  # path in repo -> bytes (the local file is gone)
         self.checked: dict[str, int] = {}  # component -> tensors checked before upload
         self.classes: dict[str, int] = {}  # component -> quantized layers of the recipe's class
-        self._lock = threading.Lock()
 
     def for_component(self, name: str, folder: Path, digests: dict[str, str]) -> _Component:
         return _Component(self, name, folder, digests)
@@ -59,9 +57,8 @@ class ShardUploader:
         if not (op._upload_mode == "lfs" and op._is_uploaded):  # the Hub takes it as a regular file: at the commit
             log.info("%s (%.1f MB) stays on disk until the commit (not an LFS file for %s)", rel, size / 1e6, self.repo_id)
             return
-        with self._lock:
-            path.unlink()
-            self.ops[rel], self.sizes[rel] = op, size
+        path.unlink()  # called from the engine's one writer thread: no other writer
+        self.ops[rel], self.sizes[rel] = op, size
         log.info("uploaded %s (%.1f MB) to %s before the commit, and deleted it here", rel, size / 1e6, self.repo_id)
 
 
@@ -95,41 +92,19 @@ class _Component:
                 self.up.upload(self.folder / f)
 
     def _check(self, names: list[str]) -> None:
-        from .streaming.sources import LocalShards, TensorReader, build_index
-        from .verify_worker import tensor_digest
+        from .streaming.sources import LocalShards
+        from .verify_stream import check_tensors
 
         files = sorted({f for t in names for f in self.files_of[t]})
-        source = _Files(LocalShards(self.folder), files)
-        with TensorReader(source, build_index(source)) as reader:
-            classes = 0
-            for name in names:
-                t = reader.read(name)
-                classes += type(t).__name__ == self.up.tensor_class
-                # the digest covers the tensor class too (tensor_digest hashes the subclass name)
-                if tensor_digest(t) != self.digests.get(name):
-                    raise VerificationError(f"{self.name or 'model'}: tensor {name} differs from the in-memory quantized "
-                                            "tensor after writing; nothing was published")
-                del t
-                for f in self.files_of[name]:
-                    self.pending[f].discard(name)
-        self.up.checked[self.name] = self.up.checked.get(self.name, 0) + len(names)
-        self.up.classes[self.name] = self.up.classes.get(self.name, 0) + classes
-
-
-class _Files:
-    """A shard source restricted to some of its files (the rest may still be being written)."""
-
-    def __init__(self, inner: Any, files: list[str]) -> None:
-        self.inner, self.names, self.where = inner, files, inner.where
-
-    def files(self) -> list[str]:
-        return list(self.names)
-
-    def open(self, name: str) -> Any:
-        return self.inner.open(name)
-
-    def text(self, name: str) -> str | None:
-        return self.inner.text(name)
+        wanted = {n: self.digests.get(n, "") for n in names}
+        tc = check_tensors(LocalShards(self.folder, files), wanted, [], self.up.tensor_class, only=set(names))
+        if not tc.ok:
+            raise VerificationError(f"{self.name or 'model'}: {tc.detail} after writing; nothing was published")
+        for name in names:
+            for f in self.files_of[name]:
+                self.pending[f].discard(name)
+        self.up.checked[self.name] = self.up.checked.get(self.name, 0) + tc.checked
+        self.up.classes[self.name] = self.up.classes.get(self.name, 0) + tc.of_class
 
 
 def ensure_repo(repo_id: str, token: str | None, private: bool) -> bool:
@@ -160,21 +135,15 @@ def push_staged(folder: Path, report: Any, uploader: ShardUploader, *, token: st
     """Commit the pre-uploaded shards and the local files as a pull request, run ``check(pr_commit)`` on it
     (it raises on failure and returns the files it rewrote: card, report), commit those to the PR, and merge
     it unless ``create_pr``. Main never holds unchecked bytes; on failure the PR is closed."""
-    from huggingface_hub import CommitOperationAdd, CommitOperationDelete
+    from huggingface_hub import CommitOperationAdd
 
-    from .push import PushResult, _url, published_state
+    from .push import PushResult, _url, commit_operations, published_state
 
     api, repo_id = uploader.api, uploader.repo_id
     if not report.passed:
         raise VerificationError(f"refusing to push {repo_id}: verification failed ({report.summary()})")
-    local = [CommitOperationAdd(path_in_repo=p.relative_to(folder).as_posix(), path_or_fileobj=str(p))
-             for p in sorted(folder.rglob("*")) if p.is_file()]
-    ops: list[Any] = [*uploader.ops.values(), *local]
     head, _ = published_state(repo_id, token)
-    if head is not None:  # a republish replaces the previous content
-        ours = {op.path_in_repo for op in ops}
-        old = retry.call(api.list_repo_files, repo_id, revision=head, what=f"listing the files of {repo_id}")
-        ops += [CommitOperationDelete(path_in_repo=f) for f in old if f not in ours and f != ".gitattributes"]
+    _, ops = commit_operations(api, repo_id, folder, head, list(uploader.ops.values()))
     pr_num: int | None = None
     try:
         info = retry.call(api.create_commit, repo_id, ops, commit_message=f"hf-ao-publish: {message}",

@@ -37,25 +37,29 @@ class TensorCheck:
     ok: bool
     checked: int
     detail: str = ""
-    quantized_layers: int = 0
+    quantized_layers: int = 0  # planned quantized layers that came back as the recipe's class
+    of_class: int = 0  # tensors of the recipe's class among those checked
 
 
 def check_tensors(source: Any, expected: dict[str, str], quantized: list[str], tensor_class: str,
-                  index: CheckpointIndex | None = None) -> TensorCheck:
-    """Every saved tensor against the digest of the in-memory tensor it came from (one at a time)."""
+                  index: CheckpointIndex | None = None, only: set[str] | None = None) -> TensorCheck:
+    """Every saved tensor against the digest of the in-memory tensor it came from (one at a time).
+
+    ``only``: check just these names (the shard uploader checks a shard's tensors as they complete)."""
     from .verify_worker import tensor_digest
 
     index = index or build_index(source)
-    names = index.names
+    names = [n for n in index.names if only is None or n in only]
     wanted_class = {f"{m}.weight" for m in quantized}
     seen: set[str] = set()
-    classes = 0
+    classes = of_class = 0
     known = set(expected.values())
     with TensorReader(source, index) as reader, _bar(sum(index.nbytes(n) for n in names), f"verify {source.where}",
                                                      "B") as bar:
         for name in names:
             bar.update(index.nbytes(name))
             t = reader.read(name)
+            of_class += type(t).__name__ == tensor_class
             if name in wanted_class:
                 if type(t).__name__ != tensor_class:
                     return TensorCheck(False, len(seen), f"layer {name[:-7]} reloaded as {type(t).__name__}, expected {tensor_class}")
@@ -76,7 +80,7 @@ def check_tensors(source: Any, expected: dict[str, str], quantized: list[str], t
     unquantized = sorted(wanted_class - seen)
     if unquantized:
         return TensorCheck(False, len(seen), f"quantized layer {unquantized[0][:-7]} has no saved weight")
-    return TensorCheck(True, len(seen), quantized_layers=classes)
+    return TensorCheck(True, len(seen), quantized_layers=classes, of_class=of_class)
 
 
 # ------------------------------------------------------------------ block-by-block forward

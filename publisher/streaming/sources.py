@@ -21,13 +21,16 @@ from . import safetensors_io as stio
 
 
 class LocalShards:
-    """A component folder on local disk."""
+    """A component folder on local disk; ``files``: only these shards (others may still be being written)."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, files: list[str] | None = None) -> None:
         self.folder = Path(folder)
         self.where = str(self.folder)
+        self._files = files
 
     def files(self) -> list[str]:
+        if self._files is not None:
+            return sorted(self._files)
         return sorted(p.name for p in self.folder.glob("*.safetensors"))
 
     def open(self, name: str) -> BinaryIO:
