@@ -86,17 +86,10 @@ def check_tensors(source: Any, expected: dict[str, str], quantized: list[str], t
 # ------------------------------------------------------------------ block-by-block forward
 
 def meta_model(library: str, class_name: str, config: dict[str, Any]) -> Any:
-    """The component on the meta device (buffers stay real: rotary tables, position ids)."""
-    import torch
-    from accelerate import init_empty_weights
+    """The component on the meta device, tied weights tied (the manual load path's own model)."""
+    from .verify_worker import meta_model as build
 
-    module = __import__(library)
-    cls = getattr(module, class_name)
-    with init_empty_weights():
-        if library == "diffusers":
-            model = cls.from_config(config)
-        else:
-            model = cls._from_config(cls.config_class.from_dict(config), dtype=torch.bfloat16)
+    model = build(library, class_name, config)
     if hasattr(model, "tie_weights"):
         model.tie_weights()
     return model.eval()

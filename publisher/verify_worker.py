@@ -77,21 +77,30 @@ def _local_folder(req: dict[str, Any]) -> Path:
     return folder / req["subfolder"] if req.get("subfolder") else folder
 
 
-def _load_manual(req: dict[str, Any]) -> Any:
+def meta_model(library: str, class_name: str, config: Any) -> Any:
+    """The component on the meta device (buffers stay real: rotary tables, position ids), from its config:
+    a dict (config.json) or a transformers config object."""
     import torch
     from accelerate import init_empty_weights
+
+    cls = _model_class(library, class_name)
+    with init_empty_weights():
+        if library == "diffusers":
+            return cls.from_config(config)
+        if isinstance(config, dict):
+            config = cls.config_class.from_dict(config)
+        return cls._from_config(config, dtype=torch.bfloat16)
+
+
+def _load_manual(req: dict[str, Any]) -> Any:
     from safetensors import safe_open
     from safetensors.torch import load_file
     from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
 
     folder = _local_folder(req)
     cls = _model_class(req["library"], req["class_name"])
-    with init_empty_weights():
-        if req["library"] == "diffusers":
-            model = cls.from_config(cls.load_config(folder))
-        else:
-            config = cls.config_class.from_pretrained(folder)
-            model = cls._from_config(config, dtype=torch.bfloat16)
+    config = cls.load_config(folder) if req["library"] == "diffusers" else cls.config_class.from_pretrained(folder)
+    model = meta_model(req["library"], req["class_name"], config)
     shards = sorted(folder.glob("*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"no safetensors files in {folder}")
