@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 demo: setup
-	$(BIN)/python -m publisher.demo
+	$(BIN)/python -m publisher.testing.demo
 
 test: setup
 	$(BIN)/python -m pytest

@@ -269,8 +269,8 @@ def _du(*paths: Path) -> int:
 
 def run_publish(work: Path, ckpt: Path, recipe: str) -> dict:
     """The CLI end to end on a pipeline whose transformer is ``ckpt``, against a loopback Hub process."""
-    from publisher.hubserver import spawn_server
-    from publisher.tiny import build_tiny_flux
+    from publisher.testing.hubserver import spawn_server
+    from publisher.testing.tiny import build_tiny_flux
 
     repo = work / "pipeline"
     shutil.rmtree(repo, ignore_errors=True)

@@ -17,8 +17,8 @@ from urllib.parse import urlparse
 
 import click
 
-from . import __version__
-from . import recipes as recipe_registry
+from publisher import __version__
+from publisher import recipes as recipe_registry
 
 _SUBCOMMANDS = ("publish", "recipes", "verify")
 
@@ -57,7 +57,7 @@ class _Failure(click.ClickException):
 
 def _run_mapped(debug: bool, fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Run library code; known errors become one-line messages (tracebacks only with --debug)."""
-    from .messages import describe
+    from publisher.messages import describe
 
     try:
         return fn(*args, **kwargs)
@@ -175,7 +175,7 @@ def publish_cmd(model_id: str, quant: tuple[str, ...], components: str | None, e
         raise click.UsageError("--low-disk reads weights by HTTP range, which only the streaming engine does; drop --engine library")
     _setup_logging(debug, quiet)
     _prefer_lfs_for_local_hub()
-    from .publish import PublishRequest, run
+    from publisher.job import PublishRequest, run
 
     req = PublishRequest(
         model=model_id,
@@ -232,7 +232,7 @@ def verify_cmd(target: str, revision: str | None, token: str | None, verify_envs
     _prefer_lfs_for_local_hub()
     import tempfile
 
-    from .verify_target import verify_target
+    from publisher.verify.target import verify_target
 
     with tempfile.TemporaryDirectory(prefix="hf-ao-verify-") as work:
         report = _run_mapped(debug, verify_target, target, Path(work), envs=verify_envs, token=token,

@@ -51,12 +51,12 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ContextManager, Iterator
 
-from .errors import QuantizeError
+from publisher.errors import QuantizeError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from .recipes import Recipe
+    from publisher.recipes import Recipe
 
 # Recipes whose torchao handler refuses CPUs but whose arithmetic this module can run on one.
 FLOAT8_DYNAMIC_RECIPES: tuple[str, ...] = ("float8dq", "float8dq-tensor")
@@ -97,7 +97,7 @@ def _patch_targets() -> tuple[Any, Any]:
 
 def cpu_quantize_supported(recipe: "Recipe | str") -> bool:
     """True when ``recipe`` can be quantized on a CPU: natively, or through this module."""
-    from . import recipes
+    from publisher import recipes
 
     r = recipes.get(recipe) if isinstance(recipe, str) else recipe
     if not r.quantize.cuda:

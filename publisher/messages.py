@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import PublishError
+from publisher.errors import PublishError
 
 
 def describe(exc: BaseException) -> tuple[str, int] | None:
@@ -51,7 +51,7 @@ def describe(exc: BaseException) -> tuple[str, int] | None:
         if status == 412:
             return "the target repo changed while publishing (another writer); re-run to publish on top of it", 1
         if isinstance(status, int) and (status >= 500 or status == 429):
-            from .retry import settings
+            from publisher.hub import settings
 
             return (f"the Hub kept failing ({status}: {exc.server_message or _first_line(exc)}) after "
                     f"{settings()[0]} tries; nothing was changed by the failed request, try again later"), 1

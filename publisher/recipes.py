@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import HardwareError, UsageError
+from publisher.errors import HardwareError, UsageError
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ if [ "$SKIP_GPU_CHECK" != 1 ]; then
     echo "gpu_check exit $?"
 fi
 log="$OUT/cli.log"
-python3 -m publisher.tiny flux /tmp/dev-tiny-flux >>"$log" 2>&1
+python3 -m publisher.testing.tiny flux /tmp/dev-tiny-flux >>"$log" 2>&1
 echo "== GPU: float8dq, int4wo, int8wo" >>"$log"
 timeout 130 python3 -m publisher.cli /tmp/dev-tiny-flux --quant float8dq,int4wo,int8wo --keep-going --no-push \
     --output-dir /tmp/dev-cli-gpu --json --sample-steps 2 --sample-size 64 --sample-prompt "a red cube" \

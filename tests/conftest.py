@@ -2,7 +2,7 @@
 
 huggingface_hub reads HF_ENDPOINT, HF_HOME and HF_HUB_DISABLE_XET when it is imported, so they are
 set here, at conftest import, before any test module imports it. The server is the project's own
-(publisher.hubserver); the client is the real, unmodified huggingface_hub.
+(publisher.testing.hubserver); the client is the real, unmodified huggingface_hub.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ ORGS = {"acme": ["alice"]}
 
 @pytest.fixture(scope="session")
 def hub() -> Any:
-    from publisher.hubserver import HubServer
+    from publisher.testing.hubserver import HubServer
 
     server = HubServer(_SESSION_DIR / "hub-data", tokens=TOKENS, orgs=ORGS, port=HUB_PORT)
     server.start()
@@ -57,14 +57,14 @@ def _no_token(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.fixture(scope="session")
 def tiny_flux_dir() -> Path:
-    from publisher.tiny import build_tiny_flux
+    from publisher.testing.tiny import build_tiny_flux
 
     return build_tiny_flux(_SESSION_DIR / "models" / "tiny-flux")
 
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir() -> Path:
-    from publisher.tiny import build_tiny_llama
+    from publisher.testing.tiny import build_tiny_llama
 
     return build_tiny_llama(_SESSION_DIR / "models" / "tiny-llama")
 

@@ -331,7 +331,7 @@ def test_workflows_structure() -> None:
     assert [s["uses"] for s in steps if "uses" in s][:2] == ["actions/checkout@v4", "actions/setup-python@v5"]
     assert sum(1 for s in steps if s.get("uses") == "./") >= 2
     runs = "\n".join(s.get("run", "") for s in steps)
-    assert "python -m publisher.hubserver" in runs and "--port 8765" in runs and "python -m publisher.tiny flux" in runs
+    assert "python -m publisher.testing.hubserver" in runs and "--port 8765" in runs and "python -m publisher.testing.tiny flux" in runs
     assert self_test["jobs"]["action"]["env"]["HF_ENDPOINT"] == "http://127.0.0.1:8765"
 
 

@@ -16,7 +16,7 @@ from conftest import seed
 
 @pytest.fixture(scope="module")
 def special_repos(hub: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    from publisher.tiny import build_not_a_model, build_remote_code_model, build_tiny_llama
+    from publisher.testing.tiny import build_not_a_model, build_remote_code_model, build_tiny_llama
 
     root = tmp_path_factory.mktemp("special")
     seed("bfl/not-a-model", build_not_a_model(root / "nam"), "tok_bfl")

@@ -129,7 +129,7 @@ def test_card_golden_file(cli: Any, tiny_flux_dir: Path, tiny_llama_dir: Path, t
 def test_template_is_strict(tmp_path: Path) -> None:
     import jinja2
 
-    from publisher import card
+    from publisher.stages import card
 
     with pytest.raises(jinja2.UndefinedError, match="'title' is undefined"):
         card.environment().from_string(card.template_path().read_text()).render(card_data="x: 1")
@@ -145,7 +145,7 @@ def test_template_ships_in_the_wheel(tmp_path: Path) -> None:
     wheel = next(tmp_path.glob("hf_ao_publish-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     assert "publisher/templates/modelcard.md.j2" in names
-    assert "publisher/verify_worker.py" in names
+    assert "publisher/loadpath.py" in names
 
 
 @pytest.mark.slow
@@ -157,7 +157,7 @@ def test_two_recipes_one_download_cross_linked(cli: Any, flux_repo: str, caplog:
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert [r["repo_id"] for r in data["results"]] == ["alice/pair-int8wo", "alice/pair-float8wo"] and data["verified"]
-    assert sum("downloading" in r.getMessage() for r in caplog.records if r.name == "publisher.snapshot") == 1
+    assert sum("downloading" in r.getMessage() for r in caplog.records if r.name == "publisher.stages.fetch") == 1
     for me, other in (("int8wo", "float8wo"), ("float8wo", "int8wo")):
         _, text = _card_of(f"alice/pair-{me}")
         assert "## Other variants of this base" in text
@@ -171,7 +171,7 @@ def test_two_recipes_one_download_cross_linked(cli: Any, flux_repo: str, caplog:
 def test_one_failing_recipe_publishes_no_half_set(cli: Any, flux_repo: str, monkeypatch: pytest.MonkeyPatch, keep_going: bool) -> None:
     from huggingface_hub import HfApi
 
-    from publisher import publish
+    from publisher import job as publish
     from publisher.errors import QuantizeError
 
     real = publish.quantize_recipe

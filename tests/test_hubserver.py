@@ -40,7 +40,7 @@ from huggingface_hub.errors import (  # noqa: E402
     RevisionNotFoundError,
 )
 
-from publisher.hubserver import HubServer, spawn_server  # noqa: E402
+from publisher.testing.hubserver import HubServer, spawn_server  # noqa: E402
 
 TOKENS = {"tok_alice": "alice", "tok_bob": "bob", "tok_carol": "carol"}
 ORGS = {"acme": ["alice"]}

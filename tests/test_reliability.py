@@ -233,7 +233,7 @@ def test_create_pr_opens_one_pr_and_a_changed_rerun_updates_it(cli: Any, hub: An
 @pytest.mark.slow
 def test_hub_stopped_mid_commit_then_rerun_completes_and_token_is_never_written(
         tiny_llama_dir: Path, tmp_path: Path) -> None:
-    from publisher.hubserver import spawn_server
+    from publisher.testing.hubserver import spawn_server
 
     secret = "hf_reliability_" + secrets.token_hex(16)  # distinctive, so a scan for its bytes means something
     tokens = {secret: "alice", "tok_meta": "meta"}
@@ -358,8 +358,8 @@ def test_unsafe_base_file_names_are_refused_before_download(cli: Any, hub: Any, 
     from huggingface_hub import CommitOperationAdd
 
     from publisher.errors import SourceError
-    from publisher.plan import Component, _base_files
-    from publisher.source import Source
+    from publisher.stages.plan import Component, _base_files
+    from publisher.stages.source import Source
 
     # A repo cannot even hold such a name: the client refuses it, and so does the (loopback) Hub.
     with pytest.raises(ValueError):
@@ -409,7 +409,7 @@ def test_retry_classifies_errors_and_stays_bounded(monkeypatch: pytest.MonkeyPat
     import httpx2
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
-    from publisher import retry
+    from publisher import hub
 
     def http(status: int, headers: dict[str, str] | None = None) -> HfHubHTTPError:
         response = httpx2.Response(status, headers=headers, request=httpx2.Request("POST", "http://127.0.0.1/x"))
@@ -419,11 +419,11 @@ def test_retry_classifies_errors_and_stays_bounded(monkeypatch: pytest.MonkeyPat
     for exc in (http(500), http(502), http(503), http(429), httpx2.ConnectError("refused", request=request),
                 httpx2.RemoteProtocolError("dropped", request=request), httpx2.ReadTimeout("slow", request=request),
                 ConnectionResetError()):
-        assert retry.is_transient(exc), exc
+        assert hub.is_transient(exc), exc
     for exc in (http(400), http(401), http(403), http(404), http(409), http(412), OfflineModeIsEnabled("offline"),
                 httpx2.UnsupportedProtocol("ftp://", request=request), ValueError("bug")):
-        assert not retry.is_transient(exc), exc
-    assert retry.retry_after(http(429, {"Retry-After": "7"})) == 7.0 and retry.retry_after(http(503)) == 0.0
+        assert not hub.is_transient(exc), exc
+    assert hub.retry_after(http(429, {"Retry-After": "7"})) == 7.0 and hub.retry_after(http(503)) == 0.0
 
     monkeypatch.setenv("HF_AO_PUBLISH_RETRY_DELAY", "0")
     calls: list[int] = []
@@ -436,18 +436,18 @@ def test_retry_classifies_errors_and_stays_bounded(monkeypatch: pytest.MonkeyPat
             return "ok"
         return fn
 
-    assert retry.call(flaky(http(503), TRIES - 1), what="t") == "ok" and len(calls) == TRIES
+    assert hub.call(flaky(http(503), TRIES - 1), what="t") == "ok" and len(calls) == TRIES
     calls.clear()
     with pytest.raises(HfHubHTTPError):
-        retry.call(flaky(http(503), TRIES), what="t")
+        hub.call(flaky(http(503), TRIES), what="t")
     assert len(calls) == TRIES  # bounded
     calls.clear()
     with pytest.raises(HfHubHTTPError):
-        retry.call(flaky(http(412), 1), what="t")
+        hub.call(flaky(http(412), 1), what="t")
     assert len(calls) == 1  # permanent: never retried
     calls.clear()
     # the check before a retry ends the loop when the first try had landed after all
-    assert retry.call(flaky(http(503), 1), what="t", check=lambda: "landed") == "landed" and len(calls) == 1
+    assert hub.call(flaky(http(503), 1), what="t", check=lambda: "landed") == "landed" and len(calls) == 1
 
 
 def test_messages_for_unreachable_hub_and_full_disk() -> None:

@@ -13,7 +13,7 @@ import pytest
 def _interrupted_run(cli: Any, args: list[str], monkeypatch: pytest.MonkeyPatch, cache: Path) -> None:
     """Run the CLI with the run stopping right after quantization (an error that is not a failed verification,
     which would drop the cache entry), then restore verification."""
-    from publisher import publish
+    from publisher import job as publish
     from publisher.errors import PublishError
 
     monkeypatch.setenv("HF_AO_PUBLISH_CACHE", str(cache))
@@ -72,7 +72,7 @@ def test_damaged_cache_entry_is_quantized_again(cli: Any, tiny_llama_dir: Path, 
 def test_failed_verification_drops_the_cache_entry(cli: Any, tiny_llama_dir: Path, tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """What failed verification is never reused by a later run."""
-    from publisher import publish
+    from publisher import job as publish
     from publisher.errors import VerificationError
 
     cache = tmp_path / "cache"

@@ -115,7 +115,7 @@ def _llama_out(path: Path) -> object:
 
 def _run_both(src: Path, tmp: Path, library: str, recipe: recipes.Recipe, **kw: object):
     from publisher.streaming import stream_quantize
-    from publisher.streaming.reference import library_quantize
+    from publisher.testing.reference import library_quantize
 
     exclude = kw.pop("exclude", ())
     model = library_quantize(src, tmp / "lib", library=library, recipe=recipe, exclude=exclude, **kw)
@@ -275,7 +275,7 @@ def test_callbacks_order(flux_src: Path, tmp_path: Path) -> None:
     first_output_shard = next(i for i, e in enumerate(events) if e[0] == "output" and e[1].endswith(".safetensors"))
     assert first_output_shard < events.index(("release", fetched[-1]))
     # Same files as the library path run on the full folder, but for the source path config.json records.
-    from publisher.streaming.reference import library_quantize
+    from publisher.testing.reference import library_quantize
 
     library_quantize(flux_src, tmp_path / "lib", library="diffusers", recipe=recipes.get("int8wo"), max_shard_size="100KB")
     lib_config = json.loads((tmp_path / "lib" / "config.json").read_text())

@@ -47,7 +47,7 @@ def streamed(tiny_flux_dir: Path, tiny_llama_dir: Path, tmp_path_factory: pytest
 @pytest.mark.parametrize("sub,lib,cls", COMPONENTS)
 def test_engine_digests_equal_the_library_reload(streamed: Any, sub: str, lib: str, cls: str, recipe: str) -> None:
     """The digests the engine records in memory are those of the model a user loads (tied weights saved once)."""
-    from publisher.verify_worker import inspect_model, load_component
+    from publisher.loadpath import inspect_model, load_component
 
     out, res = streamed(sub, lib, cls, recipe)
     full = inspect_model(load_component(lib, cls, out))["digests"]
@@ -59,8 +59,8 @@ def test_engine_digests_equal_the_library_reload(streamed: Any, sub: str, lib: s
 
 @pytest.mark.parametrize("sub,lib,cls", COMPONENTS)
 def test_tensor_check_passes_and_catches_damage(streamed: Any, tmp_path: Path, sub: str, lib: str, cls: str) -> None:
-    from publisher.streaming.sources import LocalShards
-    from publisher.verify_stream import check_tensors
+    from publisher.streaming.shards import LocalShards
+    from publisher.verify.streaming import check_tensors
 
     out, res = streamed(sub, lib, cls, "int8wo")
     good = check_tensors(LocalShards(out), res.digests, res.quantized, "Int8Tensor")
@@ -96,10 +96,10 @@ def test_block_forward_equals_a_full_reload(streamed: Any, tiny_flux_dir: Path, 
                                             sub: str, lib: str, cls: str, budget: int) -> None:
     import torch
 
-    from publisher.inputs import build_inputs
-    from publisher.streaming.sources import LocalShards
-    from publisher.verify_stream import block_forward
-    from publisher.verify_worker import forward, load_component
+    from publisher.verify.inputs import build_inputs
+    from publisher.streaming.shards import LocalShards
+    from publisher.verify.streaming import block_forward
+    from publisher.loadpath import forward, load_component
 
     out, _ = streamed(sub, lib, cls, "int8wo")
     config = json.loads((out / "config.json").read_text())
@@ -217,7 +217,7 @@ def test_low_disk_publish_failing_on_the_pull_request_merges_nothing(cli: Any, f
     """The forward fails on the PR: it is closed, main is untouched, a repo made by this run is deleted."""
     from huggingface_hub import HfApi
 
-    from publisher import verify_stream
+    from publisher.verify import streaming as verify_stream
 
     api = HfApi(token="tok_alice")
     repo = f"alice/lowdisk-fails-{existing}"
@@ -267,7 +267,7 @@ def test_low_disk_publish_with_a_bad_shard_deletes_the_new_repo(cli: Any, flux_r
 @pytest.mark.slow
 def test_low_disk_is_chosen_when_the_download_would_not_fit(cli: Any, flux_repo: str, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    from publisher import resources
+    from publisher.stages import preflight as resources
 
     monkeypatch.setattr(resources, "_fits", lambda est, out, cache: None if est.low_disk else (out, 10**12, 10**9))
     result = cli(flux_repo, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "out"), *SMALL)
@@ -299,11 +299,11 @@ def test_option_conflicts_are_usage_errors(cli: Any, tiny_flux_dir: Path, args: 
 def test_block_forward_failure_counts_unless_the_recipe_runs_on_a_gpu(streamed: Any, tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch, optional: bool) -> None:
     """A CPU without a GPU recipe's kernel costs the forward check (said in the detail); any other failure fails."""
-    from publisher import verify_stream
-    from publisher.inputs import build_inputs, save_inputs
-    from publisher.streaming.sources import LocalShards
-    from publisher.verify import _Expected
-    from publisher.verify_stream import streaming_check
+    from publisher.verify import streaming as verify_stream
+    from publisher.verify.inputs import build_inputs, save_inputs
+    from publisher.streaming.shards import LocalShards
+    from publisher.verify.full import _Expected
+    from publisher.verify.streaming import streaming_check
 
     out, res = streamed(*COMPONENTS[0], "int8wo")
     inputs = save_inputs(build_inputs("diffusers", COMPONENTS[0][2], json.loads((out / "config.json").read_text())),
@@ -324,7 +324,7 @@ def test_shard_uploader_uploads_each_checked_shard_and_deletes_it(hub: Any, tiny
     """Many small output shards: each leaves the disk once its tensors (parts may span shards) are checked."""
     from huggingface_hub import HfApi
 
-    from publisher.shard_upload import ShardUploader, ensure_repo
+    from publisher.stages.push_pr import ShardUploader, ensure_repo
     from publisher.streaming import stream_quantize
 
     monkeypatch.setenv("HF_TOKEN", "tok_alice")

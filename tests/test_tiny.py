@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from publisher import tiny
+from publisher.testing import tiny
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,7 +77,7 @@ def llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_import_is_lazy() -> None:
-    code = "import sys, publisher.tiny; print(sorted({'torch', 'diffusers', 'transformers'} & set(sys.modules)))"
+    code = "import sys, publisher.testing.tiny; print(sorted({'torch', 'diffusers', 'transformers'} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 
@@ -193,7 +193,7 @@ def test_llama_is_deterministic_across_processes(llama_dir: Path, tmp_path: Path
     # Also exercises the command-line entry, in a process with a different hash seed.
     env = {**os.environ, "PYTHONHASHSEED": "12345", "PYTHONPATH": str(ROOT)}
     subprocess.run(
-        [sys.executable, "-m", "publisher.tiny", "llama", str(tmp_path / "cli")],
+        [sys.executable, "-m", "publisher.testing.tiny", "llama", str(tmp_path / "cli")],
         cwd=ROOT, env=env, check=True, capture_output=True,
     )
     assert _hashes(tmp_path / "cli") == _hashes(llama_dir)

@@ -18,9 +18,9 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
-from ..errors import QuantizeError
-from . import safetensors_io as stio
-from .plan import OutFile, OutTensor, Plan, Work
+from publisher.errors import QuantizeError
+from publisher.streaming import safetensors_io as stio
+from publisher.streaming.layout import OutFile, OutTensor, Plan, Work
 
 
 def peak_rss_bytes() -> int:
@@ -233,7 +233,7 @@ def _one(ctx: _Ctx, w: Work, entry: stio.HeaderEntry, f: BinaryIO) -> None:
 
 def _write(ctx: _Ctx, key: str, subclass: str | None, inner: list[str], writes: list[tuple[OutTensor, Any]]) -> None:
     """(writer thread) Hash the tensor as it was in memory, then write its parts at their planned offsets."""
-    from ..verify_worker import digest_parts
+    from publisher.loadpath import digest_parts
 
     t0 = time.perf_counter()
     by_name = {out.name: t for out, t in writes}

@@ -157,10 +157,10 @@ def copy_cast(src: BinaryIO, entry: HeaderEntry, dst: BinaryIO, dst_offset: int,
               seconds: dict[str, float]) -> str:
     """Copy a pass-through tensor chunk by chunk, casting on the way, so big embeddings never sit in RAM.
 
-    Returns the tensor's verification digest (``verify_worker.tensor_digest`` of the written tensor)."""
+    Returns the tensor's verification digest (``loadpath.tensor_digest`` of the written tensor)."""
     import time
 
-    from ..verify_worker import digest_header
+    from publisher.loadpath import digest_header
 
     import torch
 

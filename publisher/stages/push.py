@@ -4,7 +4,7 @@
 push cannot be written. The repo is created only now; if the upload or the commit then fails, a repo
 we created is deleted again so the target is left exactly as it was.
 
-Every Hub call is retried on transient errors (publisher.retry). A commit is not idempotent: before
+Every Hub call is retried on transient errors (publisher.hub). A commit is not idempotent: before
 it is sent again, the target head is re-read, and a head that moved to a commit carrying this run's
 fingerprint in its state file means the earlier try landed (only its answer was lost).
 """
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import retry
-from .errors import TargetError, VerificationError
-from .verify import VerifyReport
+from publisher import hub
+from publisher.errors import TargetError, VerificationError
+from publisher.verify.full import VerifyReport
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def published_state(repo_id: str, token: str | None, revision: str | None = None
 
     api = HfApi(token=token)
     try:
-        info = retry.call(api.repo_info, repo_id, revision=revision, what=f"reading {repo_id}")
+        info = hub.call(api.repo_info, repo_id, revision=revision, what=f"reading {repo_id}")
     except (RevisionNotFoundError, RepositoryNotFoundError):
         return None, None
     return info.sha, _state_at(repo_id, info.sha, token)
@@ -61,14 +61,14 @@ def _state_at(repo_id: str, sha: str | None, token: str | None, *, retried: bool
         return None
     try:
         if retried:
-            path = retry.call(hf_hub_download, repo_id, STATE_FILE, revision=sha, token=token,
+            path = hub.call(hf_hub_download, repo_id, STATE_FILE, revision=sha, token=token,
                               what=f"reading {STATE_FILE} of {repo_id}")
         else:
             path = hf_hub_download(repo_id, STATE_FILE, revision=sha, token=token)
     except RemoteEntryNotFoundError:
         return None
     except LocalEntryNotFoundError as exc:
-        if exc.__cause__ is not None and retry.is_transient(exc.__cause__):
+        if exc.__cause__ is not None and hub.is_transient(exc.__cause__):
             raise exc.__cause__ from None  # the Hub could not be reached: say so, not "no state file"
         return None
     try:
@@ -85,7 +85,7 @@ def find_open_pr(repo_id: str, token: str | None) -> tuple[int, str] | None:
 
     api = HfApi(token=token)
     try:
-        discussions = retry.call(
+        discussions = hub.call(
             lambda: list(api.get_repo_discussions(repo_id, discussion_type="pull_request", discussion_status="open")),
             what=f"listing the pull requests of {repo_id}",
         )
@@ -118,7 +118,7 @@ def push(
         raise VerificationError(f"refusing to push {repo_id}: {folder} was not produced by this run")
 
     def exists() -> bool:
-        return retry.call(api.repo_exists, repo_id, what=f"checking {repo_id}")
+        return hub.call(api.repo_exists, repo_id, what=f"checking {repo_id}")
 
     pr = find_open_pr(repo_id, token) if create_pr and exists() else None
     revision = pr[1] if pr else None
@@ -127,11 +127,11 @@ def push(
         return PushResult(repo_id, _url(api, repo_id), head, _pr_url(api, repo_id, pr), True, False)
 
     created = head is None and not exists()
-    repo_url = retry.call(api.create_repo, repo_id, private=private, exist_ok=True, what=f"creating {repo_id}")
+    repo_url = hub.call(api.create_repo, repo_id, private=private, exist_ok=True, what=f"creating {repo_id}")
     try:
         additions, ops = commit_operations(api, repo_id, folder, head)
         # LFS uploads first, on their own: a retried commit then re-sends only the commit, not the weights.
-        retry.call(api.preupload_lfs_files, repo_id, additions=additions, revision=revision,
+        hub.call(api.preupload_lfs_files, repo_id, additions=additions, revision=revision,
                    create_pr=create_pr and not pr, free_memory=False, what=f"uploading the weights to {repo_id}")
 
         def landed() -> tuple[str, str | None] | None:
@@ -160,7 +160,7 @@ def push(
             info = commit()
             return info.oid, _pr_url(api, repo_id, pr) if pr else info.pr_url
 
-        oid, pr_url = retry.call(send, what=f"committing to {repo_id}", check=landed)
+        oid, pr_url = hub.call(send, what=f"committing to {repo_id}", check=landed)
     except BaseException:
         if created:
             _delete_quietly(api, repo_id)
@@ -179,7 +179,7 @@ def commit_operations(api: Any, repo_id: str, folder: Path, head: str | None,
     ops: list[Any] = [*uploaded, *additions]
     if head is not None:
         ours = {op.path_in_repo for op in ops}
-        old = retry.call(api.list_repo_files, repo_id, revision=head, what=f"listing the files of {repo_id}")
+        old = hub.call(api.list_repo_files, repo_id, revision=head, what=f"listing the files of {repo_id}")
         ops += [CommitOperationDelete(path_in_repo=f) for f in old if f not in ours and f != ".gitattributes"]
     return additions, ops
 
@@ -187,10 +187,10 @@ def commit_operations(api: Any, repo_id: str, folder: Path, head: str | None,
 def _delete_quietly(api: Any, repo_id: str) -> None:
     """Best effort: remove the empty repo we just created so a failed push leaves nothing behind."""
     try:
-        retry.call(api.delete_repo, repo_id, what=f"deleting the empty repo {repo_id}")
+        hub.call(api.delete_repo, repo_id, what=f"deleting the empty repo {repo_id}")
         log.info("deleted the empty repo %s after the failed commit", repo_id)
     except Exception as exc:  # the original error matters more; this one is only reported
-        log.warning("could not delete the empty repo %s after the failed commit: %s", repo_id, retry.short(exc))
+        log.warning("could not delete the empty repo %s after the failed commit: %s", repo_id, hub.short(exc))
 
 
 def _url(api: Any, repo_id: str) -> str:
@@ -207,7 +207,7 @@ def check_writable(repo_id: str, token: str | None) -> str:
 
     if not token:
         raise TargetError("pushing needs a Hub token with write access; set HF_TOKEN (or pass --token), or use --no-push")
-    who = retry.call(HfApi(token=token).whoami, what="checking the token")
+    who = hub.call(HfApi(token=token).whoami, what="checking the token")
     namespace = repo_id.split("/")[0]
     orgs = {o.get("name") for o in who.get("orgs", [])}
     if namespace != who.get("name") and namespace not in orgs:

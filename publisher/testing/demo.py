@@ -1,8 +1,8 @@
 """Offline demo: a loopback Hub, a tiny FLUX pipeline seeded on it, published with --quant int8wo, loaded back.
 
-    python -m publisher.demo [--workdir demo-output] [--recipe int8wo]
+    python -m publisher.testing.demo [--workdir demo-output] [--recipe int8wo]
 
-Nothing leaves this machine: the Hub is publisher.hubserver on 127.0.0.1, and the real
+Nothing leaves this machine: the Hub is publisher.testing.hubserver on 127.0.0.1, and the real
 huggingface_hub client, the real CLI (as a subprocess) and diffusers talk to it via HF_ENDPOINT.
 """
 
@@ -47,8 +47,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from huggingface_hub import HfApi
 
-    from .hubserver import HubServer
-    from .tiny import build_tiny_flux
+    from publisher.testing.hubserver import HubServer
+    from publisher.testing.tiny import build_tiny_flux
 
     with HubServer(work / "hub-data", tokens=DEMO_TOKENS, port=port) as hub:
         print(f"[demo] local Hub at {hub.url}", file=sys.stderr)

@@ -11,11 +11,11 @@ import os
 import re
 from typing import TYPE_CHECKING
 
-from .storage import HubError, make_entry, validate_path, validate_repo_id
-from .wire import Request, Response, json_response
+from publisher.testing.hubserver.storage import HubError, make_entry, validate_path, validate_repo_id
+from publisher.testing.hubserver.wire import Request, Response, json_response
 
 if TYPE_CHECKING:  # the mixin is only ever used as a base of HubApp
-    from .app import HubApp
+    from publisher.testing.hubserver.app import HubApp
 
 LFS_THRESHOLD = 10 * 1024 * 1024
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".onnx", ".msgpack", ".h5", ".model",

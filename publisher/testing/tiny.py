@@ -8,9 +8,9 @@ Dimensions are chosen so every Linear's in_features is a multiple of 128, so tha
 configs (PerGroup(32/64/128)) apply to every layer without exclusions. The same seed gives the same
 bytes in every file.
 
-torch/diffusers/transformers are imported inside the functions so that `import publisher.tiny` is instant.
+torch/diffusers/transformers are imported inside the functions so that `import publisher.testing.tiny` is instant.
 
-Command line: ``python -m publisher.tiny flux|llama|not-a-model|remote-code DIR [--seed N]``.
+Command line: ``python -m publisher.testing.tiny flux|llama|not-a-model|remote-code DIR [--seed N]``.
 """
 
 from __future__ import annotations
@@ -394,7 +394,7 @@ def build_remote_code_model(path: Path | str) -> Path:
 # ------------------------------------------------------------------------------------------------ CLI
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m publisher.tiny", description="Build a tiny test repo folder.")
+    parser = argparse.ArgumentParser(prog="python -m publisher.testing.tiny", description="Build a tiny test repo folder.")
     parser.add_argument("kind", choices=["flux", "llama", "not-a-model", "remote-code"])
     parser.add_argument("dir", type=Path)
     parser.add_argument("--seed", type=int, default=0, help="flux and llama only")

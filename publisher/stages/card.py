@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import __version__
-from .plan import Plan
-from .quantize import Artifacts
-from .verify import VerifyReport
+from publisher import __version__
+from publisher.stages.plan import Plan
+from publisher.stages.quantize import Artifacts
+from publisher.verify.full import VerifyReport
 
 TEMPLATE_NAME = "modelcard.md.j2"
 _LICENSE_FILE_PREFIXES = ("LICENSE", "LICENCE", "NOTICE")
@@ -23,8 +23,8 @@ _LICENSE_FILE_PREFIXES = ("LICENSE", "LICENCE", "NOTICE")
 
 def template_path() -> Path:
     """The card template: inside the installed package, or templates/ at the root of a source checkout."""
-    here = Path(__file__).resolve().parent
-    for candidate in (here / "templates" / TEMPLATE_NAME, here.parent / "templates" / TEMPLATE_NAME):
+    package = Path(__file__).resolve().parent.parent  # publisher/
+    for candidate in (package / "templates" / TEMPLATE_NAME, package.parent / "templates" / TEMPLATE_NAME):
         if candidate.is_file():
             return candidate
     raise FileNotFoundError(f"card template {TEMPLATE_NAME} is missing from the installation; reinstall hf-ao-publish")
@@ -41,7 +41,7 @@ class CardInputs:
     sample_image: str | None = None  # file name of the side-by-side PNG in the repo
     psnr: float | None = None
     extra_notes: list[str] = field(default_factory=list)
-    benchmark: dict[str, Any] | None = None  # publisher.gpubench.measure()
+    benchmark: dict[str, Any] | None = None  # publisher.stages.measure.measure()
 
 
 def licence_fields(plan: Plan) -> tuple[dict[str, str], str | None]:
@@ -150,7 +150,7 @@ def write_cards(plan: Plan, done: dict[str, tuple[Artifacts, VerifyReport]], sam
                 only: str | None = None) -> list[Path]:
     """Cards are written once every recipe is done, so each can link to its sibling variants. ``only``: rewrite
     one recipe's card and report (after a later check). Returns the files written."""
-    from . import recipes as recipe_registry
+    from publisher import recipes as recipe_registry
 
     variants = []
     if len(done) > 1:

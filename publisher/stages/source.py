@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import SourceError, UsageError
+from publisher.errors import SourceError, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -98,9 +98,9 @@ def resolve(model_id: str, revision: str | None, token: str | None) -> Source:
     from huggingface_hub.errors import RevisionNotFoundError
 
     try:
-        from . import retry
+        from publisher import hub
 
-        info = retry.call(HfApi(token=token).model_info, model_id, revision=revision, files_metadata=True,
+        info = hub.call(HfApi(token=token).model_info, model_id, revision=revision, files_metadata=True,
                           what=f"reading {model_id}")
     except RevisionNotFoundError:
         raise SourceError(

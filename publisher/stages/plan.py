@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import recipes as recipe_registry
-from .errors import SourceError, UsageError
-from .recipes import Recipe
-from .source import Source
+from publisher import recipes as recipe_registry
+from publisher.errors import SourceError, UsageError
+from publisher.recipes import Recipe
+from publisher.stages.source import Source
 
 log = logging.getLogger(__name__)
 

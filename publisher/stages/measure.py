@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .verify_worker import forward, load_component
+from publisher.loadpath import forward, load_component
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def _in_subprocess(request: dict[str, Any]) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="hf-ao-bench-") as tmp:
         req = Path(tmp) / "request.json"
         req.write_text(json.dumps(request))
-        proc = subprocess.run([sys.executable, "-m", "publisher.gpubench", str(req)], capture_output=True, text=True, timeout=1800)
+        proc = subprocess.run([sys.executable, "-m", "publisher.stages.measure", str(req)], capture_output=True, text=True, timeout=1800)
         result = Path(tmp) / "result.json"
         if proc.returncode == 0 and result.exists():
             return json.loads(result.read_text())

@@ -13,8 +13,8 @@ import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from . import safetensors_io as stio
-from .components import Component
+from publisher.streaming import safetensors_io as stio
+from publisher.streaming.meta_model import Component
 
 if TYPE_CHECKING:
     import torch

@@ -8,11 +8,11 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
-from .storage import HubError
-from .wire import Request, Response, json_response
+from publisher.testing.hubserver.storage import HubError
+from publisher.testing.hubserver.wire import Request, Response, json_response
 
 if TYPE_CHECKING:  # the mixin is only ever used as a base of HubApp
-    from .app import HubApp
+    from publisher.testing.hubserver.app import HubApp
 
 _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
 

@@ -24,8 +24,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from .streaming.engine import trim_memory
-from .streaming.sources import CheckpointIndex, TensorReader, build_index
+from publisher.streaming.engine import trim_memory
+from publisher.streaming.shards import CheckpointIndex, TensorReader, build_index
 
 log = logging.getLogger(__name__)
 
@@ -46,7 +46,7 @@ def check_tensors(source: Any, expected: dict[str, str], quantized: list[str], t
     """Every saved tensor against the digest of the in-memory tensor it came from (one at a time).
 
     ``only``: check just these names (the shard uploader checks a shard's tensors as they complete)."""
-    from .verify_worker import tensor_digest
+    from publisher.loadpath import tensor_digest
 
     index = index or build_index(source)
     names = [n for n in index.names if only is None or n in only]
@@ -87,7 +87,7 @@ def check_tensors(source: Any, expected: dict[str, str], quantized: list[str], t
 
 def meta_model(library: str, class_name: str, config: dict[str, Any]) -> Any:
     """The component on the meta device, tied weights tied (the manual load path's own model)."""
-    from .verify_worker import meta_model as build
+    from publisher.loadpath import meta_model as build
 
     model = build(library, class_name, config)
     if hasattr(model, "tie_weights"):
@@ -222,7 +222,7 @@ class BlockForward:
 def block_forward(source: Any, library: str, class_name: str, config: dict[str, Any], inputs: dict[str, Any],
                   budget: int = BLOCK_BUDGET, index: CheckpointIndex | None = None) -> BlockForward:
     """One forward pass with at most one block's weights in memory."""
-    from .verify_worker import forward
+    from publisher.loadpath import forward
 
     model = meta_model(library, class_name, config)
     index = index or build_index(source)
@@ -262,10 +262,10 @@ def streaming_check(exp: Any, source: Any, tensor_class: str, env: str = "curren
     CPU without its kernel only costs the forward check, and the detail says so."""
     import torch
 
-    from . import verify_worker
-    from .verify import PathResult
+    from publisher import loadpath
+    from publisher.verify.full import PathResult
 
-    res = PathResult(exp.component, "streaming", env, verify_worker._versions(), False)
+    res = PathResult(exp.component, "streaming", env, loadpath._versions(), False)
     if not exp.digests:
         res.detail = "no in-memory digests recorded for this component (resumed from an older cache); use --verify-mode full"
         return res

@@ -17,17 +17,17 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from . import verify_worker
-from .errors import VerificationError
-from .inputs import build_inputs, save_inputs
-from .quantize import Artifacts
+from publisher import loadpath
+from publisher.errors import VerificationError
+from publisher.verify.inputs import build_inputs, save_inputs
+from publisher.stages.quantize import Artifacts
 
 log = logging.getLogger(__name__)
 
 PATHS = ("library", "manual")
 MODES = ("auto", "full", "streaming")
 REPORT_NAME = "verification.json"
-WORKER = Path(verify_worker.__file__).resolve()
+WORKER = Path(loadpath.__file__).resolve()
 GiB = 1024**3
 
 
@@ -122,7 +122,7 @@ def record_expected(artifacts: Artifacts, work: Path, device: str = "cpu") -> tu
         if inputs is not None:
             model.to(device)
             try:
-                output = verify_worker.forward(model, comp.library, {k: v.to(device) for k, v in inputs.items()}).detach().cpu().clone()
+                output = loadpath.forward(model, comp.library, {k: v.to(device) for k, v in inputs.items()}).detach().cpu().clone()
             except (RuntimeError, NotImplementedError) as exc:
                 if not (device == "cpu" and artifacts.recipe.run.cuda):
                     raise VerificationError(f"the quantized {comp.label} cannot run a forward pass on {device}: {exc}") from exc
@@ -131,7 +131,7 @@ def record_expected(artifacts: Artifacts, work: Path, device: str = "cpu") -> tu
                 notes.append(f"{comp.label}: forward pass not checked on this CPU ({str(exc).splitlines()[0][:160]}); "
                              "tensors compared byte for byte")
                 inputs_file = None
-        info = verify_worker.inspect_model(model)
+        info = loadpath.inspect_model(model)
         expected.append(_Expected(comp.name, comp.library, comp.class_name, inputs_file, output, info["digests"], comp.quantized))
     artifacts.release_models()
     gc.collect()
@@ -171,8 +171,8 @@ def verify(
     """Run every load path on the saved folder and compare with the in-memory model.
 
     ``base_sources``: component name -> shard source of its bf16 base (quality); default: ``base_dir``."""
-    from . import verify_stream as vs
-    from .streaming.sources import LocalShards
+    from publisher.verify import streaming as vs
+    from publisher.streaming.shards import LocalShards
 
     work.mkdir(parents=True, exist_ok=True)
     mode, why = choose_mode(mode, artifacts, device)
@@ -201,7 +201,7 @@ def verify(
                 # --low-disk push: checked tensor by tensor before each shard was uploaded and deleted; the forward
                 # and the quality figures run on the pull request before it is merged (published.check_pull_request)
                 report.results.append(PathResult(
-                    exp.component, "streaming", "current, before upload", verify_worker._versions(), True,
+                    exp.component, "streaming", "current, before upload", loadpath._versions(), True,
                     f"{uploader.checked[exp.component]} tensors equal before upload; forward pending on the pull request",
                     quantized_layers=uploader.classes.get(exp.component, 0),
                     tensors_checked=uploader.checked[exp.component]))
@@ -239,7 +239,7 @@ def _block_reference(exp: _Expected, source: Any) -> None:
     """A streamed component's expected output: one forward with its saved tensors loaded block by block."""
     from safetensors.torch import load_file
 
-    from . import verify_stream as vs
+    from publisher.verify import streaming as vs
 
     bf = vs.block_forward(source, exp.library, exp.class_name, vs.load_config(source), load_file(str(exp.inputs)))
     exp.output = bf.output
@@ -369,7 +369,7 @@ def quality_against_base(expected: list[_Expected], base_sources: dict[str, Any]
     import torch
     from safetensors.torch import load_file
 
-    from . import verify_stream as vs
+    from publisher.verify import streaming as vs
 
     out: list[Quality] = []
     for exp in expected:

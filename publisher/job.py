@@ -17,12 +17,20 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from . import __version__, card, plan as planning, published, push as pushing, recipes as recipe_registry, resources, shard_upload, snapshot, source as sources
-from .errors import PublishError, ResourceError, TargetError, VerificationError
-from .cache import ComponentCache, default_root
-from .quantize import Artifacts, finalize, partial_folder, prepare_output, quantize_recipe
-from .recipes import Recipe
-from .verify import VerifyReport, require_passed, verify
+from publisher import __version__, recipes as recipe_registry
+from publisher.stages import card
+from publisher.stages import plan as planning
+from publisher.verify import published
+from publisher.stages import push as pushing
+from publisher.stages import preflight as resources
+from publisher.stages import push_pr as shard_upload
+from publisher.stages import fetch as snapshot
+from publisher.stages import source as sources
+from publisher.errors import PublishError, ResourceError, TargetError, VerificationError
+from publisher.stages.resume import ComponentCache, default_root
+from publisher.stages.quantize import Artifacts, finalize, partial_folder, prepare_output, quantize_recipe
+from publisher.recipes import Recipe
+from publisher.verify.full import VerifyReport, require_passed, verify
 
 log = logging.getLogger(__name__)
 
@@ -160,9 +168,9 @@ def make_plan(req: PublishRequest, token: str | None) -> planning.Plan:
     if token:
         from huggingface_hub import HfApi
 
-        from . import retry
+        from publisher import hub
 
-        user = retry.call(HfApi(token=token).whoami, what="checking the token").get("name")
+        user = hub.call(HfApi(token=token).whoami, what="checking the token").get("name")
     targets = planning.target_ids(src, recipes, req.repo_id, user)
     options = {"components": req.components, "exclude": req.exclude}
     plan = planning.build_plan(
@@ -372,12 +380,12 @@ def _build_stages(run: _Run, recipe: Recipe, outcome: Outcome, folder: Path, upl
     state = dict(run.states[recipe.name], verified=report.passed)
     (building / pushing.STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
     if run_on == "cuda" or req.benchmark:
-        from .gpubench import measure
+        from publisher.stages.measure import measure
 
         with _timed(outcome, "benchmark"):
             outcome.benchmark = measure(artifacts.components, report.expected, building, run.base_dir, run_on)
     if req.sample_prompt and plan.kind == "pipeline":
-        from .sample import compare_samples
+        from publisher.stages.sample import compare_samples
 
         sample = run.samples[recipe.name] = compare_samples(run.base_dir, building, req.sample_prompt, req.sample_steps,
                                                             req.sample_size, device=run_on)
@@ -404,7 +412,7 @@ def _push_one(run: _Run, outcome: Outcome, previous: dict[str, Any] | None) -> N
                 create_pr=run.req.create_pr, message=message, description=description, state=state,
             )
     except Exception as exc:  # re-raised: the outcome records the one-line reason for --json
-        from .messages import describe
+        from publisher.messages import describe
 
         outcome.error = (describe(exc) or (f"{type(exc).__name__}: {exc}", 1))[0]
         raise

@@ -19,8 +19,8 @@ import logging
 from pathlib import Path
 from typing import Any, Callable
 
-from . import retry
-from .errors import VerificationError
+from publisher import hub
+from publisher.errors import VerificationError
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class ShardUploader:
 
         rel = path.relative_to(self.root).as_posix()
         op = CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(path))
-        retry.call(self.api.preupload_lfs_files, self.repo_id, additions=[op], free_memory=False,
+        hub.call(self.api.preupload_lfs_files, self.repo_id, additions=[op], free_memory=False,
                    what=f"uploading {rel} to {self.repo_id}")
         size = path.stat().st_size
         if not (op._upload_mode == "lfs" and op._is_uploaded):  # the Hub takes it as a regular file: at the commit
@@ -92,8 +92,8 @@ class _Component:
                 self.up.upload(self.folder / f)
 
     def _check(self, names: list[str]) -> None:
-        from .streaming.sources import LocalShards
-        from .verify_stream import check_tensors
+        from publisher.streaming.shards import LocalShards
+        from publisher.verify.streaming import check_tensors
 
         files = sorted({f for t in names for f in self.files_of[t]})
         wanted = {n: self.digests.get(n, "") for n in names}
@@ -113,9 +113,9 @@ def ensure_repo(repo_id: str, token: str | None, private: bool) -> bool:
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)
-    if retry.call(api.repo_exists, repo_id, what=f"checking {repo_id}"):
+    if hub.call(api.repo_exists, repo_id, what=f"checking {repo_id}"):
         return False
-    retry.call(api.create_repo, repo_id, private=private, exist_ok=True, what=f"creating {repo_id}")
+    hub.call(api.create_repo, repo_id, private=private, exist_ok=True, what=f"creating {repo_id}")
     return True
 
 
@@ -124,7 +124,7 @@ def discard(repo_id: str, token: str | None, created: bool) -> None:
     unreferenced LFS objects that no commit ever points to."""
     from huggingface_hub import HfApi
 
-    from .push import _delete_quietly
+    from publisher.stages.push import _delete_quietly
 
     if created:
         _delete_quietly(HfApi(token=token), repo_id)
@@ -137,7 +137,7 @@ def push_staged(folder: Path, report: Any, uploader: ShardUploader, *, token: st
     it unless ``create_pr``. Main never holds unchecked bytes; on failure the PR is closed."""
     from huggingface_hub import CommitOperationAdd
 
-    from .push import PushResult, _url, commit_operations, published_state
+    from publisher.stages.push import PushResult, _url, commit_operations, published_state
 
     api, repo_id = uploader.api, uploader.repo_id
     if not report.passed:
@@ -146,27 +146,27 @@ def push_staged(folder: Path, report: Any, uploader: ShardUploader, *, token: st
     _, ops = commit_operations(api, repo_id, folder, head, list(uploader.ops.values()))
     pr_num: int | None = None
     try:
-        info = retry.call(api.create_commit, repo_id, ops, commit_message=f"hf-ao-publish: {message}",
+        info = hub.call(api.create_commit, repo_id, ops, commit_message=f"hf-ao-publish: {message}",
                           commit_description=description, create_pr=True, what=f"opening a pull request on {repo_id}")
         pr_num, pr_ref = info.pr_num, info.pr_revision
         log.info("committed to %s as pull request #%s; checking it before it is merged", repo_id, pr_num)
         rewritten = check(info.oid)
         update = [CommitOperationAdd(path_in_repo=p.relative_to(folder).as_posix(), path_or_fileobj=str(p)) for p in rewritten]
-        retry.call(api.create_commit, repo_id, update, commit_message="hf-ao-publish: verification results",
+        hub.call(api.create_commit, repo_id, update, commit_message="hf-ao-publish: verification results",
                    revision=pr_ref, parent_commit=info.oid, what=f"updating pull request #{pr_num} on {repo_id}")
         pr_url = f"{_url(api, repo_id)}/discussions/{pr_num}"
         if create_pr:
-            oid = retry.call(api.repo_info, repo_id, revision=pr_ref, what=f"reading {repo_id}").sha
+            oid = hub.call(api.repo_info, repo_id, revision=pr_ref, what=f"reading {repo_id}").sha
             return PushResult(repo_id, _url(api, repo_id), oid, pr_url, False, created)
-        retry.call(api.merge_pull_request, repo_id, pr_num, comment="Checked by hf-ao-publish before merging.",
+        hub.call(api.merge_pull_request, repo_id, pr_num, comment="Checked by hf-ao-publish before merging.",
                    what=f"merging pull request #{pr_num} on {repo_id}")
-        oid = retry.call(api.repo_info, repo_id, what=f"reading {repo_id}").sha
+        oid = hub.call(api.repo_info, repo_id, what=f"reading {repo_id}").sha
     except BaseException:
         if pr_num is not None:
             try:
                 api.change_discussion_status(repo_id, pr_num, "closed", comment="Closed by hf-ao-publish: the check failed.")
             except Exception as exc:  # the original error matters more; this one is only reported
-                log.warning("could not close pull request #%s on %s: %s", pr_num, repo_id, retry.short(exc))
+                log.warning("could not close pull request #%s on %s: %s", pr_num, repo_id, hub.short(exc))
         discard(repo_id, token, created)
         raise
     return PushResult(repo_id, _url(api, repo_id), oid, None, False, created)

@@ -4,13 +4,13 @@ The unmodified huggingface_hub client (and transformers/diffusers `from_pretrain
 HF_ENDPOINT, with HF_HUB_DISABLE_XET=1 set before huggingface_hub is imported (LFS instead of Xet).
 See /work/shared/reference/hub-http-api.md for the protocol subset.
 
-    from publisher.hubserver import HubServer, spawn_server
+    from publisher.testing.hubserver import HubServer, spawn_server
     with HubServer(tmp_path, tokens={"tok_alice": "alice"}, orgs={"acme": ["alice"]}) as hub:
         HfApi(endpoint=hub.url, token="tok_alice").create_repo("alice/demo")
 """
 
-from .faults import FaultInjector
-from .server import HubServer, spawn_server, wait_for_server
-from .storage import HubError, Store
+from publisher.testing.hubserver.faults import FaultInjector
+from publisher.testing.hubserver.server import HubServer, spawn_server, wait_for_server
+from publisher.testing.hubserver.storage import HubError, Store
 
 __all__ = ["FaultInjector", "HubError", "HubServer", "Store", "spawn_server", "wait_for_server"]

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .errors import QuantizeError, TargetError
-from .plan import Component, Plan
-from .recipes import Recipe, build_config
+from publisher.errors import QuantizeError, TargetError
+from publisher.stages.plan import Component, Plan
+from publisher.recipes import Recipe, build_config
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, d
 
 
 def _streaming_reason(comp: Component, src: Path, recipe: Recipe, device: str, remote: Any) -> str | None:
-    from .streaming import supports
+    from publisher.streaming import supports
 
     listing = remote.listing(comp) if remote is not None else ()
     return supports(comp.library, src, recipe, class_name=comp.class_name, device=device, remote_files=listing)
@@ -179,8 +179,8 @@ class _Fp8Bound:
         self.label, self.checked, self.worst = label, 0, 0.0
 
     def __call__(self, key: str, value: Any, weight: Any) -> None:
-        from .errors import VerificationError
-        from .fp8cpu import check_dequantized
+        from publisher.errors import VerificationError
+        from publisher.fp8cpu import check_dequantized
 
         if type(weight).__name__ != "Float8Tensor":
             return
@@ -198,7 +198,7 @@ class _Fp8Bound:
 
 def _stream_component(plan: Plan, src: Path, comp: Component, recipe: Recipe, out: Path, device: str,
                       remote: Any, uploader: Any) -> QuantizedComponent:
-    from .streaming import stream_quantize
+    from publisher.streaming import stream_quantize
 
     dst = out / comp.name if comp.name else out
     fp8 = _Fp8Bound(comp.label) if device == "cpu" and recipe.cpu_producible else None
@@ -247,7 +247,7 @@ def _quantize_component(plan: Plan, base_dir: Path, comp: Component, recipe: Rec
                         device: str) -> tuple[Any, QuantizedComponent]:
     import torch
 
-    from .fp8cpu import cpu_quantization_context
+    from publisher.fp8cpu import cpu_quantization_context
 
     config = build_config(recipe)
     # On a GPU the libraries quantize layer by layer as they load (device_map); on a CPU they load

@@ -15,14 +15,14 @@ def library_quantize(src_dir: Path, dst_dir: Path, *, library: str, recipe: Any,
                      max_shard_size: int | str | None = None) -> Any:
     """``Cls.from_pretrained(src, quantization_config=TorchAoConfig(...), bf16)`` then ``save_pretrained(dst)``.
 
-    ``device="cuda"`` loads with ``device_map="cuda"`` (quantizing on the GPU), as publisher.quantize does; FP8-dynamic
+    ``device="cuda"`` loads with ``device_map="cuda"`` (quantizing on the GPU), as publisher.stages.quantize does; FP8-dynamic
     recipes on a CPU load inside fp8cpu's bypass, likewise. Returns the quantized model.
     """
     import json
 
     import torch
 
-    from ..recipes import build_config
+    from publisher.recipes import build_config
 
     from contextlib import nullcontext
 
@@ -32,7 +32,7 @@ def library_quantize(src_dir: Path, dst_dir: Path, *, library: str, recipe: Any,
     if device and device != "cpu":
         kwargs["device_map"] = device
     elif recipe.quantize.cuda:
-        from ..fp8cpu import cpu_quantization_context  # FP8-dynamic on a CPU, as publisher.quantize does
+        from publisher.fp8cpu import cpu_quantization_context  # FP8-dynamic on a CPU, as publisher.stages.quantize does
 
         context = cpu_quantization_context(recipe)
     cfg = json.loads((Path(src_dir) / "config.json").read_text())

@@ -1,4 +1,4 @@
-"""CLI: python -m publisher.hubserver --data DIR --port N [--token NAME=TOKEN ...] [--org ORG=U1,U2 ...]
+"""CLI: python -m publisher.testing.hubserver --data DIR --port N [--token NAME=TOKEN ...] [--org ORG=U1,U2 ...]
 [--gated REPO[=U1,U2] ...] [--verbose]
 
 Runs the loopback Hub in the foreground and prints its base URL on stdout once it is bound (port 0
@@ -12,7 +12,7 @@ import signal
 import sys
 from typing import Any
 
-from .server import HubServer
+from publisher.testing.hubserver.server import HubServer
 
 
 def _pairs(values: list[str], flag: str) -> list[tuple[str, str]]:
@@ -26,7 +26,7 @@ def _pairs(values: list[str], flag: str) -> list[tuple[str, str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m publisher.hubserver", description=__doc__.split("\n\n")[1])
+    parser = argparse.ArgumentParser(prog="python -m publisher.testing.hubserver", description=__doc__.split("\n\n")[1])
     parser.add_argument("--data", required=True, help="persistent data folder (created if missing)")
     parser.add_argument("--port", type=int, default=0, help="TCP port on 127.0.0.1 (0: pick a free one)")
     parser.add_argument("--token", action="append", default=[], metavar="NAME=TOKEN",

@@ -12,18 +12,19 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from . import card, recipes as recipe_registry
-from .errors import VerificationError
-from .verify import VerifyReport, check_location
+from publisher import recipes as recipe_registry
+from publisher.stages import card
+from publisher.errors import VerificationError
+from publisher.verify.full import VerifyReport, check_location
 
 
 def check_pull_request(run: Any, outcome: Any, revision: str) -> list[Path]:
     """--low-disk push: the shards left the disk after their tensor-by-tensor check, so the block-by-block
     forward (and the quality figures) run on the pull request's commit over HTTP range, before the merge.
     Raises on failure; returns the rewritten card and report, which join the pull request."""
-    from .streaming.sources import HubShards
-    from .verify import quality_against_base
-    from .verify_stream import streaming_check
+    from publisher.streaming.shards import HubShards
+    from publisher.verify.full import quality_against_base
+    from publisher.verify.streaming import streaming_check
 
     artifacts, report = run.done[outcome.recipe]
     uploaded = {c.name for c in artifacts.components if artifacts.uploader.checked.get(c.name)}
@@ -46,7 +47,7 @@ def check_pull_request(run: Any, outcome: Any, revision: str) -> list[Path]:
 
 def base_sources(run: Any) -> dict[str, Any]:
     """Where each quantized component's bf16 base is read for the quality figures (one block at a time)."""
-    from .streaming.sources import LocalShards
+    from publisher.streaming.shards import LocalShards
 
     sources: dict[str, Any] = {}
     for comp in run.plan.quantized:
@@ -60,8 +61,8 @@ def check_published(outcome: Any, report: VerifyReport, work: Path, token: str |
     """Load the published repo itself and compare with the in-memory model again: the library path, or, when the
     folder was verified streaming, tensor by tensor and block by block over HTTP range reads of the commit."""
     if report.mode == "streaming":
-        from .streaming.sources import HubShards
-        from .verify_stream import streaming_check
+        from publisher.streaming.shards import HubShards
+        from publisher.verify.streaming import streaming_check
 
         cuda_recipe = recipe_registry.get(outcome.recipe).run.cuda
         results = [streaming_check(exp, HubShards(outcome.repo_id, outcome.commit, exp.component, token),

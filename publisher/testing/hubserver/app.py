@@ -19,11 +19,11 @@ from collections.abc import Mapping
 from typing import Any
 from urllib.parse import unquote
 
-from .faults import FaultInjector
-from .reads import ReadRoutes
-from .storage import REPO_TYPES, HubError, Store, validate_repo_id
-from .wire import Request, Response, error_response, json_response
-from .writes import WriteRoutes
+from publisher.testing.hubserver.faults import FaultInjector
+from publisher.testing.hubserver.reads import ReadRoutes
+from publisher.testing.hubserver.storage import REPO_TYPES, HubError, Store, validate_repo_id
+from publisher.testing.hubserver.wire import Request, Response, error_response, json_response
+from publisher.testing.hubserver.writes import WriteRoutes
 
 _URL_TYPES = {"models": "model", "datasets": "dataset", "spaces": "space"}
 URL_PREFIX = {"model": "", "dataset": "datasets/", "space": "spaces/"}

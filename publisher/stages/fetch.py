@@ -7,7 +7,7 @@ import logging
 from pathlib import Path
 from typing import Any, Callable
 
-from .plan import Component, Plan
+from publisher.stages.plan import Component, Plan
 
 log = logging.getLogger(__name__)
 
@@ -28,12 +28,12 @@ def _download(plan: Plan, files: list[str], token: str | None) -> Path:
         return source.local_dir
     from huggingface_hub import snapshot_download
 
-    from . import retry
+    from publisher import hub
 
     total = sum(source.sizes.get(f, 0) for f in files)
     log.info("downloading %d files (%.1f MB) of %s", len(files), total / 1e6, source.display)
     # allow_patterns are fnmatch patterns: escape names so "[", "*" or "?" in a file name match only it.
-    folder = retry.call(
+    folder = hub.call(
         snapshot_download,
         source.repo_id,  # type: ignore[arg-type]
         revision=source.sha,
@@ -64,7 +64,7 @@ class RemoteWeights:
         return [f[len(prefix):] for f in weight_files(self.plan, comp)]
 
     def source(self, comp: Component) -> Any:
-        from .streaming.sources import HubShards
+        from publisher.streaming.shards import HubShards
 
         src = self.plan.source
         return HubShards(src.repo_id, src.sha, comp.name, self.token, listing=self.listing(comp))  # type: ignore[arg-type]

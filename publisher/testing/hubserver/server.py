@@ -1,7 +1,7 @@
 """HTTP plumbing for the loopback Hub: a ThreadingHTTPServer bound to 127.0.0.1, plus the Python API.
 
 `HubServer` runs it in a background thread of the current process (fast, and tests can poke at the
-store and faults directly); `spawn_server` runs it as a subprocess (`python -m publisher.hubserver`)
+store and faults directly); `spawn_server` runs it as a subprocess (`python -m publisher.testing.hubserver`)
 so a test can kill it in the middle of a push and restart it on the same data folder.
 """
 
@@ -22,9 +22,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from .app import HubApp, parse_type_prefixed
-from .storage import HubError, Store
-from .wire import Request, Response, error_response
+from publisher.testing.hubserver.app import HubApp, parse_type_prefixed
+from publisher.testing.hubserver.storage import HubError, Store
+from publisher.testing.hubserver.wire import Request, Response, error_response
 
 HOST = "127.0.0.1"  # never bind anything else: this server has no TLS and an unauthenticated admin API
 _CHUNK = 1 << 20
@@ -290,11 +290,11 @@ def spawn_server(data_dir: str | os.PathLike[str], tokens: Mapping[str, str] | N
                  orgs: Mapping[str, Any] | None = None, *, port: int = 0,
                  gated: Mapping[str, Any] | None = None, timeout: float = 30.0,
                  env: Mapping[str, str] | None = None, verbose: bool = False) -> tuple[str, subprocess.Popen]:
-    """Start `python -m publisher.hubserver` and wait until it answers. Returns (url, process).
+    """Start `python -m publisher.testing.hubserver` and wait until it answers. Returns (url, process).
 
     Stop it with proc.terminate()/proc.kill(), then proc.wait(). `tokens` maps token -> user, as in HubServer.
     """
-    cmd = [sys.executable, "-m", "publisher.hubserver", "--data", str(data_dir), "--port", str(port)]
+    cmd = [sys.executable, "-m", "publisher.testing.hubserver", "--data", str(data_dir), "--port", str(port)]
     for token, user in (tokens or {}).items():
         cmd += ["--token", f"{user}={token}"]
     for org, users in (orgs or {}).items():

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from . import safetensors_io as stio
+from publisher.streaming import safetensors_io as stio
 
 
 class LocalShards:
@@ -54,10 +54,10 @@ class HubShards:
         if self._listing is None:
             from huggingface_hub import HfApi
 
-            from .. import retry
+            from publisher import hub
 
             api = HfApi(token=self.token or None)
-            every = retry.call(api.list_repo_files, self.repo_id, revision=self.revision, what=f"listing {self.repo_id}")
+            every = hub.call(api.list_repo_files, self.repo_id, revision=self.revision, what=f"listing {self.repo_id}")
             prefix = f"{self.subfolder}/" if self.subfolder else ""
             self._listing = [f[len(prefix):] for f in every if f.startswith(prefix) and "/" not in f[len(prefix):]]
         return sorted(n for n in self._listing if n.endswith(".safetensors"))

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .storage import HubError
+from publisher.testing.hubserver.storage import HubError
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """Reload one quantized component in a fresh interpreter, the way a user would, and report what came back.
 
-Run as a *script* (``python verify_worker.py REQUEST.json``), never imported by the package's other
-stages, so that any interpreter with torch/torchao/diffusers/transformers can run it (``--verify-env``):
-it must not import ``publisher``. It never unpickles anything: inputs are safetensors, weights are
+Run as a *script* (``python loadpath.py REQUEST.json``) in a fresh interpreter, so that any interpreter with
+torch/torchao/diffusers/transformers can run it (``--verify-env``): it imports nothing of ``publisher``. The
+package imports it too (one way to load a component, one digest of a tensor, everywhere). It never unpickles anything: inputs are safetensors, weights are
 safetensors, and the library loaders run with their default ``weights_only=True``.
 
 Load paths:

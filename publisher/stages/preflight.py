@@ -8,8 +8,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import ResourceError
-from .plan import Plan
+from publisher.errors import ResourceError
+from publisher.stages.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ class Estimate:
 def estimate(plan: Plan, engine: str = "auto", low_disk: bool = False, push: bool = False) -> Estimate:
     """``low_disk`` and ``push``: output shards are uploaded and deleted as they are finished, so the output folder
     holds at most about one component's quantized weights at a time (an upper bound on one shard)."""
-    from .snapshot import weight_files
+    from publisher.stages.fetch import weight_files
 
     src = plan.source
     remote = {f for c in plan.quantized for f in weight_files(plan, c)} if low_disk else set()

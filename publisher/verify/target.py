@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import recipes as recipe_registry
-from .errors import QuantizeError, SourceError
-from .fp8cpu import cpu_quantization_context
-from .inputs import build_inputs, save_inputs
-from .push import STATE_FILE
-from .verify import PATHS, VerifyReport, _Expected, check_location, compare, run_worker
+from publisher import recipes as recipe_registry
+from publisher.errors import QuantizeError, SourceError
+from publisher.fp8cpu import cpu_quantization_context
+from publisher.verify.inputs import build_inputs, save_inputs
+from publisher.stages.push import STATE_FILE
+from publisher.verify.full import PATHS, VerifyReport, _Expected, check_location, compare, run_worker
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), token:
 def _reference_from_base(comp: TargetComponent, state: dict[str, Any], recipe: Any, work: Path, inputs: Any,
                          inputs_file: Path | None, token: str | None, device: str) -> _Expected | None:
     """Re-quantize the recorded base component with the recorded recipe, in memory."""
-    from .verify_worker import forward, inspect_model, load_component
+    from publisher.loadpath import forward, inspect_model, load_component
 
     base, sha = state.get("base_model"), state.get("base_sha")
     try:

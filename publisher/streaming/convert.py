@@ -1,0 +1,260 @@
+"""Streaming quantization: the library path's output, bit for bit, with one tensor in memory at a time.
+
+The documented library path (``from_pretrained(..., quantization_config=TorchAoConfig(...))`` then
+``save_pretrained``) holds the whole model in RAM and clones every quantized tensor while saving
+(about 4x the bf16 size at peak). Per-row torchao quantization needs no calibration, so each
+Linear weight can be quantized on its own: this package plans the output on the meta device,
+then reads, quantizes and writes one tensor at a time.
+
+    reason = supports("diffusers", folder, recipe)
+    if reason is None:
+        result = stream_quantize(folder, out, library="diffusers", recipe=recipe)
+    else:
+        ...  # library path; log `reason`
+
+Modules: ``components`` (the libraries' own loaders/quantizers on a meta model), ``plan`` (names,
+layout, headers), ``engine`` (the read/quantize/write loop), ``safetensors_io`` (headers and plain
+reads/writes), ``reference`` (the library path, for tests and the benchmark).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+from publisher.errors import QuantizeError
+
+__all__ = ["StreamResult", "supports", "stream_quantize"]
+
+Library = Literal["diffusers", "transformers"]
+
+
+@dataclass
+class StreamResult:
+    quantized: list[str]  # module names whose weight became a torchao tensor
+    skipped: list[str]  # Linear modules torchao left as they were (shape not supported)
+    excluded: list[str]  # Linear modules kept by exclusion: `exclude`, plus the library's own default skips
+    files: list[Path]  # output files written (config.json, shards, index), in completion order
+    peak_rss_bytes: int  # the process's peak RSS so far (ru_maxrss), import of torch & co included
+    stage_seconds: dict[str, float]  # plan/read/quantize/write
+    digests: dict[str, str]  # state-dict name -> digest of the tensor as it was in memory (loadpath.tensor_digest)
+
+
+def _static_reason(library: str, src_dir: Path, recipe: Any, device: str) -> str | None:
+    """Checks that need no model: library, folder, device and hardware."""
+    from publisher.recipes import cuda_capability
+
+    if library not in ("diffusers", "transformers"):
+        return f"library {library!r} is not diffusers or transformers"
+    if device != "cpu" and not device.startswith("cuda"):
+        return f"device {device!r} is not cpu or cuda"
+    if not (src_dir / "config.json").is_file():
+        return f"{src_dir} has no config.json"
+    needs = recipe.quantize
+    if device == "cpu":
+        if needs.cuda and not _cpu_producible(recipe):
+            return f"{recipe.name} quantizes on a {needs.describe()} only; run it on such a GPU"
+        return None
+    cc = cuda_capability()
+    if cc is None:
+        return f"device {device} was requested and this machine has no CUDA GPU"
+    if needs.cuda and needs.min_cc and cc < needs.min_cc:
+        return f"{recipe.name} needs a {needs.describe()} to quantize; this GPU has {cc[0]}.{cc[1]}"
+    return None
+
+
+def _cpu_producible(recipe: Any) -> bool:
+    """FP8-dynamic recipes the fp8cpu module can quantize on a CPU (the library path does so too)."""
+    try:
+        from publisher.fp8cpu import cpu_quantize_supported
+    except ImportError:
+        return False
+    return cpu_quantize_supported(recipe)
+
+
+def _default_device(recipe: Any) -> str:
+    """cuda for recipes that need it when a fitting GPU is present, else cpu (the library path's choice)."""
+    from publisher.recipes import cuda_capability
+
+    needs = recipe.quantize
+    cc = cuda_capability() if needs.cuda else None
+    return "cuda" if cc is not None and (not needs.min_cc or cc >= needs.min_cc) else "cpu"
+
+
+def _quantize_context(recipe: Any, device: str) -> Any:
+    """The context the library path quantizes in: fp8cpu's bypass for FP8 recipes on a CPU, else none."""
+    from contextlib import nullcontext
+
+    if device == "cpu" and recipe.quantize.cuda:
+        from publisher.fp8cpu import cpu_quantization_context
+
+        return cpu_quantization_context(recipe)
+    return nullcontext()
+
+
+def _component(library: str, src_dir: Path, recipe: Any, exclude: Sequence[str], class_name: str | None) -> Any:
+    from publisher.recipes import build_config
+    from publisher.streaming.meta_model import diffusers_component, transformers_component
+
+    build = diffusers_component if library == "diffusers" else transformers_component
+    return build(src_dir, build_config(recipe), list(exclude), class_name)
+
+
+def _checkpoint_keys(src_dir: Path, comp: Any, fetch: Callable[[str], Any] | None) -> dict[str, str] | None:
+    """Checkpoint key -> shard name, from the index; a single file is read (fetched if needed) for its header."""
+    from publisher.streaming.safetensors_io import read_header
+
+    index = src_dir / comp.index_name
+    if index.is_file():
+        return dict(json.loads(index.read_text())["weight_map"])
+    single = src_dir / comp.weights_name
+    if not single.is_file():
+        if fetch is None:
+            return None
+        fetched = fetch(comp.weights_name)
+        if not isinstance(fetched, (str, Path)):  # an open remote file: only its header is read
+            with fetched:
+                _, header = read_header(fetched)
+            return {k: comp.weights_name for k in header}
+        single = Path(fetched)
+    _, header = read_header(single)
+    return {k: comp.weights_name for k in header}
+
+
+def supports(library: str, src_dir: Path, recipe: Any, *, class_name: str | None = None,
+             device: str | None = None, remote_files: Collection[str] = ()) -> str | None:
+    """None if the streaming engine can handle this component; else the reason (caller falls back to the library path and logs it).
+
+    Needs config.json and the safetensors index (or the single weights file) in ``src_dir``; builds the model on the
+    meta device, which takes a second or two and no weights. ``remote_files``: file names ``fetch_shard`` can bring
+    (e.g. the Hub listing of this folder), so a single-file checkpoint need not be downloaded to be accepted; its
+    key checks then happen in ``stream_quantize``.
+    """
+    from publisher.streaming.meta_model import check_transformers_keys
+
+    src_dir = Path(src_dir)
+    device = device or _default_device(recipe)
+    reason = _static_reason(library, src_dir, recipe, device)
+    if reason:
+        return reason
+    try:
+        comp = _component(library, src_dir, recipe, (), class_name)
+    except (ValueError, TypeError, AttributeError, OSError, ImportError) as exc:
+        return f"building {src_dir.name or src_dir} on the meta device failed: {exc}"
+    keys = _checkpoint_keys(src_dir, comp, None)
+    if keys is None:
+        if comp.weights_name in remote_files:
+            return None
+        return f"{src_dir} has neither {comp.index_name} nor {comp.weights_name} (pickle-only or variant checkpoints)"
+    if library == "transformers":
+        reason = check_transformers_keys(comp, list(keys))
+        if reason:
+            return reason
+    missing = [k for k in comp.names if k not in keys and k not in comp.dropped_on_save]
+    if missing:
+        return f"the checkpoint lacks {len(missing)} parameters of {comp.class_name} (e.g. {missing[0]!r}): legacy layout"
+    return None
+
+
+def stream_quantize(
+    src_dir: Path,
+    dst_dir: Path,
+    *,
+    library: Library,
+    recipe: Any,
+    exclude: Sequence[str] = (),
+    fetch_shard: Callable[[str], Any] | None = None,
+    release_shard: Callable[[Any], None] | None = None,
+    on_output_file: Callable[[Path], None] | None = None,
+    on_tensor: Callable[[str, Any, Any], None] | None = None,
+    on_planned: Callable[[dict[str, set[str]]], None] | None = None,
+    digests: dict[str, str] | None = None,
+    progress: bool = True,
+    class_name: str | None = None,
+    device: str | None = None,
+    max_shard_size: int | str | None = None,
+) -> StreamResult:
+    """Quantize one component folder into ``dst_dir`` exactly as from_pretrained + save_pretrained would.
+
+    ``fetch_shard(name)`` makes an input shard available (default: ``src_dir / name``) as a path or an open binary
+    file (e.g. ``sources.HubShards.open``: HTTP range reads); ``release_shard(it)`` is called once it is fully read;
+    ``on_output_file(path)`` once an output file (config, shard, index) is complete; ``on_tensor(key, value,
+    quantized)`` with each weight before and after quantization (e.g. FP8 error bounds); ``on_planned(files)`` once
+    the layout is known, with the output file(s) of every saved tensor (state-dict name -> file names); ``digests``
+    (filled as tensors are written, before their file is reported) receives the in-memory digests.
+    ``class_name`` defaults to config.json's ``_class_name`` / ``architectures[0]``; ``device`` to cuda for recipes
+    that need CUDA when a fitting GPU is present, else cpu: it must be the device the library path would quantize on
+    (``device_map="cuda"`` there, plain CPU loading otherwise; FP8-dynamic recipes on a CPU run inside fp8cpu's
+    bypass, as the library path does); ``max_shard_size`` defaults to save_pretrained's default.
+    On error the files already written stay in ``dst_dir`` (the caller owns the folder).
+    """
+    from publisher.streaming.meta_model import check_transformers_keys
+    from publisher.streaming.engine import execute, peak_rss_bytes, remove_stale_shards
+    from publisher.streaming.layout import build_plan
+
+    t_start = time.perf_counter()
+    src_dir, dst_dir = Path(src_dir), Path(dst_dir)
+    device = device or _default_device(recipe)
+    reason = _static_reason(library, src_dir, recipe, device)
+    if reason:
+        raise QuantizeError(f"the streaming engine cannot quantize {src_dir}: {reason}; use the library path")
+    fetch = fetch_shard or (lambda name: src_dir / name)
+    release = release_shard or (lambda path: None)
+    try:
+        comp = _component(library, src_dir, recipe, exclude, class_name)
+        keys = _checkpoint_keys(src_dir, comp, fetch)
+        if keys is None:
+            raise ValueError(f"{src_dir} has neither {comp.index_name} nor {comp.weights_name}")
+        if library == "transformers" and (why := check_transformers_keys(comp, list(keys))):
+            raise ValueError(why)
+        # Probing on the meta device is free, but fp8cpu's bypass and GPU handlers want real tensors.
+        probe_device = "meta" if device == "cpu" and not recipe.quantize.cuda else device
+        with _quantize_context(recipe, device):
+            plan = build_plan(comp, keys, device, probe_device, recipe.tensor_class, max_shard_size)
+    except (ValueError, TypeError, AttributeError, OSError, ImportError, RuntimeError, AssertionError) as exc:
+        raise QuantizeError(f"planning the streaming quantization of {src_dir} with {recipe.name} failed: {exc}; "
+                            "use the library path") from exc
+    seconds = {"plan": time.perf_counter() - t_start, "read": 0.0, "quantize": 0.0, "write": 0.0}
+
+    written: list[Path] = []
+    digests = {} if digests is None else digests
+    if on_planned is not None:
+        files: dict[str, set[str]] = {}
+        for w in plan.work:
+            for out in w.outputs:
+                files.setdefault(w.key if w.kind != "pass" else out.name, set()).add(out.file)
+        on_planned(files)
+
+    def report(path: Path) -> None:
+        written.append(path)
+        if on_output_file is not None:
+            on_output_file(path)
+
+    try:
+        dst_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_shards(dst_dir, comp.weights_name, {f.name for f in plan.files})
+        t0 = time.perf_counter()
+        for path in comp.write_configs(dst_dir):
+            report(path)
+        seconds["write"] += time.perf_counter() - t0
+        with _quantize_context(recipe, device):
+            execute(plan, dst_dir, fetch_shard=fetch, release_shard=release, report=report,
+                    progress=progress, seconds=seconds, digests=digests, on_tensor=on_tensor)
+        if plan.index is not None:
+            t0 = time.perf_counter()
+            index = dst_dir / comp.index_name
+            index.write_text(plan.index, encoding="utf-8")
+            seconds["write"] += time.perf_counter() - t0
+            report(index)
+    except EOFError as exc:
+        raise QuantizeError(f"{exc}; fetch the shard again") from exc
+    except OSError as exc:
+        raise QuantizeError(f"streaming {src_dir} into {dst_dir} failed: {exc}") from exc
+    return StreamResult(
+        quantized=plan.quantized, skipped=plan.skipped, excluded=plan.excluded, files=written,
+        peak_rss_bytes=peak_rss_bytes(), stage_seconds=seconds, digests=digests,
+    )

@@ -1,0 +1,1 @@
+"""Test infrastructure: the loopback Hub, tiny model builders, the offline demo. Nothing outside publisher.testing imports it."""
