@@ -47,9 +47,11 @@ Device-dependent exceptions, handled or documented:
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ContextManager, Iterator
+from typing import TYPE_CHECKING, Any
 
 from publisher.errors import QuantizeError
 
@@ -95,7 +97,7 @@ def _patch_targets() -> tuple[Any, Any]:
     return quant_api, float8_tensor
 
 
-def cpu_quantize_supported(recipe: "Recipe | str") -> bool:
+def cpu_quantize_supported(recipe: Recipe | str) -> bool:
     """True when ``recipe`` can be quantized on a CPU: natively, or through this module."""
     from publisher import recipes
 
@@ -111,13 +113,13 @@ def cpu_quantize_supported(recipe: "Recipe | str") -> bool:
     return True
 
 
-def needs_cpu_bypass(recipe: "Recipe | str") -> bool:
+def needs_cpu_bypass(recipe: Recipe | str) -> bool:
     """True when quantizing ``recipe`` on a CPU needs ``allow_cpu_float8_quantization``."""
     name = recipe if isinstance(recipe, str) else recipe.name
     return name in FLOAT8_DYNAMIC_RECIPES
 
 
-def cpu_quantization_context(recipe: "Recipe | str") -> ContextManager[None]:
+def cpu_quantization_context(recipe: Recipe | str) -> ContextManager[None]:
     """The context to quantize ``recipe`` on a CPU in (a no-op for recipes torchao allows there)."""
     return allow_cpu_float8_quantization() if needs_cpu_bypass(recipe) else nullcontext()
 
@@ -135,7 +137,7 @@ def _granularity_only_check(granularities: Any) -> None:
     )
 
 
-def canonicalize_nan_(qdata: "torch.Tensor") -> int:
+def canonicalize_nan_(qdata: torch.Tensor) -> int:
     """Rewrite negative fp8 NaNs (0xFF) as 0x7F, the only NaN PyTorch's CUDA cast produces; returns
     the number of NaN bytes. x86 yields a negative NaN for 0/0 and inf/inf and the CPU cast keeps
     the sign."""
@@ -214,7 +216,7 @@ def _check_config(config: Any) -> None:
         )
 
 
-def quantize_module_float8_on_cpu(module: "torch.nn.Module", config: Any, **quantize_kwargs: Any) -> int:
+def quantize_module_float8_on_cpu(module: torch.nn.Module, config: Any, **quantize_kwargs: Any) -> int:
     """``quantize_(module, config)`` on CPU inside the bypass; returns how many weights became
     ``Float8Tensor`` (torchao silently skips Linears whose dims are not multiples of 16)."""
     from torchao.quantization import Float8Tensor, quantize_
@@ -224,7 +226,7 @@ def quantize_module_float8_on_cpu(module: "torch.nn.Module", config: Any, **quan
     return sum(isinstance(p, Float8Tensor) for p in module.parameters())
 
 
-def reference_float8_quantize(weight: "torch.Tensor", per_row: bool) -> tuple["torch.Tensor", "torch.Tensor"]:
+def reference_float8_quantize(weight: torch.Tensor, per_row: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Independent re-statement of torchao's torch-path arithmetic (for tests and gpu_check):
     bf16 amax / 448 rounded to bf16, widened to float32; float32 division; clamp; RNE to e4m3fn.
 
@@ -243,7 +245,7 @@ def reference_float8_quantize(weight: "torch.Tensor", per_row: bool) -> tuple["t
     return q, scale
 
 
-def _round_to_e4m3fn(x: "torch.Tensor") -> "torch.Tensor":
+def _round_to_e4m3fn(x: torch.Tensor) -> torch.Tensor:
     import torch
 
     codes = torch.arange(0, 0x7F, dtype=torch.int32).to(torch.uint8)  # non-negative finite codes, 0x00..0x7E
@@ -260,7 +262,7 @@ def _round_to_e4m3fn(x: "torch.Tensor") -> "torch.Tensor":
     return out.view(torch.float8_e4m3fn).reshape(x.shape)
 
 
-def dequantize_error_bound(reference: "torch.Tensor", scale: "torch.Tensor") -> "torch.Tensor":
+def dequantize_error_bound(reference: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """Per-element bound on |dequantize(q) - reference| for e4m3 with the given (broadcastable) scale:
     2**-4 relative (normal range) plus 2**-10 * scale (subnormal step), with slack for bf16 roundings."""
     ref = reference.float().abs()
@@ -275,7 +277,7 @@ class DequantReport:
     nonfinite: int  # NaN/inf elements after dequantizing (zero rows give NaN in torchao 0.18)
 
 
-def check_dequantized(qweight: Any, reference: "torch.Tensor") -> DequantReport:
+def check_dequantized(qweight: Any, reference: torch.Tensor) -> DequantReport:
     """Compare a Float8Tensor's dequantized weight with the bf16 weight it was made from."""
     import torch
 

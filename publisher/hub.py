@@ -1,4 +1,9 @@
-"""Bounded retries with exponential backoff for transient Hub errors.
+"""The Hub plumbing: one HfApi per run (per token), bounded retries with backoff, URL and delete helpers.
+
+Every Hub call of ours goes through ``client(token)``, which says who is calling
+(``library_name="hf-ao-publish"`` and our version in the user agent), and through ``call`` for retries.
+
+Retries: transient Hub errors are tried again with exponential backoff.
 
 Transient: 5xx and 429 answers, dropped or refused connections and timeouts (httpx2.TransportError,
 ConnectionError, TimeoutError), and huggingface_hub's "could not locate the file" error when it wraps
@@ -14,11 +19,15 @@ Each retry is logged at INFO on the "publisher" logger.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    from huggingface_hub import HfApi
 
 log = logging.getLogger(__name__)
 
@@ -118,3 +127,44 @@ def call(fn: Callable[..., T], *args: Any, what: str, check: Callable[[], T | No
             wait = max(min(MAX_DELAY_S, delay * (2 ** (attempt - 1))), retry_after(exc))
             log.info("%s failed (%s); retrying in %.1f s (try %d of %d)", what, short(exc), wait, attempt + 1, tries)
             time.sleep(wait)
+
+
+def client(token: str | None) -> HfApi:
+    """The run's HfApi for this token (built once per token and endpoint), saying who is calling."""
+    from huggingface_hub import constants
+
+    return _client(token or None, constants.ENDPOINT)
+
+
+@functools.lru_cache(maxsize=8)
+def _client(token: str | None, endpoint: str) -> HfApi:
+    from huggingface_hub import HfApi
+
+    from publisher import __version__
+
+    return HfApi(endpoint=endpoint, token=token, library_name="hf-ao-publish", library_version=__version__)
+
+
+def endpoint() -> str:
+    """The Hub's base URL (HF_ENDPOINT, or huggingface.co), without a trailing slash."""
+    from huggingface_hub import constants
+
+    return constants.ENDPOINT.rstrip("/")
+
+
+def repo_url(repo_id: str) -> str:
+    return f"{endpoint()}/{repo_id}"
+
+
+def pr_url(repo_id: str, pr_num: int | None) -> str | None:
+    return f"{repo_url(repo_id)}/discussions/{pr_num}" if pr_num is not None else None
+
+
+def delete_repo_quietly(repo_id: str, token: str | None) -> None:
+    """Best effort: remove a repo this run created, so a failed push leaves nothing behind. The original
+    error matters more, so a failure here is logged, not raised."""
+    try:
+        call(client(token).delete_repo, repo_id, what=f"deleting the repo {repo_id}")
+        log.info("deleted the repo %s that this run had created", repo_id)
+    except Exception as exc:  # reported only: the caller is already handling the error that matters
+        log.warning("could not delete the repo %s that this run had created: %s", repo_id, short(exc))

@@ -12,25 +12,28 @@ import logging
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from publisher import __version__, recipes as recipe_registry
-from publisher.stages import card
-from publisher.stages import plan as planning
-from publisher.verify import published
-from publisher.stages import push as pushing
-from publisher.stages import preflight as resources
-from publisher.stages import push_pr as shard_upload
-from publisher.stages import fetch as snapshot
-from publisher.stages import source as sources
+from publisher import __version__
+from publisher import recipes as recipe_registry
 from publisher.errors import PublishError, ResourceError, TargetError, VerificationError
-from publisher.stages.resume import ComponentCache, default_root
-from publisher.stages.quantize import Artifacts, finalize, partial_folder, prepare_output, quantize_recipe
 from publisher.recipes import Recipe
-from publisher.verify.full import VerifyReport, require_passed, verify
+from publisher.stages import card
+from publisher.stages import fetch as snapshot
+from publisher.stages import plan as planning
+from publisher.stages import preflight as resources
+from publisher.stages import push as pushing
+from publisher.stages import push_pr as shard_upload
+from publisher.stages import source as sources
+from publisher.stages.quantize import Artifacts, finalize, partial_folder, prepare_output, quantize_recipe
+from publisher.stages.resume import ComponentCache, default_root
+from publisher.verify import published
+from publisher.verify.full import verify
+from publisher.verify.report import VerifyReport, require_passed
 
 log = logging.getLogger(__name__)
 
@@ -166,11 +169,9 @@ def make_plan(req: PublishRequest, token: str | None) -> planning.Plan:
     src = sources.resolve(req.model, req.revision, token)
     user = None
     if token:
-        from huggingface_hub import HfApi
-
         from publisher import hub
 
-        user = hub.call(HfApi(token=token).whoami, what="checking the token").get("name")
+        user = hub.call(hub.client(token).whoami, what="checking the token").get("name")
     targets = planning.target_ids(src, recipes, req.repo_id, user)
     options = {"components": req.components, "exclude": req.exclude}
     plan = planning.build_plan(

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 
-def _versions() -> dict[str, str]:
+def versions() -> dict[str, str]:
     import importlib.metadata as md
 
     out = {"python": sys.version.split()[0]}
@@ -199,7 +199,7 @@ def run_forward(model: Any, library: str, inputs_file: str, output_file: str, de
 
 def main(request_file: str) -> int:
     req = json.loads(Path(request_file).read_text())
-    result: dict[str, Any] = {"path": req["path"], "component": req.get("subfolder") or "", "versions": _versions()}
+    result: dict[str, Any] = {"path": req["path"], "component": req.get("subfolder") or "", "versions": versions()}
     try:
         import torch
 

@@ -302,13 +302,13 @@ def test_block_forward_failure_counts_unless_the_recipe_runs_on_a_gpu(streamed: 
     from publisher.verify import streaming as verify_stream
     from publisher.verify.inputs import build_inputs, save_inputs
     from publisher.streaming.shards import LocalShards
-    from publisher.verify.full import _Expected
+    from publisher.verify.report import Expected
     from publisher.verify.streaming import streaming_check
 
     out, res = streamed(*COMPONENTS[0], "int8wo")
     inputs = save_inputs(build_inputs("diffusers", COMPONENTS[0][2], json.loads((out / "config.json").read_text())),
                          tmp_path / "inputs.safetensors")
-    exp = _Expected("transformer", "diffusers", COMPONENTS[0][2], inputs, None, dict(res.digests), res.quantized)
+    exp = Expected("transformer", "diffusers", COMPONENTS[0][2], inputs, None, dict(res.digests), res.quantized)
 
     def no_kernel(*a: Any, **k: Any) -> Any:
         raise RuntimeError("_scaled_mm only supports per-tensor scaling for CPU backend")

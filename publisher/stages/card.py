@@ -15,7 +15,7 @@ from typing import Any
 from publisher import __version__
 from publisher.stages.plan import Plan
 from publisher.stages.quantize import Artifacts
-from publisher.verify.full import VerifyReport
+from publisher.verify.report import VerifyReport
 
 TEMPLATE_NAME = "modelcard.md.j2"
 _LICENSE_FILE_PREFIXES = ("LICENSE", "LICENCE", "NOTICE")

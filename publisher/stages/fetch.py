@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import glob
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from publisher.stages.plan import Component, Plan
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from publisher import hub
 from publisher.errors import TargetError, VerificationError
-from publisher.verify.full import VerifyReport
+from publisher.verify.report import VerifyReport
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +41,9 @@ def published_state(repo_id: str, token: str | None, revision: str | None = None
 
     Transient Hub errors are retried; a Hub that stays unreachable raises (it is never taken for
     "no state file", which would make an unchanged re-run publish again)."""
-    from huggingface_hub import HfApi
     from huggingface_hub.errors import RepositoryNotFoundError, RevisionNotFoundError
 
-    api = HfApi(token=token)
+    api = hub.client(token)
     try:
         info = hub.call(api.repo_info, repo_id, revision=revision, what=f"reading {repo_id}")
     except (RevisionNotFoundError, RepositoryNotFoundError):
@@ -79,11 +78,9 @@ def _state_at(repo_id: str, sha: str | None, token: str | None, *, retried: bool
 
 def find_open_pr(repo_id: str, token: str | None) -> tuple[int, str] | None:
     """Our open pull request on the target, if a previous --create-pr run opened one."""
-    from huggingface_hub import HfApi
-
     from huggingface_hub.errors import RepositoryNotFoundError
 
-    api = HfApi(token=token)
+    api = hub.client(token)
     try:
         discussions = hub.call(
             lambda: list(api.get_repo_discussions(repo_id, discussion_type="pull_request", discussion_status="open")),
@@ -109,11 +106,9 @@ def push(
     description: str,
     state: dict[str, Any],
 ) -> PushResult:
-    from huggingface_hub import HfApi
-
     if not report.passed:
         raise VerificationError(f"refusing to push {repo_id}: verification failed ({report.summary()})")
-    api = HfApi(token=token)
+    api = hub.client(token)
     if json.loads((folder / STATE_FILE).read_text()).get("fingerprint") != state["fingerprint"]:
         raise VerificationError(f"refusing to push {repo_id}: {folder} was not produced by this run")
 
@@ -124,7 +119,7 @@ def push(
     revision = pr[1] if pr else None
     head, previous = published_state(repo_id, token, revision)
     if previous is not None and previous.get("fingerprint") == state["fingerprint"]:
-        return PushResult(repo_id, _url(api, repo_id), head, _pr_url(api, repo_id, pr), True, False)
+        return PushResult(repo_id, hub.repo_url(repo_id), head, _pr_url(repo_id, pr), True, False)
 
     created = head is None and not exists()
     repo_url = hub.call(api.create_repo, repo_id, private=private, exist_ok=True, what=f"creating {repo_id}")
@@ -145,7 +140,7 @@ def push(
             now = api.repo_info(repo_id, revision=target[1] if target else None).sha
             if now == head or (_state_at(repo_id, now, token, retried=False) or {}).get("fingerprint") != state["fingerprint"]:
                 return None
-            return now, _pr_url(api, repo_id, target)
+            return now, _pr_url(repo_id, target)
 
         if pr:
             commit = lambda: api.create_commit(  # noqa: E731
@@ -158,12 +153,12 @@ def push(
 
         def send() -> tuple[str, str | None]:
             info = commit()
-            return info.oid, _pr_url(api, repo_id, pr) if pr else info.pr_url
+            return info.oid, _pr_url(repo_id, pr) if pr else info.pr_url
 
         oid, pr_url = hub.call(send, what=f"committing to {repo_id}", check=landed)
     except BaseException:
         if created:
-            _delete_quietly(api, repo_id)
+            hub.delete_repo_quietly(repo_id, token)
         raise
     return PushResult(repo_id, str(repo_url), oid, pr_url, False, created)
 
@@ -184,30 +179,15 @@ def commit_operations(api: Any, repo_id: str, folder: Path, head: str | None,
     return additions, ops
 
 
-def _delete_quietly(api: Any, repo_id: str) -> None:
-    """Best effort: remove the empty repo we just created so a failed push leaves nothing behind."""
-    try:
-        hub.call(api.delete_repo, repo_id, what=f"deleting the empty repo {repo_id}")
-        log.info("deleted the empty repo %s after the failed commit", repo_id)
-    except Exception as exc:  # the original error matters more; this one is only reported
-        log.warning("could not delete the empty repo %s after the failed commit: %s", repo_id, hub.short(exc))
-
-
-def _url(api: Any, repo_id: str) -> str:
-    return f"{api.endpoint.rstrip('/')}/{repo_id}"
-
-
-def _pr_url(api: Any, repo_id: str, pr: tuple[int, str] | None) -> str | None:
-    return f"{_url(api, repo_id)}/discussions/{pr[0]}" if pr else None
+def _pr_url(repo_id: str, pr: tuple[int, str] | None) -> str | None:
+    return hub.pr_url(repo_id, pr[0] if pr else None)
 
 
 def check_writable(repo_id: str, token: str | None) -> str:
     """Preflight: the token is valid and can write to the target namespace. Returns the user name."""
-    from huggingface_hub import HfApi
-
     if not token:
         raise TargetError("pushing needs a Hub token with write access; set HF_TOKEN (or pass --token), or use --no-push")
-    who = hub.call(HfApi(token=token).whoami, what="checking the token")
+    who = hub.call(hub.client(token).whoami, what="checking the token")
     namespace = repo_id.split("/")[0]
     orgs = {o.get("name") for o in who.get("orgs", [])}
     if namespace != who.get("name") and namespace not in orgs:

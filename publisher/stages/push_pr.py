@@ -16,11 +16,16 @@ if the run fails.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from publisher import hub
 from publisher.errors import VerificationError
+
+if TYPE_CHECKING:
+    from publisher.stages.push import PushResult
+    from publisher.verify.report import VerifyReport
 
 log = logging.getLogger(__name__)
 
@@ -29,9 +34,8 @@ class ShardUploader:
     """One target repo; ``for_component`` gives the engine's callbacks for one streamed component."""
 
     def __init__(self, repo_id: str, token: str | None, root: Path, tensor_class: str) -> None:
-        from huggingface_hub import HfApi
 
-        self.api, self.repo_id, self.root, self.tensor_class = HfApi(token=token), repo_id, root, tensor_class
+        self.api, self.repo_id, self.root, self.tensor_class = hub.client(token), repo_id, root, tensor_class
         self.ops: dict[str, Any] = {}  # path in repo -> pre-uploaded CommitOperationAdd
         self.sizes: dict[str, int] = {}  # path in repo -> bytes (the local file is gone)
         self.checked: dict[str, int] = {}  # component -> tensors checked before upload
@@ -110,9 +114,8 @@ class _Component:
 def ensure_repo(repo_id: str, token: str | None, private: bool) -> bool:
     """The target must exist before shards are pre-uploaded; True when this run created it (and must
     delete it again if the run fails)."""
-    from huggingface_hub import HfApi
 
-    api = HfApi(token=token)
+    api = hub.client(token)
     if hub.call(api.repo_exists, repo_id, what=f"checking {repo_id}"):
         return False
     hub.call(api.create_repo, repo_id, private=private, exist_ok=True, what=f"creating {repo_id}")
@@ -122,22 +125,18 @@ def ensure_repo(repo_id: str, token: str | None, private: bool) -> bool:
 def discard(repo_id: str, token: str | None, created: bool) -> None:
     """After a failure: a repo this run created goes again; pre-uploaded shards of an existing repo are
     unreferenced LFS objects that no commit ever points to."""
-    from huggingface_hub import HfApi
-
-    from publisher.stages.push import _delete_quietly
-
     if created:
-        _delete_quietly(HfApi(token=token), repo_id)
+        hub.delete_repo_quietly(repo_id, token)
 
 
-def push_staged(folder: Path, report: Any, uploader: ShardUploader, *, token: str | None, create_pr: bool,
-                message: str, description: str, created: bool, check: Callable[[str], list[Path]]) -> Any:
+def push_staged(folder: Path, report: VerifyReport, uploader: ShardUploader, *, token: str | None, create_pr: bool,
+                message: str, description: str, created: bool, check: Callable[[str], list[Path]]) -> PushResult:
     """Commit the pre-uploaded shards and the local files as a pull request, run ``check(pr_commit)`` on it
     (it raises on failure and returns the files it rewrote: card, report), commit those to the PR, and merge
     it unless ``create_pr``. Main never holds unchecked bytes; on failure the PR is closed."""
     from huggingface_hub import CommitOperationAdd
 
-    from publisher.stages.push import PushResult, _url, commit_operations, published_state
+    from publisher.stages.push import commit_operations, published_state
 
     api, repo_id = uploader.api, uploader.repo_id
     if not report.passed:
@@ -154,10 +153,10 @@ def push_staged(folder: Path, report: Any, uploader: ShardUploader, *, token: st
         update = [CommitOperationAdd(path_in_repo=p.relative_to(folder).as_posix(), path_or_fileobj=str(p)) for p in rewritten]
         hub.call(api.create_commit, repo_id, update, commit_message="hf-ao-publish: verification results",
                    revision=pr_ref, parent_commit=info.oid, what=f"updating pull request #{pr_num} on {repo_id}")
-        pr_url = f"{_url(api, repo_id)}/discussions/{pr_num}"
+        pr_url = hub.pr_url(repo_id, pr_num)
         if create_pr:
             oid = hub.call(api.repo_info, repo_id, revision=pr_ref, what=f"reading {repo_id}").sha
-            return PushResult(repo_id, _url(api, repo_id), oid, pr_url, False, created)
+            return PushResult(repo_id, hub.repo_url(repo_id), oid, pr_url, False, created)
         hub.call(api.merge_pull_request, repo_id, pr_num, comment="Checked by hf-ao-publish before merging.",
                    what=f"merging pull request #{pr_num} on {repo_id}")
         oid = hub.call(api.repo_info, repo_id, what=f"reading {repo_id}").sha
@@ -169,4 +168,4 @@ def push_staged(folder: Path, report: Any, uploader: ShardUploader, *, token: st
                 log.warning("could not close pull request #%s on %s: %s", pr_num, repo_id, hub.short(exc))
         discard(repo_id, token, created)
         raise
-    return PushResult(repo_id, _url(api, repo_id), oid, None, False, created)
+    return PushResult(repo_id, hub.repo_url(repo_id), oid, None, False, created)

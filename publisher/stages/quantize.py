@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from publisher.errors import QuantizeError, TargetError
-from publisher.stages.plan import Component, Plan
 from publisher.recipes import Recipe, build_config
+from publisher.stages.plan import Component, Plan
 
 log = logging.getLogger(__name__)
 

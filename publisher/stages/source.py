@@ -83,7 +83,7 @@ def resolve(model_id: str, revision: str | None, token: str | None) -> Source:
         card = _front_matter((root / "README.md").read_text(encoding="utf-8")) if "README.md" in sizes else {}
         return Source(model_id=model_id, repo_id=None, local_dir=root, revision=None, sha=None, sizes=sizes, card_data=card)
 
-    from huggingface_hub import HfApi, constants
+    from huggingface_hub import constants
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     try:
@@ -100,7 +100,7 @@ def resolve(model_id: str, revision: str | None, token: str | None) -> Source:
     try:
         from publisher import hub
 
-        info = hub.call(HfApi(token=token).model_info, model_id, revision=revision, files_metadata=True,
+        info = hub.call(hub.client(token).model_info, model_id, revision=revision, files_metadata=True,
                           what=f"reading {model_id}")
     except RevisionNotFoundError:
         raise SourceError(

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from publisher.errors import QuantizeError
 
@@ -192,9 +192,9 @@ def stream_quantize(
     bypass, as the library path does); ``max_shard_size`` defaults to save_pretrained's default.
     On error the files already written stay in ``dst_dir`` (the caller owns the folder).
     """
-    from publisher.streaming.meta_model import check_transformers_keys
     from publisher.streaming.engine import execute, peak_rss_bytes, remove_stale_shards
     from publisher.streaming.layout import build_plan
+    from publisher.streaming.meta_model import check_transformers_keys
 
     t_start = time.perf_counter()
     src_dir, dst_dir = Path(src_dir), Path(dst_dir)

@@ -15,8 +15,9 @@ import resource
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO
 
 from publisher.errors import QuantizeError
 from publisher.streaming import safetensors_io as stio

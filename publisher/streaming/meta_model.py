@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -40,9 +41,9 @@ class Component:
     header_metadata: Callable[[dict[str, str]], dict[str, str]]
     index_metadata: Callable[[int, dict[str, str]], dict[str, Any]]
     write_configs: Callable[[Path], list[Path]]
-    quantize_param: Callable[[str, "torch.Tensor", Any], Any]  # (key, bf16 value, device) -> new weight
-    pass_dtype: Callable[[str, "torch.dtype"], "torch.dtype"]  # (key, checkpoint dtype) -> saved dtype
-    cast_dtype: "torch.dtype"  # what a weight is cast to before quantizing
+    quantize_param: Callable[[str, torch.Tensor, Any], Any]  # (key, bf16 value, device) -> new weight
+    pass_dtype: Callable[[str, torch.dtype], torch.dtype]  # (key, checkpoint dtype) -> saved dtype
+    cast_dtype: torch.dtype  # what a weight is cast to before quantizing
     quantizer: Any = None  # the library's quantizer object, as from_pretrained creates it
     save_order: Callable[[list[str]], list[str]] = list  # order of the flattened dict save_pretrained shards
     default_skips: set[str] = field(default_factory=set)  # Linear modules the library keeps by default

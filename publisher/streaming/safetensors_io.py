@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import struct
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
@@ -65,7 +65,7 @@ def read_header(path: Path | BinaryIO) -> tuple[dict[str, str], dict[str, Header
     return metadata, entries
 
 
-@lru_cache(maxsize=None)
+@cache
 def _layout(dtypes: tuple[Any, ...]) -> tuple[dict[Any, str], dict[Any, int]]:
     """safetensors' name and sort rank for each torch dtype, learnt from safetensors itself."""
     import torch
@@ -160,9 +160,9 @@ def copy_cast(src: BinaryIO, entry: HeaderEntry, dst: BinaryIO, dst_offset: int,
     Returns the tensor's verification digest (``loadpath.tensor_digest`` of the written tensor)."""
     import time
 
-    from publisher.loadpath import digest_header
-
     import torch
+
+    from publisher.loadpath import digest_header
 
     in_dtype = torch_dtype(entry.dtype)
     in_size = torch.empty(0, dtype=in_dtype).element_size()

@@ -52,11 +52,9 @@ class HubShards:
 
     def files(self) -> list[str]:
         if self._listing is None:
-            from huggingface_hub import HfApi
-
             from publisher import hub
 
-            api = HfApi(token=self.token or None)
+            api = hub.client(self.token)
             every = hub.call(api.list_repo_files, self.repo_id, revision=self.revision, what=f"listing {self.repo_id}")
             prefix = f"{self.subfolder}/" if self.subfolder else ""
             self._listing = [f[len(prefix):] for f in every if f.startswith(prefix) and "/" not in f[len(prefix):]]

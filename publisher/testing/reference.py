@@ -19,12 +19,11 @@ def library_quantize(src_dir: Path, dst_dir: Path, *, library: str, recipe: Any,
     recipes on a CPU load inside fp8cpu's bypass, likewise. Returns the quantized model.
     """
     import json
+    from contextlib import nullcontext
 
     import torch
 
     from publisher.recipes import build_config
-
-    from contextlib import nullcontext
 
     config = build_config(recipe)
     kwargs: dict[str, Any] = {}

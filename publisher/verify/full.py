@@ -13,98 +13,24 @@ import logging
 import os
 import subprocess
 import sys
-from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from publisher import loadpath
 from publisher.errors import VerificationError
-from publisher.verify.inputs import build_inputs, save_inputs
 from publisher.stages.quantize import Artifacts
+from publisher.verify.inputs import build_inputs, save_inputs
+from publisher.verify.report import PATHS, Expected, PathResult, Quality, VerifyReport
 
 log = logging.getLogger(__name__)
 
-PATHS = ("library", "manual")
-MODES = ("auto", "full", "streaming")
-REPORT_NAME = "verification.json"
 WORKER = Path(loadpath.__file__).resolve()
 GiB = 1024**3
 
 
-@dataclass
-class PathResult:
-    component: str
-    path: str  # "library" | "manual"
-    env: str  # "current" or the interpreter given with --verify-env
-    versions: dict[str, str]
-    ok: bool
-    detail: str = ""
-    max_abs_diff: float | None = None
-    quantized_layers: int = 0
-    tensors_checked: int = 0
-    forward_checked: bool = False
-
-
-@dataclass
-class Quality:
-    component: str
-    rel_error: float
-    cosine: float
-
-
-@dataclass
-class VerifyReport:
-    recipe: str
-    location: str
-    passed: bool
-    results: list[PathResult] = field(default_factory=list)
-    quality: list[Quality] = field(default_factory=list)
-    expected_layers: dict[str, int] = field(default_factory=dict)
-    tensor_class: str = ""
-    device: str = "cpu"
-    mode: str = "full"  # "full": whole reloads in fresh processes; "streaming": tensor by tensor + block by block
-    notes: list[str] = field(default_factory=list)
-    expected: list[Any] = field(default_factory=list, repr=False)  # kept for the post-push check, not serialised
-
-    def to_dict(self) -> dict[str, Any]:
-        data = asdict(replace(self, expected=[]))
-        data.pop("expected")
-        return data
-
-    def write(self, folder: Path) -> Path:
-        path = folder / REPORT_NAME
-        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
-        return path
-
-    def failures(self) -> list[PathResult]:
-        return [r for r in self.results if not r.ok]
-
-    def summary(self) -> str:
-        bad = self.failures()
-        if not bad:
-            return f"{len(self.results)} load checks passed"
-        first = bad[0]
-        return f"{first.component or 'model'} via the {first.path} path ({first.env}): {first.detail}"
-
-
-@dataclass
-class _Expected:
-    """What every reload of one component must reproduce."""
-
-    component: str
-    library: str
-    class_name: str
-    inputs: Path | None
-    output: Any
-    digests: dict[str, str]
-    quantized: list[str]
-    reference: str = "the in-memory quantized model"
-    needs_reference: bool = False  # streamed component: the first library-path reload gives the reference output
-
-
-def record_expected(artifacts: Artifacts, work: Path, device: str = "cpu") -> tuple[list[_Expected], list[str]]:
+def record_expected(artifacts: Artifacts, work: Path, device: str = "cpu") -> tuple[list[Expected], list[str]]:
     """Inputs, outputs and digests of every in-memory quantized component; then the models are freed."""
-    expected: list[_Expected] = []
+    expected: list[Expected] = []
     notes: list[str] = []
     for comp in artifacts.components:
         folder = artifacts.folder / comp.name if comp.name else artifacts.folder
@@ -115,7 +41,7 @@ def record_expected(artifacts: Artifacts, work: Path, device: str = "cpu") -> tu
             # Streamed (or resumed): held one tensor at a time. The engine recorded each tensor's digest
             # while it was in memory; the reference output is the library-path reload's (see verify()).
             reference = "the in-memory quantized tensors" if comp.digests else "the library-path reload"
-            expected.append(_Expected(comp.name, comp.library, comp.class_name, inputs_file, None, dict(comp.digests),
+            expected.append(Expected(comp.name, comp.library, comp.class_name, inputs_file, None, dict(comp.digests),
                                       comp.quantized, reference, needs_reference=True))
             continue
         output = None
@@ -132,7 +58,7 @@ def record_expected(artifacts: Artifacts, work: Path, device: str = "cpu") -> tu
                              "tensors compared byte for byte")
                 inputs_file = None
         info = loadpath.inspect_model(model)
-        expected.append(_Expected(comp.name, comp.library, comp.class_name, inputs_file, output, info["digests"], comp.quantized))
+        expected.append(Expected(comp.name, comp.library, comp.class_name, inputs_file, output, info["digests"], comp.quantized))
     artifacts.release_models()
     gc.collect()
     return expected, notes
@@ -171,8 +97,8 @@ def verify(
     """Run every load path on the saved folder and compare with the in-memory model.
 
     ``base_sources``: component name -> shard source of its bf16 base (quality); default: ``base_dir``."""
-    from publisher.verify import streaming as vs
     from publisher.streaming.shards import LocalShards
+    from publisher.verify import streaming as vs
 
     work.mkdir(parents=True, exist_ok=True)
     mode, why = choose_mode(mode, artifacts, device)
@@ -201,7 +127,7 @@ def verify(
                 # --low-disk push: checked tensor by tensor before each shard was uploaded and deleted; the forward
                 # and the quality figures run on the pull request before it is merged (published.check_pull_request)
                 report.results.append(PathResult(
-                    exp.component, "streaming", "current, before upload", loadpath._versions(), True,
+                    exp.component, "streaming", "current, before upload", loadpath.versions(), True,
                     f"{uploader.checked[exp.component]} tensors equal before upload; forward pending on the pull request",
                     quantized_layers=uploader.classes.get(exp.component, 0),
                     tensors_checked=uploader.checked[exp.component]))
@@ -235,7 +161,7 @@ def verify(
     return report
 
 
-def _block_reference(exp: _Expected, source: Any) -> None:
+def _block_reference(exp: Expected, source: Any) -> None:
     """A streamed component's expected output: one forward with its saved tensors loaded block by block."""
     from safetensors.torch import load_file
 
@@ -247,7 +173,7 @@ def _block_reference(exp: _Expected, source: Any) -> None:
     exp.reference = "the block-by-block forward of the in-memory-equal tensors"
 
 
-def _adopt_reference(exp: _Expected, where: str, work: Path, token: str | None, tensor_class: str, device: str) -> PathResult:
+def _adopt_reference(exp: Expected, where: str, work: Path, token: str | None, tensor_class: str, device: str) -> PathResult:
     """Library path in this interpreter: its tensors must equal the in-memory ones the streaming engine recorded
     (when it did), and its output becomes what every other path must match."""
     import torch
@@ -266,7 +192,7 @@ def _adopt_reference(exp: _Expected, where: str, work: Path, token: str | None, 
     return result
 
 
-def check_location(expected: list[_Expected], where: str, revision: str | None, work: Path, *,
+def check_location(expected: list[Expected], where: str, revision: str | None, work: Path, *,
                    envs: tuple[str, ...] = (), token: str | None = None, tensor_class: str | None,
                    paths: tuple[str, ...] = PATHS, device: str = "cpu", skip_reference: bool = False) -> list[PathResult]:
     """Each load path, in each interpreter, on ``where`` (a folder or a Hub repo id), against ``expected``."""
@@ -285,7 +211,7 @@ def check_location(expected: list[_Expected], where: str, revision: str | None, 
     return results
 
 
-def run_worker(exp: _Expected, path: str, python: str, where: str, revision: str | None, work: Path,
+def run_worker(exp: Expected, path: str, python: str, where: str, revision: str | None, work: Path,
                token: str | None, threads: int, tag: str = "", device: str = "cpu") -> dict[str, Any]:
     """Load one component in a fresh interpreter; returns the worker's result (or an error record)."""
     name = f"{exp.component or 'model'}-{path}-{tag}-{len(list(work.glob('request-*')))}"
@@ -318,7 +244,7 @@ def run_worker(exp: _Expected, path: str, python: str, where: str, revision: str
     return json.loads(result_file.read_text())
 
 
-def compare(exp: _Expected, data: dict[str, Any], path: str, env_name: str, python: str, tensor_class: str | None) -> PathResult:
+def compare(exp: Expected, data: dict[str, Any], path: str, env_name: str, python: str, tensor_class: str | None) -> PathResult:
     """Bit-for-bit comparison of one reload against the expected record."""
     import torch
     from safetensors.torch import load_file
@@ -363,7 +289,7 @@ def compare(exp: _Expected, data: dict[str, Any], path: str, env_name: str, pyth
     return res
 
 
-def quality_against_base(expected: list[_Expected], base_sources: dict[str, Any]) -> list[Quality]:
+def quality_against_base(expected: list[Expected], base_sources: dict[str, Any]) -> list[Quality]:
     """Relative error and cosine similarity of each component's output against the bf16 base, whose forward
     runs block by block from its shards (one block in memory: never more than the quantized side needs)."""
     import torch
@@ -388,8 +314,3 @@ def quality_against_base(expected: list[_Expected], base_sources: dict[str, Any]
         cos = float(torch.nn.functional.cosine_similarity(q.flatten(), ref.flatten(), dim=0))
         out.append(Quality(exp.component or "model", rel, cos))
     return out
-
-
-def require_passed(report: VerifyReport) -> None:
-    if not report.passed:
-        raise VerificationError(f"verification of {report.recipe} failed: {report.summary()}; nothing was pushed")

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 from publisher import recipes as recipe_registry
-from publisher.stages import card
 from publisher.errors import VerificationError
-from publisher.verify.full import VerifyReport, check_location
+from publisher.stages import card
+from publisher.verify.full import check_location
+from publisher.verify.report import VerifyReport
 
 
 def check_pull_request(run: Any, outcome: Any, revision: str) -> list[Path]:

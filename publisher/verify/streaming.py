@@ -263,9 +263,9 @@ def streaming_check(exp: Any, source: Any, tensor_class: str, env: str = "curren
     import torch
 
     from publisher import loadpath
-    from publisher.verify.full import PathResult
+    from publisher.verify.report import PathResult
 
-    res = PathResult(exp.component, "streaming", env, loadpath._versions(), False)
+    res = PathResult(exp.component, "streaming", env, loadpath.versions(), False)
     if not exp.digests:
         res.detail = "no in-memory digests recorded for this component (resumed from an older cache); use --verify-mode full"
         return res

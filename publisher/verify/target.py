@@ -17,12 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from publisher import hub
 from publisher import recipes as recipe_registry
 from publisher.errors import QuantizeError, SourceError
 from publisher.fp8cpu import cpu_quantization_context
-from publisher.verify.inputs import build_inputs, save_inputs
 from publisher.stages.push import STATE_FILE
-from publisher.verify.full import PATHS, VerifyReport, _Expected, check_location, compare, run_worker
+from publisher.verify.full import check_location, compare, run_worker
+from publisher.verify.inputs import build_inputs, save_inputs
+from publisher.verify.report import PATHS, Expected, VerifyReport
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +80,7 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), token:
     import torch
 
     if not Path(target).is_dir():
-        from huggingface_hub import HfApi
-
-        revision = HfApi(token=token).model_info(target, revision=revision).sha
+        revision = hub.call(hub.client(token).model_info, target, revision=revision, what=f"reading {target}").sha
     comps = quantized_components(target, token, revision)
     state_text = _read(target, STATE_FILE, token, revision)
     state = json.loads(state_text) if state_text else None
@@ -95,7 +95,7 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), token:
         exp = _reference_from_base(comp, state, recipe, work, inputs, inputs_file, token, device) if (requantize and state and recipe) else None
         if exp is None:
             # No reachable base: the library path in this environment is the reference; every other path must agree.
-            probe = _Expected(comp.name, comp.library, comp.class_name, inputs_file, None, {}, [], "the library path")
+            probe = Expected(comp.name, comp.library, comp.class_name, inputs_file, None, {}, [], "the library path")
             data = run_worker(probe, "library", sys.executable, target, revision, work, token, torch.get_num_threads(), "ref", device)
             if not data.get("ok"):
                 report.results.append(compare(probe, data, "library", "current", sys.executable, tensor_class))
@@ -104,7 +104,7 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), token:
 
             output = load_file(data["output"])["output"] if data.get("output") else None
             quantized = [n for n, c in data["linear_classes"].items() if c not in ("Parameter", "Tensor")]
-            exp = _Expected(comp.name, comp.library, comp.class_name, inputs_file, output, data["digests"], quantized, "the library path")
+            exp = Expected(comp.name, comp.library, comp.class_name, inputs_file, output, data["digests"], quantized, "the library path")
         report.expected_layers[comp.name or "model"] = len(exp.quantized)
         report.results += check_location([exp], target, revision, work, envs=envs, token=token, tensor_class=tensor_class,
                                          paths=PATHS, device=device)
@@ -114,7 +114,7 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), token:
 
 
 def _reference_from_base(comp: TargetComponent, state: dict[str, Any], recipe: Any, work: Path, inputs: Any,
-                         inputs_file: Path | None, token: str | None, device: str) -> _Expected | None:
+                         inputs_file: Path | None, token: str | None, device: str) -> Expected | None:
     """Re-quantize the recorded base component with the recorded recipe, in memory."""
     from publisher.loadpath import forward, inspect_model, load_component
 
@@ -155,5 +155,5 @@ def _reference_from_base(comp: TargetComponent, state: dict[str, Any], recipe: A
     quantized = [n for n, c in info["linear_classes"].items() if c == recipe.tensor_class]
     del model
     gc.collect()
-    return _Expected(comp.name, comp.library, comp.class_name, inputs_file, output, info["digests"], quantized,
+    return Expected(comp.name, comp.library, comp.class_name, inputs_file, output, info["digests"], quantized,
                      f"the base re-quantized with {recipe.name}")

@@ -12,82 +12,18 @@ socket noise. Access rules follow huggingface.co where the client depends on the
 
 from __future__ import annotations
 
-import collections
-
 import time
-from collections.abc import Mapping
-from typing import Any
 from urllib.parse import unquote
 
-from publisher.testing.hubserver.faults import FaultInjector
+from publisher.testing.hubserver.access import URL_TYPES
 from publisher.testing.hubserver.reads import ReadRoutes
-from publisher.testing.hubserver.storage import REPO_TYPES, HubError, Store, validate_repo_id
+from publisher.testing.hubserver.storage import REPO_TYPES, HubError
 from publisher.testing.hubserver.wire import Request, Response, error_response, json_response
 from publisher.testing.hubserver.writes import WriteRoutes
 
-_URL_TYPES = {"models": "model", "datasets": "dataset", "spaces": "space"}
-URL_PREFIX = {"model": "", "dataset": "datasets/", "space": "spaces/"}
-
 
 class HubApp(ReadRoutes, WriteRoutes):
-    def __init__(self, store: Store, tokens: Mapping[str, str] | None = None,
-                 orgs: Mapping[str, Any] | None = None, gated: Mapping[str, Any] | None = None) -> None:
-        self.store = store
-        self.tokens = dict(tokens or {})  # token -> user name
-        self.orgs = {org: list(users) for org, users in (orgs or {}).items()}  # org -> member names
-        self.faults = FaultInjector()
-        # (method, path, Range header) of recent requests: tests assert how files were read
-        self.seen: collections.deque[tuple[str, str, str | None]] = collections.deque(maxlen=20000)
-        # "repo_id" or "datasets/ns/name" -> granted users; applied now and again when the repo is created.
-        self.gated_seed = {k: list(v or ()) for k, v in (gated or {}).items()}
-        for key in self.gated_seed:
-            self.apply_gated_seed(key)
-
-    # ---- access rules ------------------------------------------------------------------------
-    def authenticate(self, req: Request) -> str | None:
-        header = req.headers.get("Authorization") or ""
-        if not header:
-            return None
-        token = header[7:].strip() if header.lower().startswith("bearer ") else ""
-        if token not in self.tokens:
-            raise HubError(401, "Invalid credentials in Authorization header")  # Hub wording; the client keys on it
-        return self.tokens[token]
-
-    def orgs_of(self, user: str) -> list[str]:
-        return sorted(org for org, members in self.orgs.items() if user in members)
-
-    def is_member(self, user: str | None, namespace: str) -> bool:
-        return user is not None and (user == namespace or user in self.orgs.get(namespace, ()))
-
-    def readable_repo(self, repo_type: str, repo_id: str, user: str | None) -> dict:
-        """The repo's metadata, or 404 RepoNotFound if it is missing or private to someone else."""
-        validate_repo_id(repo_id)
-        meta = self.store.get_repo(repo_type, repo_id)
-        if meta is None or (meta["private"] and not self.is_member(user, repo_id.split("/")[0])):
-            raise HubError(404, f"Repository Not Found for {repo_type} {repo_id}", "RepoNotFound")
-        return meta
-
-    def require_writer(self, user: str | None, namespace: str, what: str) -> None:
-        if user is None:
-            raise HubError(401, f"You must be authenticated to {what} (no token sent)")
-        if not self.is_member(user, namespace):
-            raise HubError(403, f"You don't have the rights to {what}: user '{user}' is neither "
-                                f"'{namespace}' nor a member of the '{namespace}' organization")
-
-    def check_gate(self, meta: dict, user: str | None) -> None:
-        if meta.get("gated") and not (self.is_member(user, meta["id"].split("/")[0])
-                                      or (user is not None and user in meta.get("granted", []))):
-            who = f"user '{user}' is" if user else "anonymous requests are"
-            raise HubError(403, f"Access to {meta['type']} {meta['id']} is restricted and {who} not in the "
-                                "authorized list. Visit the repo page to ask for access.", "GatedRepo")
-
-    def set_gated(self, repo_type: str, repo_id: str, gated: str | bool, granted: list[str]) -> dict:
-        return self.store.update_repo(repo_type, repo_id, gated=gated or False, granted=list(granted))
-
-    def apply_gated_seed(self, key: str) -> None:
-        repo_type, repo_id = parse_type_prefixed(key)
-        if self.store.get_repo(repo_type, repo_id) is not None:
-            self.set_gated(repo_type, repo_id, "auto", self.gated_seed[key])
+    """Routing on top of the access rules (access.py) and the read and write endpoints."""
 
     # ---- routing -----------------------------------------------------------------------------
     def handle(self, req: Request) -> Response:
@@ -122,11 +58,11 @@ class HubApp(ReadRoutes, WriteRoutes):
             return self.create_repo(req)
         if parts == ["repos", "delete"] and m == "DELETE":
             return self.delete_repo(req)
-        if n == 1 and parts[0] in _URL_TYPES and m == "GET":
-            return self.list_repos(req, _URL_TYPES[parts[0]])
-        if n < 3 or parts[0] not in _URL_TYPES:
+        if n == 1 and parts[0] in URL_TYPES and m == "GET":
+            return self.list_repos(req, URL_TYPES[parts[0]])
+        if n < 3 or parts[0] not in URL_TYPES:
             raise HubError(404, f"Unknown API route /api/{'/'.join(parts)}")
-        repo_type, repo_id = _URL_TYPES[parts[0]], f"{parts[1]}/{parts[2]}"
+        repo_type, repo_id = URL_TYPES[parts[0]], f"{parts[1]}/{parts[2]}"
         action, rest = (parts[3] if n > 3 else ""), parts[4:]
         key = (m, action)
         if key == ("GET", "") or (key == ("GET", "revision") and len(rest) == 1):
@@ -154,7 +90,7 @@ class HubApp(ReadRoutes, WriteRoutes):
     def route_git(self, req: Request, parts: list[str]) -> Response:
         repo_type = "model"
         if parts and parts[0] in ("datasets", "spaces") and len(parts) > 3:
-            repo_type, parts = _URL_TYPES[parts[0]], parts[1:]
+            repo_type, parts = URL_TYPES[parts[0]], parts[1:]
         if len(parts) >= 5 and parts[2] == "resolve" and req.method in ("GET", "HEAD"):
             return self.resolve(req, repo_type, f"{parts[0]}/{parts[1]}", unquote(parts[3]),
                                 unquote("/".join(parts[4:])))
@@ -185,14 +121,3 @@ class HubApp(ReadRoutes, WriteRoutes):
                                   body.get("granted_users", []))
             return json_response({"gated": meta["gated"], "granted": meta["granted"]})
         raise HubError(404, f"Unknown admin route {req.method} {req.path}")
-
-    def repo_url(self, req: Request, repo_type: str, repo_id: str) -> str:
-        return f"{req.base_url}/{URL_PREFIX[repo_type]}{repo_id}"
-
-
-def parse_type_prefixed(key: str) -> tuple[str, str]:
-    """'ns/name' -> model; 'datasets/ns/name' / 'spaces/ns/name' -> that type (CLI and seed syntax)."""
-    parts = key.split("/")
-    if len(parts) == 3 and parts[0] in ("datasets", "spaces"):
-        return _URL_TYPES[parts[0]], "/".join(parts[1:])
-    return "model", key

@@ -5,14 +5,12 @@ from __future__ import annotations
 import hashlib
 import re
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import parse_qs
 
+from publisher.testing.hubserver.access import HubAccess
 from publisher.testing.hubserver.storage import HubError
 from publisher.testing.hubserver.wire import Request, Response, json_response
-
-if TYPE_CHECKING:  # the mixin is only ever used as a base of HubApp
-    from publisher.testing.hubserver.app import HubApp
 
 _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
@@ -94,8 +92,8 @@ def paths_info(tree: dict, paths: Iterable[str]) -> list[dict]:
     return out
 
 
-class ReadRoutes:
-    def whoami(self: HubApp, req: Request) -> Response:
+class ReadRoutes(HubAccess):
+    def whoami(self, req: Request) -> Response:
         if req.user is None:
             raise HubError(401, "You must be authenticated to call whoami (no token sent)")
         orgs = [{"type": "org", "name": o, "fullname": o, "roleInOrg": "write"} for o in self.orgs_of(req.user)]
@@ -104,14 +102,14 @@ class ReadRoutes:
             "auth": {"type": "access_token", "accessToken": {"displayName": "hubserver", "role": "write"}},
         })
 
-    def validate_yaml(self: HubApp, req: Request) -> Response:
+    def validate_yaml(self, req: Request) -> Response:
         # The client calls .json() before checking the status, so even errors must be JSON.
         _, err = parse_card_data(str(req.json().get("content", "")))
         if err:
             return json_response({"errors": [{"message": err}], "warnings": []}, 400)
         return json_response({"errors": [], "warnings": []})
 
-    def list_repos(self: HubApp, req: Request, repo_type: str) -> Response:
+    def list_repos(self, req: Request, repo_type: str) -> Response:
         author, search = req.q("author"), (req.q("search") or "").lower()
         out = []
         for meta in self.store.list_repos(repo_type):
@@ -125,14 +123,14 @@ class ReadRoutes:
                         "createdAt": meta["createdAt"], "downloads": 0, "likes": 0, "tags": []})
         return json_response(out)
 
-    def card_data(self: HubApp, tree: dict) -> dict | None:
+    def card_data(self, tree: dict) -> dict | None:
         entry = tree.get("README.md")
         if entry is None or entry["size"] > 1_000_000:
             return None
         card, _ = parse_card_data(self.store.read_blob(entry["sha256"]).decode("utf-8", "replace"))
         return card
 
-    def repo_info(self: HubApp, req: Request, repo_type: str, repo_id: str, rev: str) -> Response:
+    def repo_info(self, req: Request, repo_type: str, repo_id: str, rev: str) -> Response:
         meta = self.readable_repo(repo_type, repo_id, req.user)
         commit = self.store.resolve(meta, rev)
         blobs = req.flag("blobs")
@@ -161,13 +159,13 @@ class ReadRoutes:
             info["sdk"] = card.get("sdk")
         return json_response(info)
 
-    def tree(self: HubApp, req: Request, repo_type: str, repo_id: str, rev: str, path: str) -> Response:
+    def tree(self, req: Request, repo_type: str, repo_id: str, rev: str, path: str) -> Response:
         meta = self.readable_repo(repo_type, repo_id, req.user)
         commit = self.store.resolve(meta, rev)
         # One page only: pagination (Link: rel="next") is optional for the client.
         return json_response(list_tree(commit["tree"], path, req.flag("recursive")))
 
-    def paths_info(self: HubApp, req: Request, repo_type: str, repo_id: str, rev: str) -> Response:
+    def paths_info(self, req: Request, repo_type: str, repo_id: str, rev: str) -> Response:
         meta = self.readable_repo(repo_type, repo_id, req.user)
         commit = self.store.resolve(meta, rev)
         if "json" in (req.headers.get("Content-Type") or ""):
@@ -176,7 +174,7 @@ class ReadRoutes:
             paths = parse_qs(req.read_body().decode(), keep_blank_values=True).get("paths", [])
         return json_response(paths_info(commit["tree"], [paths] if isinstance(paths, str) else paths))
 
-    def refs(self: HubApp, req: Request, repo_type: str, repo_id: str) -> Response:
+    def refs(self, req: Request, repo_type: str, repo_id: str) -> Response:
         meta = self.readable_repo(repo_type, repo_id, req.user)
         out: dict[str, list] = {"branches": [], "tags": [], "converts": []}
         prs = []
@@ -191,7 +189,7 @@ class ReadRoutes:
             out["pullRequests"] = sorted(prs, key=lambda r: int(r["ref"].rsplit("/", 1)[1]))
         return json_response(out)
 
-    def commits(self: HubApp, req: Request, repo_type: str, repo_id: str, rev: str) -> Response:
+    def commits(self, req: Request, repo_type: str, repo_id: str, rev: str) -> Response:
         meta = self.readable_repo(repo_type, repo_id, req.user)
         out = []
         for c in self.store.history(meta, rev):
@@ -203,7 +201,7 @@ class ReadRoutes:
             out.append(item)
         return json_response(out)
 
-    def resolve(self: HubApp, req: Request, repo_type: str, repo_id: str, rev: str, path: str) -> Response:
+    def resolve(self, req: Request, repo_type: str, repo_id: str, rev: str, path: str) -> Response:
         meta = self.readable_repo(repo_type, repo_id, req.user)
         self.check_gate(meta, req.user)
         commit = self.store.resolve(meta, rev)

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from publisher.testing.hubserver.app import HubApp, parse_type_prefixed
+from publisher.testing.hubserver.access import parse_type_prefixed
+from publisher.testing.hubserver.app import HubApp
 from publisher.testing.hubserver.storage import HubError, Store
 from publisher.testing.hubserver.wire import Request, Response, error_response
 

@@ -9,13 +9,10 @@ import hmac
 import json
 import os
 import re
-from typing import TYPE_CHECKING
 
+from publisher.testing.hubserver.access import HubAccess
 from publisher.testing.hubserver.storage import HubError, make_entry, validate_path, validate_repo_id
 from publisher.testing.hubserver.wire import Request, Response, json_response
-
-if TYPE_CHECKING:  # the mixin is only ever used as a base of HubApp
-    from publisher.testing.hubserver.app import HubApp
 
 LFS_THRESHOLD = 10 * 1024 * 1024
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".onnx", ".msgpack", ".h5", ".model",
@@ -30,9 +27,9 @@ def upload_mode(path: str, size: int, sample: bytes) -> str:
     return "regular"
 
 
-class WriteRoutes:
+class WriteRoutes(HubAccess):
     # ---- repos -------------------------------------------------------------------------------
-    def create_repo(self: HubApp, req: Request) -> Response:
+    def create_repo(self, req: Request) -> Response:
         body = req.json()
         repo_type = body.get("type") or "model"
         if req.user is None:
@@ -53,7 +50,7 @@ class WriteRoutes:
                 self.apply_gated_seed(key)
         return json_response({"url": url, "name": repo_id, "id": repo_id})
 
-    def delete_repo(self: HubApp, req: Request) -> Response:
+    def delete_repo(self, req: Request) -> Response:
         body = req.json()
         repo_type = body.get("type") or "model"
         repo_id = f"{body.get('organization') or req.user}/{body.get('name')}"
@@ -62,7 +59,7 @@ class WriteRoutes:
         self.store.delete_repo(repo_type, repo_id)
         return json_response({})
 
-    def settings(self: HubApp, req: Request, repo_type: str, repo_id: str) -> Response:
+    def settings(self, req: Request, repo_type: str, repo_id: str) -> Response:
         self.readable_repo(repo_type, repo_id, req.user)
         self.require_writer(req.user, repo_id.split("/")[0], f"change the settings of {repo_id}")
         body, changes = req.json(), {}
@@ -76,7 +73,7 @@ class WriteRoutes:
         return json_response({"private": meta["private"], "gated": meta["gated"]})
 
     # ---- commit access -----------------------------------------------------------------------
-    def require_commit_access(self: HubApp, req: Request, meta: dict, rev: str, create_pr: bool) -> None:
+    def require_commit_access(self, req: Request, meta: dict, rev: str, create_pr: bool) -> None:
         """Members write anywhere; other authenticated readers may open PRs and push to their own PRs."""
         ns = meta["id"].split("/")[0]
         if self.is_member(req.user, ns) or (req.user is not None and create_pr):
@@ -88,7 +85,7 @@ class WriteRoutes:
                 return
         self.require_writer(req.user, ns, f"commit to {meta['id']}")
 
-    def preupload(self: HubApp, req: Request, repo_type: str, repo_id: str, rev: str) -> Response:
+    def preupload(self, req: Request, repo_type: str, repo_id: str, rev: str) -> Response:
         meta = self.readable_repo(repo_type, repo_id, req.user)
         create_pr = req.flag("create_pr")
         self.require_commit_access(req, meta, rev, create_pr)
@@ -108,10 +105,10 @@ class WriteRoutes:
         return json_response({"files": out})
 
     # ---- LFS ---------------------------------------------------------------------------------
-    def _lfs_sig(self: HubApp, oid: str, size: int) -> str:
+    def _lfs_sig(self, oid: str, size: int) -> str:
         return hmac.new(self.store.secret, f"{oid}:{size}".encode(), hashlib.sha256).hexdigest()
 
-    def lfs_batch(self: HubApp, req: Request, repo_type: str, repo_id: str) -> Response:
+    def lfs_batch(self, req: Request, repo_type: str, repo_id: str) -> Response:
         self.readable_repo(repo_type, repo_id, req.user)
         if req.user is None:
             raise HubError(401, "You must be authenticated to upload LFS objects (no token sent)")
@@ -132,7 +129,7 @@ class WriteRoutes:
                                 "actions": {"upload": {"href": href, "expires_in": 86400}}})
         return json_response({"transfer": "basic", "objects": objects, "hash_algo": "sha256"}, headers=_LFS_JSON)
 
-    def lfs_put(self: HubApp, req: Request, parts: list[str]) -> Response:
+    def lfs_put(self, req: Request, parts: list[str]) -> Response:
         if req.method != "PUT" or len(parts) != 2 or parts[0] != "upload":
             raise HubError(404, f"Not found: {req.path}")
         oid, size_s, sig = parts[1], req.q("size") or "", req.q("sig") or ""
@@ -167,7 +164,7 @@ class WriteRoutes:
                 os.unlink(tmp)
 
     # ---- commit ------------------------------------------------------------------------------
-    def commit(self: HubApp, req: Request, repo_type: str, repo_id: str, rev: str) -> Response:
+    def commit(self, req: Request, repo_type: str, repo_id: str, rev: str) -> Response:
         fault = self.faults.take("commit_status", "POST", req.path)
         if fault is not None and not fault.apply:
             req.read_body()
@@ -228,7 +225,7 @@ class WriteRoutes:
                               "commitUrl": f"{self.repo_url(req, repo_type, repo_id)}/commit/{sha}"})
 
     # ---- refs --------------------------------------------------------------------------------
-    def branch_or_tag(self: HubApp, req: Request, repo_type: str, repo_id: str, kind: str, name: str) -> Response:
+    def branch_or_tag(self, req: Request, repo_type: str, repo_id: str, kind: str, name: str) -> Response:
         meta = self.readable_repo(repo_type, repo_id, req.user)
         self.require_writer(req.user, meta["id"].split("/")[0], f"create or delete a {kind} in {repo_id}")
         if req.method == "DELETE":
@@ -245,7 +242,7 @@ class WriteRoutes:
         return json_response({})
 
     # ---- discussions / pull requests ---------------------------------------------------------
-    def discussion_json(self: HubApp, meta: dict, d: dict, details: bool = False) -> dict:
+    def discussion_json(self, meta: dict, d: dict, details: bool = False) -> dict:
         out = {"num": d["num"], "title": d["title"], "author": {"name": d["author"]}, "createdAt": d["createdAt"],
                "status": d["status"], "isPullRequest": d["isPullRequest"],
                "repo": {"name": meta["id"], "type": meta["type"]}}
@@ -254,7 +251,7 @@ class WriteRoutes:
                        description=d.get("description", ""))
         return out
 
-    def discussions(self: HubApp, req: Request, repo_type: str, repo_id: str, rest: list[str]) -> Response:
+    def discussions(self, req: Request, repo_type: str, repo_id: str, rest: list[str]) -> Response:
         meta = self.readable_repo(repo_type, repo_id, req.user)
         if not rest and req.method == "GET":
             kind, status, author = req.q("type"), req.q("status"), req.q("author")
