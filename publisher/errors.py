@@ -5,6 +5,10 @@ Every message names the thing that failed and the fix, so it can be shown to a u
 
 from __future__ import annotations
 
+from typing import Generic, TypeVar
+
+R = TypeVar("R")
+
 
 class PublishError(Exception):
     """Base class: anything the user can act on. Exit code 1 unless a subclass says otherwise."""
@@ -40,3 +44,15 @@ class VerificationError(PublishError):
 
 class ResourceError(PublishError):
     """Not enough disk or memory for the plan."""
+
+
+class RunFailed(PublishError, Generic[R]):
+    """A publish run stopped by ``cause``; ``results`` is what each recipe had come to (for --json).
+
+    The CLI explains ``cause`` (it is also ``__cause__``), and prints ``results`` when asked for JSON."""
+
+    def __init__(self, cause: BaseException, results: list[R]) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.results = results
+        self.exit_code = getattr(cause, "exit_code", 1)

@@ -1,4 +1,4 @@
-"""The publish job: plan -> snapshot -> quantize -> verify -> card -> push, with typed hand-offs.
+"""The publish job: source -> plan -> preflight -> fetch -> quantize -> verify -> card -> push, typed hand-offs.
 
 This module sequences the stages; each stage lives in its own module. Library code raises
 PublishError (or huggingface_hub's errors); the CLI turns them into one-line messages.
@@ -16,26 +16,25 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from publisher import __version__
 from publisher import recipes as recipe_registry
-from publisher.errors import PublishError, ResourceError, TargetError, VerificationError
+from publisher.errors import PublishError, ResourceError, RunFailed, TargetError, VerificationError
 from publisher.recipes import Recipe
-from publisher.stages import card
-from publisher.stages import fetch as snapshot
+from publisher.stages import card, fetch, preflight, push_pr
 from publisher.stages import plan as planning
-from publisher.stages import preflight as resources
 from publisher.stages import push as pushing
-from publisher.stages import push_pr as shard_upload
-from publisher.stages import source as sources
-from publisher.stages.quantize import Artifacts, finalize, partial_folder, prepare_output, quantize_recipe
+from publisher.stages import source as source_stage
+from publisher.stages.quantize import Artifacts, QuantizedComponent, finalize, partial_folder, prepare_output, quantize_recipe
 from publisher.stages.resume import ComponentCache, default_root
 from publisher.verify import published
 from publisher.verify.full import verify
-from publisher.verify.report import VerifyReport, require_passed
+from publisher.verify.report import Mode, VerifyReport, require_passed
 
 log = logging.getLogger(__name__)
+
+Engine = Literal["auto", "streaming", "library"]
 
 GITATTRIBUTES = "*.safetensors filter=lfs diff=lfs merge=lfs -text\n*.png filter=lfs diff=lfs merge=lfs -text\n"
 
@@ -59,9 +58,9 @@ class PublishRequest:
     sample_prompt: str | None = None
     sample_steps: int = 28
     sample_size: int = 1024
-    engine: str = "auto"  # "auto" | "streaming" | "library"
+    engine: Engine = "auto"
     low_disk: bool | None = None  # None: auto (only when the download would not fit)
-    verify_mode: str = "auto"  # "auto" | "full" | "streaming"
+    verify_mode: Mode = "auto"
     benchmark: bool = False  # measure latency/memory vs bf16 also on a CPU (always on a GPU)
     command: str = "hf-ao-publish"
 
@@ -87,7 +86,7 @@ class Outcome:
     sample: dict[str, Any] | None = None
     seconds: dict[str, float] = field(default_factory=dict)  # stage wall times
     rss_after: dict[str, int] = field(default_factory=dict)  # this process's peak RSS at the end of each stage
-    benchmark: dict[str, Any] | None = None  # gpubench.measure result
+    benchmark: dict[str, Any] | None = None  # stages.measure result
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -166,7 +165,7 @@ def make_plan(req: PublishRequest, token: str | None) -> planning.Plan:
         raise TargetError("pushing needs a Hub token with write access; set HF_TOKEN (or pass --token), or use --no-push")
     if req.output_dir is not None:
         _check_output_dir(req.output_dir)
-    src = sources.resolve(req.model, req.revision, token)
+    src = source_stage.resolve(req.model, req.revision, token)
     user = None
     if token:
         from publisher import hub
@@ -215,12 +214,11 @@ def run(req: PublishRequest) -> list[Outcome]:
     outcomes = [Outcome(recipe=r.name, repo_id=plan.targets[r.name]) for r in plan.recipes]
     try:
         return _run_plan(req, plan, token, outcomes)
-    except Exception as exc:  # re-raised: only annotated so the CLI can still print the outcomes (--json)
-        exc.outcomes = outcomes  # type: ignore[attr-defined]
+    except Exception as exc:  # re-raised as RunFailed, which carries the outcomes so far (for --json)
         for outcome in outcomes:
             if outcome.folder is not None and not outcome.folder.exists():
                 outcome.folder = None
-        raise
+        raise RunFailed(exc, outcomes) from exc
 
 
 @dataclass
@@ -235,7 +233,7 @@ class _Run:
     base_dir: Path
     work: Path
     capability: tuple[int, int] | None
-    remote: snapshot.RemoteWeights | None = None  # --low-disk: quantized components' weights read by HTTP range
+    remote: fetch.RemoteWeights | None = None  # --low-disk: quantized components' weights read by HTTP range
     done: dict[str, tuple[Artifacts, VerifyReport]] = field(default_factory=dict)
     samples: dict[str, Any] = field(default_factory=dict)
     finals: dict[str, Path] = field(default_factory=dict)
@@ -256,7 +254,7 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
 
     if req.low_disk and plan.source.local_dir is not None:
         log.info("--low-disk has no effect on a local base folder: its weights are already on disk")
-    estimate = resources.check(plan, req.output_dir or Path(tempfile.gettempdir()), Path(constants.HF_HUB_CACHE),
+    estimate = preflight.check(plan, req.output_dir or Path(tempfile.gettempdir()), Path(constants.HF_HUB_CACHE),
                                req.engine, req.low_disk, req.push)
     if estimate.low_disk and (req.sample_prompt or req.benchmark):
         raise ResourceError("the base does not fit on disk, so its weights would be read by HTTP range, but "
@@ -264,11 +262,11 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
     if estimate.low_disk and req.push and req.verify_envs:
         raise ResourceError("the base does not fit on disk, so shards would be uploaded and deleted as they are made, "
                             "but --verify-env needs them whole on disk; drop --verify-env or free disk space")
-    remote = snapshot.RemoteWeights(plan, token) if estimate.low_disk else None
+    remote = fetch.RemoteWeights(plan, token) if estimate.low_disk else None
     out_root = Path(tempfile.mkdtemp(prefix="hf-ao-publish-")) if auto_dir else req.output_dir
     assert out_root is not None
     started = time.monotonic()
-    base_dir = snapshot.fetch(plan, token, skip=remote.files if remote is not None else frozenset())
+    base_dir = fetch.fetch(plan, token, skip=remote.files if remote is not None else frozenset())
     for outcome in outcomes:
         outcome.seconds["download"] = round(time.monotonic() - started, 3)
     work_dir = tempfile.TemporaryDirectory(prefix="hf-ao-verify-")
@@ -309,7 +307,7 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
                     _push_one(run, outcome, previous.get(outcome.recipe))
     except BaseException:
         for name, created in run.created.items():  # --low-disk push: repos made for recipes never pushed
-            shard_upload.discard(plan.targets[name], token, created)
+            push_pr.discard(plan.targets[name], token, created)
         raise
     finally:
         work_dir.cleanup()
@@ -343,7 +341,7 @@ def _build(run: _Run, recipe: Recipe, outcome: Outcome) -> None:
     """The local stages for one recipe: quantize, verify, state file, measurements, sample.
 
     --low-disk with a push: each finished output shard is checked, pre-uploaded and deleted as it is written
-    (shard_upload), so the target repo exists from the start; a repo this run created goes again on failure."""
+    (push_pr), so the target repo exists from the start; a repo this run created goes again on failure."""
     req, plan = run.req, run.plan
     folder = prepare_output(run.out_root, recipe, len(plan.recipes) > 1)
     outcome.folder = folder
@@ -351,17 +349,17 @@ def _build(run: _Run, recipe: Recipe, outcome: Outcome) -> None:
     uploader = None
     if run.remote is not None and req.push:
         target = plan.targets[recipe.name]
-        run.created[recipe.name] = shard_upload.ensure_repo(target, run.token, req.private)
-        uploader = shard_upload.ShardUploader(target, run.token, partial_folder(folder, run.out_root), recipe.tensor_class)
+        run.created[recipe.name] = push_pr.ensure_repo(target, run.token, req.private)
+        uploader = push_pr.ShardUploader(target, run.token, partial_folder(folder, run.out_root), recipe.tensor_class)
     try:
         _build_stages(run, recipe, outcome, folder, uploader)
     except BaseException:
         if uploader is not None:
-            shard_upload.discard(uploader.repo_id, run.token, run.created.pop(recipe.name, False))
+            push_pr.discard(uploader.repo_id, run.token, run.created.pop(recipe.name, False))
         raise
 
 
-def _build_stages(run: _Run, recipe: Recipe, outcome: Outcome, folder: Path, uploader: Any) -> None:
+def _build_stages(run: _Run, recipe: Recipe, outcome: Outcome, folder: Path, uploader: push_pr.ShardUploader | None) -> None:
     req, plan = run.req, run.plan
     run_on = recipe_registry.run_device(recipe, run.capability)
     with _timed(outcome, "quantize"):
@@ -371,7 +369,7 @@ def _build_stages(run: _Run, recipe: Recipe, outcome: Outcome, folder: Path, upl
                                     remote=run.remote, uploader=uploader)
     outcome.components = [_component_json(c) for c in artifacts.components]
     with _timed(outcome, "verify"):
-        report = verify(artifacts, run.work / recipe.name, envs=req.verify_envs, base_sources=published.base_sources(run),
+        report = verify(artifacts, run.work / recipe.name, envs=req.verify_envs, base_sources=fetch.base_sources(plan, run.base_dir, run.remote),
                         token=run.token, device=run_on, mode="streaming" if uploader is not None else req.verify_mode)
     outcome.report = report
     outcome.verified = report.passed
@@ -403,10 +401,10 @@ def _push_one(run: _Run, outcome: Outcome, previous: dict[str, Any] | None) -> N
     description = _changes(previous, state) + f"\n\nMade with hf-ao-publish {__version__}."
     try:
         if artifacts.uploader is not None:
-            result = shard_upload.push_staged(
+            result = push_pr.push_staged(
                 artifacts.folder, report, artifacts.uploader, token=run.token, create_pr=run.req.create_pr,
                 message=message, description=description, created=run.created.pop(outcome.recipe, False),
-                check=lambda oid: published.check_pull_request(run, outcome, oid))
+                check=lambda oid: _check_pull_request(run, outcome, oid))
         else:
             result = pushing.push(
                 artifacts.folder, report, repo_id=outcome.repo_id, token=run.token, private=run.req.private,
@@ -424,7 +422,25 @@ def _push_one(run: _Run, outcome: Outcome, previous: dict[str, Any] | None) -> N
     run.caches[outcome.recipe].drop([c.name for c in run.plan.quantized])  # published: nothing to resume
     if outcome.pushed and not run.req.create_pr:
         with _timed(outcome, "published_check"):
-            published.check_published(outcome, report, run.work / outcome.recipe, run.token)
+            try:
+                results = published.check_published(report, outcome.repo_id, str(outcome.commit), run.work / outcome.recipe,
+                                                    run.token)
+            except published.PublishedMismatch as exc:
+                outcome.published_check, outcome.error = [asdict(r) for r in exc.results], str(exc)
+                raise
+            outcome.published_check = [asdict(r) for r in results]
+
+
+def _check_pull_request(run: _Run, outcome: Outcome, revision: str) -> list[Path]:
+    """--low-disk push: the forward check and quality figures on the pull request, before the merge; returns
+    the rewritten card and report, which join the pull request."""
+    artifacts, report = run.done[outcome.recipe]
+    try:
+        published.check_pull_request(artifacts, report, outcome.repo_id, revision, run.token,
+                                     fetch.base_sources(run.plan, run.base_dir, run.remote))
+    finally:
+        outcome.report, outcome.verified = report, report.passed
+    return card.write_cards(run.plan, run.done, **run.card_args, only=outcome.recipe)
 
 
 @contextmanager
@@ -453,7 +469,7 @@ def _endpoint() -> str:
     return constants.ENDPOINT.rstrip("/")
 
 
-def _component_json(c: Any) -> dict[str, Any]:
+def _component_json(c: QuantizedComponent) -> dict[str, Any]:
     return {
         "name": c.label,
         "class": c.class_name,

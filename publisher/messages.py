@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from publisher.errors import PublishError
+from publisher.errors import PublishError, RunFailed
 
 
 def describe(exc: BaseException) -> tuple[str, int] | None:
     """(message, exit code) for an error we know how to explain; None for a real bug."""
+    if isinstance(exc, RunFailed):  # a run that stopped: what stopped it is what the user needs to read
+        return describe(exc.cause)
     # A full disk (or a file-size limit) is named as such even when a stage wrapped it (QuantizeError) or a
     # library re-raised it as its own type (safetensors' SafetensorError carries "os error 28" in its text).
     if isinstance(exc, PublishError) and "no space left" in str(exc):
@@ -24,11 +24,11 @@ def describe(exc: BaseException) -> tuple[str, int] | None:
         return None
     # Most specific first: GatedRepoError is a subclass of RepositoryNotFoundError.
     if isinstance(exc, hf.GatedRepoError):
-        repo = _repo_of(exc)
+        repo = exc.repo_id
         return (f"{repo or 'the repo'} is gated and this token has no access; accept its terms at "
                 f"{_endpoint()}/{repo or ''} and use a token of that account"), 1
     if isinstance(exc, hf.RepositoryNotFoundError):
-        repo = _repo_of(exc)
+        repo = exc.repo_id
         return (f"repo {repo or ''} not found on {_endpoint()} (or private and not visible to this token); "
                 "check the id, or set HF_TOKEN to a token that can read it"), 1
     if isinstance(exc, hf.RevisionNotFoundError):
@@ -116,17 +116,3 @@ def _endpoint() -> str:
 
 def _first_line(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:300]
-
-
-def _repo_of(exc: Any) -> str | None:
-    """The repo id from the failed request's URL (/api/models/org/name/...)."""
-    try:
-        path = str(exc.response.request.url.path)
-    except AttributeError:
-        return None
-    parts = [p for p in path.split("/") if p]
-    if len(parts) >= 4 and parts[0] == "api" and parts[1] in ("models", "datasets", "spaces"):
-        return f"{parts[2]}/{parts[3]}"
-    if len(parts) >= 2:
-        return f"{parts[0]}/{parts[1]}"
-    return None

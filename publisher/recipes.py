@@ -189,7 +189,8 @@ def cuda_capability() -> tuple[int, int] | None:
 
     if not torch.cuda.is_available():
         return None
-    return tuple(torch.cuda.get_device_capability())  # type: ignore[return-value]
+    major, minor = torch.cuda.get_device_capability()
+    return int(major), int(minor)
 
 
 def quantize_device(recipe: Recipe, capability: tuple[int, int] | None) -> str:

@@ -44,7 +44,7 @@ class CardInputs:
     benchmark: dict[str, Any] | None = None  # publisher.stages.measure.measure()
 
 
-def licence_fields(plan: Plan) -> tuple[dict[str, str], str | None]:
+def licence_fields(plan: Plan) -> tuple[dict[str, Any], str | None]:
     """(YAML licence fields, note). Relative links become absolute URLs on the base repo."""
     data = plan.source.card_data
     lic = data.get("license")

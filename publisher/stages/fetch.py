@@ -6,9 +6,12 @@ import glob
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, BinaryIO
 
 from publisher.stages.plan import Component, Plan
+
+if TYPE_CHECKING:
+    from publisher.streaming.shards import HubShards, ShardSource
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +39,7 @@ def _download(plan: Plan, files: list[str], token: str | None) -> Path:
     # allow_patterns are fnmatch patterns: escape names so "[", "*" or "?" in a file name match only it.
     folder = hub.call(
         snapshot_download,
-        source.repo_id,  # type: ignore[arg-type]
+        source.repo_id,
         revision=source.sha,
         allow_patterns=[glob.escape(f) for f in files],
         token=token,
@@ -64,16 +67,29 @@ class RemoteWeights:
         prefix = f"{comp.name}/" if comp.name else ""
         return [f[len(prefix):] for f in weight_files(self.plan, comp)]
 
-    def source(self, comp: Component) -> Any:
+    def source(self, comp: Component) -> HubShards:
         from publisher.streaming.shards import HubShards
 
         src = self.plan.source
         return HubShards(src.repo_id, src.sha, comp.name, self.token, listing=self.listing(comp))  # type: ignore[arg-type]
 
-    def opener(self, comp: Component) -> Callable[[str], Any]:
-        return self.source(comp).open  # type: ignore[no-any-return]
+    def opener(self, comp: Component) -> Callable[[str], BinaryIO]:
+        return self.source(comp).open
 
     def download(self, comp: Component) -> Path:
         """For the library path (its loaders read local files): fetch this component's weights after all."""
         log.info("downloading the weights of %s for the library path (--low-disk cannot stream it)", comp.label)
         return _download(self.plan, weight_files(self.plan, comp), self.token)
+
+
+def base_sources(plan: Plan, base_dir: Path, remote: RemoteWeights | None) -> dict[str, ShardSource]:
+    """Where each quantized component's bf16 base is read for the quality figures (one block at a time):
+    the downloaded folder, or HTTP range reads under --low-disk."""
+    from publisher.streaming.shards import LocalShards
+
+    sources: dict[str, ShardSource] = {}
+    for comp in plan.quantized:
+        local = base_dir / comp.name if comp.name else base_dir
+        downloaded = remote is None or any(local.glob("*.safetensors"))
+        sources[comp.name] = LocalShards(local) if downloaded or remote is None else remote.source(comp)
+    return sources

@@ -12,9 +12,13 @@ import logging
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from publisher.loadpath import forward, load_component
+
+if TYPE_CHECKING:
+    from publisher.stages.quantize import QuantizedComponent
+    from publisher.verify.report import Expected
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +81,7 @@ def _measure(folder: Path, library: str, class_name: str, inputs_file: Path, dev
     return row
 
 
-def measure(components: list[Any], expected: list[Any], folder: Path, base_dir: Path, device: str,
+def measure(components: list[QuantizedComponent], expected: list[Expected], folder: Path, base_dir: Path, device: str,
             iters: int = 10, compile: bool | None = None) -> dict[str, Any]:
     """Quantized vs bf16 base, per component that has verification inputs. Each measurement runs in
     its own process: a crash in a compiler (seen: inductor on CPU) costs a figure, not the publication."""

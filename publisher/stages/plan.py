@@ -154,7 +154,7 @@ def _refuse_remote_code(source: Source, what: str, trust: bool) -> None:
         )
 
 
-def _model_class(library: str, class_name: str) -> type | None:
+def _model_class(library: str, class_name: str) -> Any:
     """The torch model class of a component, or None when it is not a model (tokenizer, scheduler...)."""
     if library == "diffusers":
         import diffusers
@@ -234,7 +234,7 @@ def build_plan(
 
     pipeline_tag = source.card_data.get("pipeline_tag")
     library_name = "diffusers" if kind == "pipeline" else "transformers"
-    files = _base_files(source, kind, comps, token)
+    base_files = _base_files(source, kind, comps, token)
     return Plan(
         source=source,
         kind=kind,
@@ -243,7 +243,7 @@ def build_plan(
         recipes=tuple(recipes),
         exclude=tuple(exclude),
         targets=targets,
-        base_files=tuple(files),
+        base_files=tuple(base_files),
         library_name=library_name,
         pipeline_tag=pipeline_tag,
         trust_remote_code=trust_remote_code,

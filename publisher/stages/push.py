@@ -140,7 +140,7 @@ def push(
             now = api.repo_info(repo_id, revision=target[1] if target else None).sha
             if now == head or (_state_at(repo_id, now, token, retried=False) or {}).get("fingerprint") != state["fingerprint"]:
                 return None
-            return now, _pr_url(repo_id, target)
+            return (now, _pr_url(repo_id, target)) if now else None
 
         if pr:
             commit = lambda: api.create_commit(  # noqa: E731

@@ -12,13 +12,18 @@ import logging
 import os
 import shutil
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from publisher.errors import QuantizeError, TargetError
 from publisher.recipes import Recipe, build_config
 from publisher.stages.plan import Component, Plan
+
+if TYPE_CHECKING:
+    from publisher.stages.fetch import RemoteWeights
+    from publisher.stages.push_pr import ShardUploader
+    from publisher.stages.resume import ComponentCache
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +58,7 @@ class Artifacts:
     components: list[QuantizedComponent]
     models: dict[str, Any] = field(default_factory=dict, repr=False)  # in-memory quantized models, for verify
     device: str = "cpu"  # where the weights were quantized
-    uploader: Any = None  # shard_upload.ShardUploader: shards already pre-uploaded and deleted (--low-disk push)
+    uploader: ShardUploader | None = None  # shards already pre-uploaded and deleted (--low-disk push)
 
     def files(self) -> dict[str, int]:
         """Every file of the repo: those on disk and those already uploaded."""
@@ -107,14 +112,15 @@ def finalize(artifacts: Artifacts, folder: Path) -> None:
 
 
 def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, device: str = "cpu",
-                    engine: str = "auto", cache: Any = None, remote: Any = None, uploader: Any = None) -> Artifacts:
+                    engine: str = "auto", cache: ComponentCache | None = None, remote: RemoteWeights | None = None,
+                    uploader: ShardUploader | None = None) -> Artifacts:
     """Quantize every planned component with ``recipe`` and write the standalone repo into ``folder``.
 
     engine "auto": the streaming engine (one tensor in memory, same bytes as the library path) for every
     component it supports, the library path otherwise; "library" / "streaming" force one.
-    ``remote`` (``snapshot.RemoteWeights``, --low-disk): the quantized components' weight files were not
+    ``remote`` (``fetch.RemoteWeights``, --low-disk): the quantized components' weight files were not
     downloaded; the streaming engine reads them by HTTP range, the library path has them fetched first.
-    ``uploader`` (``shard_upload.ShardUploader``): each finished shard of a streamed component is checked,
+    ``uploader`` (``push_pr.ShardUploader``): each finished shard of a streamed component is checked,
     pre-uploaded and deleted at once (no resume cache then: its files leave the disk)."""
     if partial.exists():
         shutil.rmtree(partial)
@@ -151,7 +157,7 @@ def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, d
             if device == "cpu" and recipe.cpu_producible and model is not None:
                 qc.fp8_check = fp8_dequant_check(model, src, comp.label)  # streamed components were checked tensor by tensor
             if cache is not None and reused is None and uploader is None:
-                cache.store(comp.name, dst, qc)
+                cache.store(comp.name, dst, asdict(qc))
             done.append(qc)
     except OSError as exc:
         shutil.rmtree(partial, ignore_errors=True)
@@ -164,7 +170,7 @@ def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, d
     return Artifacts(recipe=recipe, folder=partial, components=done, models=models, device=device, uploader=uploader)
 
 
-def _streaming_reason(comp: Component, src: Path, recipe: Recipe, device: str, remote: Any) -> str | None:
+def _streaming_reason(comp: Component, src: Path, recipe: Recipe, device: str, remote: RemoteWeights | None) -> str | None:
     from publisher.streaming import supports
 
     listing = remote.listing(comp) if remote is not None else ()
@@ -197,7 +203,7 @@ class _Fp8Bound:
 
 
 def _stream_component(plan: Plan, src: Path, comp: Component, recipe: Recipe, out: Path, device: str,
-                      remote: Any, uploader: Any) -> QuantizedComponent:
+                      remote: RemoteWeights | None, uploader: ShardUploader | None) -> QuantizedComponent:
     from publisher.streaming import stream_quantize
 
     dst = out / comp.name if comp.name else out

@@ -13,7 +13,6 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -53,8 +52,8 @@ class ComponentCache:
         key = hashlib.sha256(f"{self.fingerprint}/{component}".encode()).hexdigest()[:32]
         return self.root / key
 
-    def store(self, component: str, folder: Path, summary: Any) -> None:
-        """Record a finished component folder (its files hard-linked) with its summary."""
+    def store(self, component: str, folder: Path, summary: dict[str, Any]) -> None:
+        """Record a finished component folder (its files hard-linked) with its summary (a JSON-able dict)."""
         entry = self._entry(component)
         tmp = entry.with_name(entry.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -62,7 +61,7 @@ class ComponentCache:
         for path in sorted(p for p in folder.iterdir() if p.is_file()):
             _link_or_copy(path, tmp / path.name)
             files[path.name] = {"size": path.stat().st_size, "sha256": _sha256(path)}
-        (tmp / MANIFEST).write_text(json.dumps({"files": files, "summary": asdict(summary)}))
+        (tmp / MANIFEST).write_text(json.dumps({"files": files, "summary": summary}))
         shutil.rmtree(entry, ignore_errors=True)
         tmp.rename(entry)
 

@@ -8,6 +8,7 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -20,7 +21,7 @@ class SampleResult:
     psnr: float
 
 
-def _generate(folder: Path, prompt: str, steps: int, size: int, seed: int, device: str):  # type: ignore[no-untyped-def]
+def _generate(folder: Path, prompt: str, steps: int, size: int, seed: int, device: str) -> Any:
     import torch
     from diffusers import DiffusionPipeline
 
@@ -32,7 +33,7 @@ def _generate(folder: Path, prompt: str, steps: int, size: int, seed: int, devic
     return image
 
 
-def psnr(a, b) -> float:  # type: ignore[no-untyped-def]
+def psnr(a: Any, b: Any) -> float:
     import numpy as np
 
     x = np.asarray(a, dtype=np.float64)

@@ -13,6 +13,7 @@ quoted next to each rule below.
 from __future__ import annotations
 
 import copy
+import inspect
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,9 +66,12 @@ def _linear_weights(model: Any) -> set[str]:
             if isinstance(mod, torch.nn.Linear)}
 
 
-def _save_default(cls: type) -> int | str:
-    import inspect
+def _is_subclass(cls: Any, base: Any) -> bool:
+    """A named class of the library (a bool, so ``cls`` keeps its dynamic type for what follows)."""
+    return inspect.isclass(cls) and issubclass(cls, base)
 
+
+def _save_default(cls: Any) -> int | str:
     return inspect.signature(cls.save_pretrained).parameters["max_shard_size"].default
 
 
@@ -81,8 +85,8 @@ def diffusers_component(src: Path, ao_config: Any, exclude: list[str], class_nam
     from diffusers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME
 
     name = class_name or json.loads((src / "config.json").read_text()).get("_class_name")
-    cls = getattr(diffusers, name or "", None)
-    if not isinstance(cls, type) or not issubclass(cls, diffusers.ModelMixin):
+    cls: Any = getattr(diffusers, name or "", None)
+    if not _is_subclass(cls, diffusers.ModelMixin):
         raise ValueError(f"config.json names no diffusers model class ({name!r})")
     config, unused_kwargs = cls.load_config(src, return_unused_kwargs=True)
     config = copy.deepcopy(config)  # from_pretrained: "no in-place modification of the original config"
@@ -164,8 +168,8 @@ def transformers_component(src: Path, ao_config: Any, exclude: list[str], class_
     if class_name is None:
         archs = transformers.AutoConfig.from_pretrained(src).architectures or []
         class_name = archs[0] if archs else None
-    cls = getattr(transformers, class_name or "", None)
-    if not isinstance(cls, type) or not issubclass(cls, transformers.PreTrainedModel):
+    cls: Any = getattr(transformers, class_name or "", None)
+    if not _is_subclass(cls, transformers.PreTrainedModel):
         raise ValueError(f"config.json names no transformers model class ({class_name!r} in architectures)")
     config, model_kwargs = cls.config_class.from_pretrained(src, return_unused_kwargs=True)
     qconf = transformers.TorchAoConfig(ao_config, modules_to_not_convert=list(exclude) or None)

@@ -43,8 +43,8 @@ def read_header(path: Path | BinaryIO) -> tuple[dict[str, str], dict[str, Header
 
     ``path`` may also be an open binary file (e.g. a Hub file read by HTTP range)."""
     if isinstance(path, (str, Path)):
-        with open(path, "rb") as f:
-            return read_header(f)
+        with open(path, "rb") as local:
+            return read_header(local)
     f = path
     f.seek(0)
     raw = f.read(8)
@@ -133,7 +133,7 @@ def read_tensor(f: BinaryIO, entry: HeaderEntry) -> torch.Tensor:
     return buf.view(dtype).reshape(entry.shape)
 
 
-def _readinto(f: BinaryIO, buf: torch.Tensor) -> None:
+def _readinto(f: Any, buf: torch.Tensor) -> None:  # a file or RangeFile: anything with readinto
     view = memoryview(buf.numpy()).cast("B")
     done = 0
     while done < len(view):

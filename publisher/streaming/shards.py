@@ -135,6 +135,9 @@ class RangeFile:
         self.close()
 
 
+ShardSource = LocalShards | HubShards  # where a component's safetensors files are read from
+
+
 @dataclass
 class CheckpointIndex:
     """Every tensor of a (possibly sharded, possibly torchao-flattened) safetensors checkpoint."""
@@ -156,7 +159,7 @@ class CheckpointIndex:
         return sum(self.entries[k][1].end - self.entries[k][1].begin for k in self.parts[name])
 
 
-def build_index(source: Any) -> CheckpointIndex:
+def build_index(source: ShardSource) -> CheckpointIndex:
     """Read every shard's header (a few KB each) and group the flattened keys by state-dict name."""
     entries: dict[str, tuple[str, stio.HeaderEntry]] = {}
     metadata: dict[str, str] = {}
@@ -194,7 +197,7 @@ def build_index(source: Any) -> CheckpointIndex:
 class TensorReader:
     """Rebuilds one state-dict tensor at a time from its parts, with plain reads (files kept open)."""
 
-    def __init__(self, source: Any, index: CheckpointIndex) -> None:
+    def __init__(self, source: ShardSource, index: CheckpointIndex) -> None:
         self.source, self.index = source, index
         self._open: dict[str, BinaryIO] = {}
 

@@ -14,13 +14,16 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from publisher import loadpath
 from publisher.errors import VerificationError
 from publisher.stages.quantize import Artifacts
 from publisher.verify.inputs import build_inputs, save_inputs
-from publisher.verify.report import PATHS, Expected, PathResult, Quality, VerifyReport
+from publisher.verify.report import PATHS, Expected, Mode, PathResult, Quality, VerifyReport
+
+if TYPE_CHECKING:
+    from publisher.streaming.shards import ShardSource
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +67,7 @@ def record_expected(artifacts: Artifacts, work: Path, device: str = "cpu") -> tu
     return expected, notes
 
 
-def choose_mode(mode: str, artifacts: Artifacts, device: str = "cpu") -> tuple[str, str | None]:
+def choose_mode(mode: Mode, artifacts: Artifacts, device: str = "cpu") -> tuple[Mode, str | None]:
     """``auto``: a full reload when the largest component fits comfortably in free memory, else streaming."""
     if mode != "auto":
         return mode, None
@@ -89,10 +92,10 @@ def verify(
     *,
     envs: tuple[str, ...] = (),
     base_dir: Path | None = None,
-    base_sources: dict[str, Any] | None = None,
+    base_sources: dict[str, ShardSource] | None = None,
     token: str | None = None,
     device: str = "cpu",
-    mode: str = "auto",
+    mode: Mode = "auto",
 ) -> VerifyReport:
     """Run every load path on the saved folder and compare with the in-memory model.
 
@@ -161,7 +164,7 @@ def verify(
     return report
 
 
-def _block_reference(exp: Expected, source: Any) -> None:
+def _block_reference(exp: Expected, source: ShardSource) -> None:
     """A streamed component's expected output: one forward with its saved tensors loaded block by block."""
     from safetensors.torch import load_file
 
@@ -237,7 +240,7 @@ def run_worker(exp: Expected, path: str, python: str, where: str, revision: str 
         proc = subprocess.run([python, str(WORKER), str(req_file)], env=env, capture_output=True, text=True, timeout=3600)
     except OSError as exc:
         return {"ok": False, "error": f"interpreter {python} cannot run: {exc.strerror or exc}"}
-    result_file = Path(request["result"])
+    result_file = work / f"result-{name}.json"
     if proc.returncode != 0 or not result_file.exists():
         last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
         return {"ok": False, "error": f"interpreter {python} failed: {last[:300]}"}
@@ -289,7 +292,7 @@ def compare(exp: Expected, data: dict[str, Any], path: str, env_name: str, pytho
     return res
 
 
-def quality_against_base(expected: list[Expected], base_sources: dict[str, Any]) -> list[Quality]:
+def quality_against_base(expected: list[Expected], base_sources: dict[str, ShardSource]) -> list[Quality]:
     """Relative error and cosine similarity of each component's output against the bf16 base, whose forward
     runs block by block from its shards (one block in memory: never more than the quantized side needs)."""
     import torch

@@ -50,7 +50,7 @@ class VerifyReport:
     expected_layers: dict[str, int] = field(default_factory=dict)
     tensor_class: str = ""
     device: str = "cpu"
-    mode: str = "full"  # "full": whole reloads in fresh processes; "streaming": tensor by tensor + block by block
+    mode: Mode = "full"  # "full": whole reloads in fresh processes; "streaming": tensor by tensor + block by block
     notes: list[str] = field(default_factory=list)
     expected: list[Expected] = field(default_factory=list, repr=False)  # kept for the post-push check, not serialised
 

@@ -25,7 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from publisher.streaming.engine import trim_memory
-from publisher.streaming.shards import CheckpointIndex, TensorReader, build_index
+from publisher.streaming.shards import CheckpointIndex, ShardSource, TensorReader, build_index
+from publisher.verify.report import Expected, PathResult
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +42,7 @@ class TensorCheck:
     of_class: int = 0  # tensors of the recipe's class among those checked
 
 
-def check_tensors(source: Any, expected: dict[str, str], quantized: list[str], tensor_class: str,
+def check_tensors(source: ShardSource, expected: dict[str, str], quantized: list[str], tensor_class: str,
                   index: CheckpointIndex | None = None, only: set[str] | None = None) -> TensorCheck:
     """Every saved tensor against the digest of the in-memory tensor it came from (one at a time).
 
@@ -219,7 +220,7 @@ class BlockForward:
     peak_block_bytes: int
 
 
-def block_forward(source: Any, library: str, class_name: str, config: dict[str, Any], inputs: dict[str, Any],
+def block_forward(source: ShardSource, library: str, class_name: str, config: dict[str, Any], inputs: dict[str, Any],
                   budget: int = BLOCK_BUDGET, index: CheckpointIndex | None = None) -> BlockForward:
     """One forward pass with at most one block's weights in memory."""
     from publisher.loadpath import forward
@@ -248,22 +249,21 @@ def _bar(total: int, desc: str, unit: str) -> Any:
     return tqdm(total=total, desc=desc, unit=unit, disable=not log.isEnabledFor(logging.INFO), file=sys.stderr, **scale)
 
 
-def load_config(source: Any) -> dict[str, Any]:
+def load_config(source: ShardSource) -> dict[str, Any]:
     text = source.text("config.json")
     if text is None:
         raise FileNotFoundError(f"no config.json in {source.where}")
     return dict(json.loads(text))
 
 
-def streaming_check(exp: Any, source: Any, tensor_class: str, env: str = "current",
-                    forward_optional: bool = False) -> Any:
-    """A ``verify.PathResult`` for one component: tensor by tensor against the in-memory digests, then the
+def streaming_check(exp: Expected, source: ShardSource, tensor_class: str, env: str = "current",
+                    forward_optional: bool = False) -> PathResult:
+    """A ``PathResult`` for one component: tensor by tensor against the in-memory digests, then the
     block-by-block forward, which runs on the CPU: for a recipe made to run on a GPU (``forward_optional``) a
     CPU without its kernel only costs the forward check, and the detail says so."""
     import torch
 
     from publisher import loadpath
-    from publisher.verify.report import PathResult
 
     res = PathResult(exp.component, "streaming", env, loadpath.versions(), False)
     if not exp.digests:

@@ -63,7 +63,8 @@ def list_tree(tree: dict, path: str, recursive: bool) -> list[dict]:
     prefix = path.strip("/") + "/" if path.strip("/") else ""
     if prefix and prefix.rstrip("/") in tree:
         raise HubError(400, f"{path} is a file, not a folder")
-    files, folders = [], set()
+    files: list[dict[str, Any]] = []
+    folders: set[str] = set()
     for p, e in tree.items():
         if not p.startswith(prefix):
             continue
@@ -143,7 +144,7 @@ class ReadRoutes(HubAccess):
                     sib["lfs"] = {"sha256": entry["sha256"], "size": entry["size"], "pointerSize": entry["pointerSize"]}
             siblings.append(sib)
         card = self.card_data(commit["tree"]) or {}
-        tags = card.get("tags") if isinstance(card.get("tags"), list) else []
+        tags: list[Any] = card["tags"] if isinstance(card.get("tags"), list) else []
         info: dict[str, Any] = {
             "_id": meta["id"], "id": meta["id"], "author": meta["id"].split("/")[0], "sha": commit["id"],
             "lastModified": commit["date"], "createdAt": meta["createdAt"], "private": meta["private"],

@@ -34,7 +34,7 @@ _CHUNK = 1 << 20
 class _BodyReader:
     """Reads a request body framed by Content-Length or Transfer-Encoding: chunked (httpx uses both)."""
 
-    def __init__(self, rfile: Any, headers: Mapping[str, str]) -> None:
+    def __init__(self, rfile: Any, headers: Any) -> None:  # an email.message.Message: a mapping in behaviour
         self.rfile = rfile
         self.chunked = "chunked" in (headers.get("Transfer-Encoding") or "").lower()
         length = headers.get("Content-Length") or "0"

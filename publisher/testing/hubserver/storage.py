@@ -167,7 +167,7 @@ class Store:
         with self.lock:
             if self.get_repo(repo_type, repo_id) is not None:
                 raise HubError(409, "You already created this repo")
-            meta = {
+            meta: dict[str, Any] = {
                 "type": repo_type, "id": repo_id, "private": bool(private), "gated": False, "granted": [],
                 "createdAt": now_iso(), "refs": {}, "discussions": [],
             }
@@ -246,7 +246,8 @@ class Store:
         return commit
 
     def history(self, meta: dict, rev: str) -> list[dict]:
-        out, commit = [], self.resolve(meta, rev)
+        out: list[dict] = []
+        commit: dict | None = self.resolve(meta, rev)
         while commit is not None:
             out.append(commit)
             commit = self.get_commit(meta, commit["parents"][0]) if commit["parents"] else None

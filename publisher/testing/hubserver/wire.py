@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -16,7 +16,7 @@ class Request:
     method: str
     path: str  # raw (still percent-encoded) path, without the query string
     query: dict[str, list[str]]
-    headers: Mapping[str, str]
+    headers: Any  # a Mapping[str, str] or the stdlib's email.message.Message (case-insensitive get)
     base_url: str  # scheme://host:port as the client addressed us, for URLs we hand back
     read_body: Callable[[], bytes]
     iter_body: Callable[[], Iterator[bytes]]
