@@ -1,9 +1,10 @@
-# One command each: `make demo` (offline demo) and `make test` (the test suite). Both set up .venv.
+# One command each: `make demo` (offline demo) and `make test` (lint, types, the test suite). Both set up .venv.
+# `make test-fast`: the gates and the unit tier (no end-to-end publish).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo lint test test-fast bench clean
 
 setup: $(VENV)/.installed
 
@@ -20,8 +21,16 @@ $(VENV)/.installed: pyproject.toml
 demo: setup
 	$(BIN)/python -m publisher.testing.demo
 
-test: setup
+# The gates: ruff (pyflakes, import order, likely bugs) and mypy on the package, ruff on the rest.
+lint: setup
+	$(BIN)/ruff check publisher scripts benchmarks action tests
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest
+
+test-fast: lint
+	$(BIN)/python -m pytest -m "not slow"
 
 bench: setup
 	$(BIN)/python benchmarks/bench_streaming.py --publish

@@ -204,9 +204,11 @@ def publish_cmd(model_id: str, quant: tuple[str, ...], components: str | None, e
     try:
         outcomes = _run_mapped(debug, run, req)
     except _Failure as failure:
-        partial = getattr(failure.__context__, "outcomes", None)
-        if as_json and partial:
-            _print_json(partial)
+        from publisher.errors import RunFailed
+
+        stopped = failure.__context__  # the library error the failure was mapped from
+        if as_json and isinstance(stopped, RunFailed) and stopped.results:
+            _print_json(stopped.results)  # what each recipe had come to, for machines
         raise
     _report(outcomes, as_json, keep_going)
 
