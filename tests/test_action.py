@@ -1,25 +1,13 @@
-"""The GitHub Action (action.yml): structure, lint, and its steps executed the way the runner would.
+"""The GitHub Action as a whole: action.yml and the workflows, the glue in action/, and the steps run by the harness.
 
-The harness (`run_action`) reads action.yml and runs its `run:` steps in order with
-`bash --noprofile --norc -eo pipefail`, as the runner does for `shell: bash`:
-
-- inputs get the action's defaults; `${{ ... }}` is evaluated wherever it appears (env values, and run
-  scripts too, which is exactly why no input may appear there) for the contexts inputs.*, github.action_path,
-  runner.temp/os, env.* and steps.<id>.outputs.*;
-- GITHUB_OUTPUT / GITHUB_STEP_SUMMARY (one file per step), GITHUB_ENV and GITHUB_PATH are files in
-  tmp; each step's outputs are parsed from GITHUB_OUTPUT (name=value and the name<<DELIM heredoc) and
-  offered to later steps and to the action's `outputs:`; GITHUB_ACTION_PATH is this repo;
-- steps that `uses:` another action (actions/setup-python) are skipped and listed in `skipped`;
-- HF_AO_PUBLISH_SKIP_INSTALL=1 makes the install step reuse this venv (it checks the versions match), and
-  the venv's bin goes first on PATH so `python3` is this interpreter;
-- the first failing step stops the run, as on the runner;
-- stdout is parsed for workflow commands (::error::, ::add-mask::, ::group::, honouring ::stop-commands::).
-
-The Hub is conftest's loopback server (HF_ENDPOINT is inherited from the environment).
+The harness (tests/action_harness.py) executes action.yml's `run:` steps the way the runner does. The Hub is
+conftest's loopback server (HF_ENDPOINT is inherited from the environment). The unit tests of the glue's
+modules are in test_action_<module>.py.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -27,223 +15,22 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+import zipfile
 from pathlib import Path
 from typing import Any
 
 import pytest
-
-from publisher import action_support as support
+from action_harness import EXPR, ROOT, assert_secret_absent, load_action, run_action
 
 yaml = pytest.importorskip("yaml")
 
-ROOT = Path(__file__).resolve().parent.parent
-ACTION = ROOT / "action.yml"
+GLUE = ROOT / "action"
+GLUE_MODULES = sorted(GLUE.glob("*.py"))
 WORKFLOWS = sorted((ROOT / ".github" / "workflows").glob("*.yml"))
-EXPR = re.compile(r"\$\{\{\s*(.*?)\s*\}\}", re.S)
 SMALL = "--sample-steps 2 --sample-size 64"
 
 
-def load_action() -> dict[str, Any]:
-    return yaml.safe_load(ACTION.read_text())
-
-
-# ------------------------------------------------------------------------------------------- the harness
-
-@dataclass
-class Command:
-    name: str
-    props: dict[str, str]
-    message: str
-
-
-@dataclass
-class ActionRun:
-    returncode: int
-    outputs: dict[str, str]  # the action's outputs, as `steps.<id>.outputs.*` of the calling workflow see them
-    steps: dict[str, dict[str, str]]  # step id -> its outputs
-    ran: list[str]  # names of the run steps executed
-    skipped: list[str]  # `uses:` of the steps the harness does not run
-    failed_step: str | None
-    stdout: str
-    stderr: str
-    summary: str
-    env_file: str
-    commands: list[Command] = field(default_factory=list)
-
-    def errors(self) -> list[str]:
-        return [c.message for c in self.commands if c.name == "error"]
-
-    @property
-    def log(self) -> str:
-        return self.stdout + self.stderr
-
-
-def _unescape(text: str) -> str:
-    return text.replace("%0D", "\r").replace("%0A", "\n").replace("%3A", ":").replace("%2C", ",").replace("%25", "%")
-
-
-def parse_commands(stdout: str) -> list[Command]:
-    """Workflow commands as the runner reads them, including ::stop-commands::TOKEN ... ::TOKEN::."""
-    found: list[Command] = []
-    stopped: str | None = None
-    for line in stdout.splitlines():
-        if stopped is not None:
-            if line == f"::{stopped}::":
-                stopped = None
-            continue
-        m = re.match(r"^::([a-zA-Z-]+)(?: ([^:]*))?::(.*)$", line)
-        if not m:
-            continue
-        name, raw_props, message = m.group(1), m.group(2) or "", m.group(3)
-        if name == "stop-commands":
-            stopped = message
-            continue
-        props = dict(p.split("=", 1) for p in raw_props.split(",") if "=" in p)
-        found.append(Command(name, {k: _unescape(v) for k, v in props.items()}, _unescape(message)))
-    return found
-
-
-def parse_output_file(path: Path) -> dict[str, str]:
-    """GITHUB_OUTPUT / GITHUB_ENV syntax: name=value lines and name<<DELIMITER blocks."""
-    values: dict[str, str] = {}
-    if not path.exists():
-        return values
-    lines = path.read_text(encoding="utf-8").split("\n")
-    i = 0
-    while i < len(lines):
-        line = lines[i]
-        i += 1
-        if not line:
-            continue
-        if "<<" in line and ("=" not in line or line.index("<<") < line.index("=")):
-            name, delimiter = line.split("<<", 1)
-            body: list[str] = []
-            while i < len(lines) and lines[i] != delimiter:
-                body.append(lines[i])
-                i += 1
-            assert i < len(lines), f"unterminated {name}<<{delimiter} in {path}"
-            i += 1
-            values[name] = "\n".join(body)
-        else:
-            name, _, value = line.partition("=")
-            values[name] = value
-    return values
-
-
-def evaluate(text: str, ctx: dict[str, Any]) -> str:
-    """Substitute `${{ expr }}` for the few contexts the action uses; anything else is a test failure."""
-
-    def one(m: re.Match[str]) -> str:
-        expr = m.group(1).strip()
-        parts = expr.split(".")
-        if parts[0] == "inputs" and len(parts) == 2:
-            return ctx["inputs"][parts[1]]
-        if parts[0] == "steps" and len(parts) == 4 and parts[2] == "outputs":
-            return ctx["steps"].get(parts[1], {}).get(parts[3], "")
-        if expr == "github.action_path":
-            return str(ROOT)
-        if expr == "runner.temp":
-            return ctx["env"]["RUNNER_TEMP"]
-        if expr == "runner.os":
-            return "Linux"
-        if parts[0] == "env" and len(parts) == 2:
-            return ctx["env"].get(parts[1], "")
-        raise AssertionError(f"the harness does not evaluate ${{{{ {expr} }}}}")
-
-    return EXPR.sub(one, text)
-
-
-def run_action(inputs: dict[str, str], tmp: Path, env: dict[str, str] | None = None) -> ActionRun:
-    action = load_action()
-    declared = action["inputs"]
-    unknown = set(inputs) - set(declared)
-    assert not unknown, f"undeclared inputs {unknown}"
-    values = {}
-    for name, spec in declared.items():
-        if name in inputs:
-            values[name] = str(inputs[name])
-        else:
-            assert not spec.get("required") or "default" in spec, f"required input {name} not given"
-            values[name] = str(spec.get("default", ""))
-
-    tmp.mkdir(parents=True, exist_ok=True)
-    workspace = tmp / "workspace"
-    runner_temp = tmp / "runner_temp"
-    workspace.mkdir(exist_ok=True)
-    runner_temp.mkdir(exist_ok=True)
-    env_file, path_file = tmp / "github_env", tmp / "github_path"
-    env_file.touch()
-    path_file.touch()
-    base = dict(os.environ)
-    base.update({
-        "CI": "true", "GITHUB_ACTIONS": "true", "GITHUB_ACTION_PATH": str(ROOT), "GITHUB_WORKSPACE": str(workspace),
-        "RUNNER_TEMP": str(runner_temp), "RUNNER_OS": "Linux", "RUNNER_ENVIRONMENT": "self-hosted",
-        "HF_AO_PUBLISH_SKIP_INSTALL": "1", "GITHUB_ENV": str(env_file), "GITHUB_PATH": str(path_file),
-        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-    })
-    base.update(env or {})
-
-    ctx: dict[str, Any] = {"inputs": values, "steps": {}, "env": base}
-    out, err, summary = [], [], []
-    ran, skipped = [], []
-    failed: str | None = None
-    code = 0
-    for n, step in enumerate(action["runs"]["steps"]):
-        label = step.get("name") or step.get("id") or f"step {n}"
-        if "uses" in step:
-            skipped.append(step["uses"])
-            continue
-        assert "if" not in step, "the harness runs run: steps unconditionally; evaluate `if:` before adding one"
-        step_env = dict(base)
-        step_env.update(parse_output_file(env_file))
-        extra_path = [p for p in path_file.read_text().splitlines() if p]
-        if extra_path:
-            step_env["PATH"] = os.pathsep.join([*reversed(extra_path), step_env["PATH"]])
-        for key, value in (step.get("env") or {}).items():
-            step_env[key] = evaluate(str(value), ctx)
-        output_file, summary_file = tmp / f"output_{n}", tmp / f"summary_{n}"
-        step_env["GITHUB_OUTPUT"], step_env["GITHUB_STEP_SUMMARY"] = str(output_file), str(summary_file)
-        script = tmp / f"step_{n}.sh"
-        script.write_text(evaluate(step["run"], ctx))
-        assert step.get("shell") == "bash"
-        proc = subprocess.run(["bash", "--noprofile", "--norc", "-eo", "pipefail", str(script)], cwd=workspace,
-                              env=step_env, capture_output=True, text=True, timeout=600)
-        ran.append(label)
-        out.append(proc.stdout)
-        err.append(proc.stderr)
-        if summary_file.exists():
-            text = summary_file.read_text(encoding="utf-8")
-            assert len(text.encode("utf-8")) <= support.SUMMARY_LIMIT, f"{label}: summary over GitHub's 1 MiB cap"
-            summary.append(text)
-        if "id" in step:
-            ctx["steps"][step["id"]] = parse_output_file(output_file)
-        if proc.returncode != 0:
-            code, failed = proc.returncode, label
-            break
-    outputs = {name: evaluate(str(spec["value"]), ctx) for name, spec in (action.get("outputs") or {}).items()}
-    stdout = "".join(out)
-    return ActionRun(code, outputs, ctx["steps"], ran, skipped, failed, stdout, "".join(err), "".join(summary),
-                     env_file.read_text(), parse_commands(stdout))
-
-
-def assert_secret_absent(run: ActionRun, secret: str) -> None:
-    """The token may only appear in ::add-mask:: commands (the runner consumes those lines)."""
-    for name, value in run.outputs.items():
-        assert secret not in value, f"token in output {name}"
-    assert secret not in run.summary
-    assert secret not in run.env_file
-    for line in run.log.splitlines():
-        if secret in line:
-            assert line.startswith("::add-mask::"), f"token in the log: {line!r}"
-    assert any(c.name == "add-mask" and c.message == secret for c in run.commands)
-
-
 # ------------------------------------------------------------------------------------------- structure
-
-def _run_steps(action: dict[str, Any]) -> list[dict[str, Any]]:
-    return [s for s in action["runs"]["steps"] if "run" in s]
-
 
 def test_action_yml_structure() -> None:
     action = load_action()
@@ -297,16 +84,88 @@ def test_action_yml_structure() -> None:
         k: v for k, v in publish["env"].items() if k != "HFAO_PYTHON"}
 
 
-def test_action_support_reads_only_declared_variables() -> None:
-    """Every HFAO_* variable the module reads is set by some step, and vice versa."""
-    read = set(re.findall(r'"(HFAO_[A-Z_]+)"', (ROOT / "publisher" / "action_support.py").read_text()))
+def test_glue_reads_only_declared_variables() -> None:
+    """Every HFAO_* variable the glue reads is set by some step, and vice versa."""
+    read = {name for path in GLUE_MODULES for name in re.findall(r'"(HFAO_[A-Z_]+)"', path.read_text())}
     set_by_steps = {k for s in load_action()["runs"]["steps"] for k in (s.get("env") or {})}
     assert read == set_by_steps
 
 
-def test_torch_pin_matches_pyproject() -> None:
-    text = (ROOT / "pyproject.toml").read_text()
-    assert f'"torch=={support.TORCH_VERSION}"' in text
+def test_steps_run_the_glue_from_the_action_path() -> None:
+    """Each run step (but the mask) is one call of action/main.py under python3, isolated (-I)."""
+    steps = [s for s in load_action()["runs"]["steps"] if "run" in s][1:]
+    assert [s["run"] for s in steps] == [f'python3 -I "$GITHUB_ACTION_PATH/action/main.py" {step}'
+                                         for step in ("check", "free-disk", "install", "run")]
+    publish = next(s for s in steps if s.get("id") == "publish")
+    assert publish["env"]["HFAO_PYTHON"] == "${{ steps.install.outputs.python }}"
+
+
+def _imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, imported names) for every import statement in a file, relative ones resolved in action."""
+    found: list[tuple[str, list[str]]] = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(alias.name, []) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            module = ("action." if node.level else "") + (node.module or "")
+            found.append((module.rstrip("."), [alias.name for alias in node.names]))
+    return found
+
+
+@pytest.mark.parametrize("path", GLUE_MODULES, ids=lambda p: p.name)
+def test_glue_is_stdlib_only_python38(path: Path) -> None:
+    """The glue runs under the runner's python3 before anything is installed: stdlib only, Python 3.8 syntax,
+    no private name of another module, a few hundred lines at most."""
+    ast.parse(path.read_text(), str(path), feature_version=(3, 8))
+    for module, names in _imports(path):
+        top = module.split(".")[0]
+        assert top == "action" or top == "__future__" or top in sys.stdlib_module_names, f"{path.name} imports {module}"
+        if top == "action":
+            assert not [n for n in names if n.startswith("_")], f"{path.name} imports private names from {module}"
+    assert len(path.read_text().splitlines()) <= 300
+
+
+def test_glue_has_no_import_cycle() -> None:
+    """Module-level and deferred imports alike (ast.walk sees both); `from action import x` counts as action.x."""
+    graph: dict[str, set[str]] = {f"action.{p.stem}": set() for p in GLUE_MODULES}
+    for path in GLUE_MODULES:
+        me = f"action.{path.stem}"
+        for module, names in _imports(path):
+            graph[me] |= {t for t in {module, *(f"{module}.{n}" for n in names)} if t in graph and t != me}
+    done: set[str] = set()
+
+    def visit(node: str, trail: tuple[str, ...]) -> None:
+        assert node not in trail, f"import cycle: {' -> '.join(trail + (node,))}"
+        if node not in done:
+            for dep in graph[node]:
+                visit(dep, trail + (node,))
+            done.add(node)
+
+    for node in graph:
+        visit(node, ())
+
+
+def test_the_package_does_not_know_the_glue() -> None:
+    """The wheel is the CLI only: nothing in publisher/ imports or names the Action's glue."""
+    for path in sorted((ROOT / "publisher").rglob("*.py")):
+        for module, _ in _imports(path):
+            assert module.split(".")[0] != "action", f"{path} imports {module}"
+        text = path.read_text()
+        for word in ("HFAO_", "GITHUB_", "::add-mask::", "stop-commands", "action/main.py"):
+            assert word not in text, f"{path} mentions {word}: workflow glue belongs in action/"
+
+
+def test_glue_ships_in_the_sdist_not_the_wheel(tmp_path: Path) -> None:
+    import tarfile
+
+    proc = subprocess.run([sys.executable, "-m", "hatchling", "build", "-t", "sdist", "-t", "wheel", "-d", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    wheel = zipfile.ZipFile(next(tmp_path.glob("*.whl"))).namelist()
+    assert not [n for n in wheel if not n.startswith(("publisher/", "hf_ao_publish-"))], wheel
+    with tarfile.open(next(tmp_path.glob("*.tar.gz"))) as sdist:
+        names = {n.split("/", 1)[1] for n in sdist.getnames() if "/" in n}
+    assert {f"action/{p.name}" for p in GLUE_MODULES} | {"action.yml"} <= names
 
 
 def _workflows() -> list[tuple[Path, dict[str, Any]]]:
@@ -351,148 +210,6 @@ def test_actionlint_workflows() -> None:
     assert f"0 problem(s) in {len(WORKFLOWS)} file(s)" in proc.stdout
 
 
-# ------------------------------------------------------------------------------------------- units
-
-def test_torch_index() -> None:
-    assert support.torch_index("cpu") == "https://download.pytorch.org/whl/cpu"
-    assert support.torch_index("") == "https://download.pytorch.org/whl/cpu"
-    assert support.torch_index("CU128") == "https://download.pytorch.org/whl/cu128"
-    assert support.torch_index("rocm6.4") == "https://download.pytorch.org/whl/rocm6.4"
-    assert support.torch_index("pypi") == ""
-    for bad in ("cuda", "cu12.8", "cpu; rm -rf /", "https://evil.example/simple"):
-        with pytest.raises(support.InputError, match="torch-build"):
-            support.torch_index(bad)
-    # script mode, as the install step runs it (no package import, isolated interpreter)
-    proc = subprocess.run([sys.executable, "-I", str(ROOT / "publisher" / "action_support.py"), "torch-index", "cu126"],
-                          capture_output=True, text=True, cwd="/")
-    assert proc.stdout.strip() == "https://download.pytorch.org/whl/cu126", proc.stderr
-
-
-def test_bool_inputs_are_strings() -> None:
-    assert support.parse_bool("x", "true", False) is True
-    assert support.parse_bool("x", "False", True) is False
-    assert support.parse_bool("x", "", True) is True
-    for bad in ("yes", "1", "on", "true "):
-        if bad.strip() in ("true",):
-            continue
-        with pytest.raises(support.InputError, match="'true' or 'false'"):
-            support.parse_bool("x", bad, False)
-
-
-def _env(**kw: str) -> dict[str, str]:
-    base = {"HFAO_MODEL": "bfl/tiny-flux", "HFAO_QUANT": "int8wo", "HFAO_TOKEN": "tok_x"}
-    base.update({f"HFAO_{k.upper()}": v for k, v in kw.items()})
-    return base
-
-
-def test_request_argv() -> None:
-    req = support.build_request(_env(QUANT="int8wo, int8dq\nfloat8wo", COMPONENTS="transformer text_encoder_2",
-                                     EXCLUDE="a.b\nc", REPO_ID="acme/x-{recipe}", REVISION=" main ", PRIVATE="True",
-                                     CREATE_PR="false", EXTRA_ARGS=f"{SMALL} --sample-prompt \"a cat's 'x'\" $(id)"))
-    assert req.args == ["publish", "bfl/tiny-flux", "--quant=int8wo", "--quant=int8dq", "--quant=float8wo",
-                        "--components=transformer,text_encoder_2", "--exclude=a.b", "--exclude=c",
-                        "--repo-id=acme/x-{recipe}", "--revision=main", "--private",
-                        "--sample-steps", "2", "--sample-size", "64", "--sample-prompt", "a cat's 'x'", "$(id)"]
-    assert req.push and req.token == "tok_x" and "tok_x" not in repr(req)
-    assert not support.build_request(_env(PUSH="false", TOKEN="")).push
-    assert not support.build_request(_env(EXTRA_ARGS="--no-push", TOKEN="")).push
-    assert support.build_request({**_env(TOKEN=""), "HF_TOKEN": "tok_env"}).token == "tok_env"
-
-
-@pytest.mark.parametrize("env, message", [
-    (_env(MODEL=""), "model is required"),
-    (_env(MODEL="--help"), "not an option"),
-    (_env(QUANT=" , "), "quant is required"),
-    (_env(TOKEN=""), "hf-token is required to push"),
-    (_env(PRIVATE="yes"), "private must be 'true' or 'false'"),
-    (_env(EXTRA_ARGS="--token tok_y"), "must not contain --token"),
-    (_env(EXTRA_ARGS="--sample-steps 2 --token=tok_y"), "must not contain --token"),
-    (_env(EXTRA_ARGS="--output-dir /x"), "must not contain --output-dir"),
-    (_env(EXTRA_ARGS="--json"), "must not contain --json"),
-    (_env(EXTRA_ARGS="--sample-prompt 'unclosed"), "cannot be parsed"),
-])
-def test_request_rejects(env: dict[str, str], message: str) -> None:
-    with pytest.raises(support.InputError, match=re.escape(message)):
-        support.build_request(env)
-
-
-def test_output_heredoc_roundtrip(tmp_path: Path) -> None:
-    path = tmp_path / "out"
-    tricky = 'line1\nname=injected\nEOF\n"$(touch x)"\n'
-    support.write_output(str(path), "a", tricky)
-    support.write_output(str(path), "b", "")
-    support.write_output(str(path), "c", "plain")
-    assert parse_output_file(path) == {"a": tricky, "b": "", "c": "plain"}
-    assert re.search(r"^a<<ghadelimiter_[0-9a-f]{32}$", path.read_text(), re.M)
-
-
-def test_commands_are_escaped(capsys: pytest.CaptureFixture[str]) -> None:
-    support.command("error", "100% bad\n::add-path::/evil", title="a:b,c")
-    line = capsys.readouterr().out
-    assert line.count("\n") == 1 and "%25" in line and "%0A::add-path" in line
-    assert parse_commands(line) == [Command("error", {"title": "a:b,c"}, "100% bad\n::add-path::/evil")]
-
-
-def _payload(card_path: str | None = None, **kw: Any) -> dict[str, Any]:
-    data = {
-        "repo_id": "alice/m-int8wo", "url": "http://hub/alice/m-int8wo", "commit": "a" * 40, "pr_url": None,
-        "recipe": "int8wo", "verified": True, "pushed": True, "up_to_date": False, "error": None,
-        "components": [{"name": "transformer", "class": "FluxTransformer2DModel", "quantized_layers": 12, "skipped_layers": [],
-                        "excluded_layers": 0, "tensor_classes": ["Int8Tensor"], "bytes_before": 2000, "bytes_after": 1000}],
-        "files": [{"name": "README.md", "size": 4000}, {"name": "a|b<script>.json", "size": 3 * 1024 ** 3}],
-        "folder": None, "card_path": card_path,
-        "verification": {"results": [{"component": "transformer", "path": "library", "env": "current", "versions": {"torch": "2.13.0"},
-                                      "ok": True, "detail": "", "max_abs_diff": 0.0, "quantized_layers": 12}],
-                         "quality": [{"component": "transformer", "rel_error": 0.0123, "cosine": 0.9999}]},
-    }
-    data.update(kw)
-    return data
-
-
-def test_summary_tables_and_card_truncation() -> None:
-    card = "---\nlicense: other\n---\n# Card\n```python\nprint(1)\n```\n" + "word " * 400_000  # ~2 MB
-    text = support.build_summary("m", _payload(), None, 0, {0: card}, ["tok_secret"])
-    size = len(text.encode("utf-8"))
-    assert size <= support.SUMMARY_BUDGET < support.SUMMARY_LIMIT
-    assert "[alice/m-int8wo](http://hub/alice/m-int8wo)" in text
-    assert "| `README.md` | 3.9 KiB |" in text and "3.0 GiB" in text
-    assert "a&#124;b&lt;script&gt;.json" in text  # no raw pipe or HTML from a file name
-    assert "| transformer | library | current | ✅ bit-identical | 0.0 | 12 |" in text
-    assert "0.012300" in text and "0.999900" in text
-    assert "````markdown" in text  # a fence longer than the card's own ``` blocks
-    assert "Card truncated" in text and "the full card is at [http://hub/alice/m-int8wo]" in text
-    small = support.build_summary("m", _payload(), None, 0, {0: "# tiny card tok_secret\n"}, ["tok_secret"])
-    assert "Card truncated" not in small and "tok_secret" not in small and "# tiny card ***" in small
-
-
-def test_outputs_for_several_recipes(tmp_path: Path) -> None:
-    payload = {"results": [_payload(), _payload(repo_id="alice/m-int8dq", recipe="int8dq", commit="b" * 40,
-                                                url="http://hub/alice/m-int8dq", up_to_date=True)], "verified": True}
-    out = support.outputs_for(payload, None, 0, tmp_path / "gone")
-    assert out["repo-id"] == "alice/m-int8wo\nalice/m-int8dq"
-    assert out["commit-sha"] == "a" * 40 + "\n" + "b" * 40
-    assert out["pr-url"] == "\n" and out["verified"] == "true" and out["up-to-date"] == "false" and out["output-dir"] == ""
-    assert json.loads(out["result-json"]) == payload
-    failed = support.outputs_for(None, "boom", 1, None)
-    assert failed["verified"] == "false" and json.loads(failed["result-json"]) == {"error": "boom", "exit_code": 1}
-    text = support.build_summary("m", payload, None, 0, {0: "# a\n", 1: "# b\n"}, [])
-    assert text.count("<details>") == 2 and "| int8dq | [alice/m-int8dq](http://hub/alice/m-int8dq) | ✅ up to date" in text
-
-
-def test_free_disk_space(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    victim = tmp_path / "dotnet"
-    (victim / "sdk").mkdir(parents=True)
-    env = {"HFAO_FREE_DISK_SPACE": "true", "RUNNER_ENVIRONMENT": "self-hosted", "RUNNER_OS": "Linux"}
-    assert support.free_disk(env, paths=[str(victim)]) == 0
-    assert victim.exists() and "only acts on GitHub-hosted" in capsys.readouterr().out  # never on a self-hosted machine
-    assert support.free_disk({**env, "HFAO_FREE_DISK_SPACE": "false", "RUNNER_ENVIRONMENT": "github-hosted"}, paths=[str(victim)]) == 0
-    assert victim.exists()
-    assert support.free_disk({**env, "RUNNER_ENVIRONMENT": "github-hosted"}, paths=[str(victim), str(tmp_path / "absent")]) == 0
-    assert not victim.exists()
-    out = capsys.readouterr().out
-    assert "::group::Free disk space" in out and "::endgroup::" in out
-
-
 # ------------------------------------------------------------------------------------------- executed
 
 def test_harness_stops_at_a_bad_input(tmp_path: Path, hub: Any) -> None:
@@ -521,6 +238,20 @@ def test_skip_install_checks_the_interpreter(tmp_path: Path, hub: Any) -> None:
     assert any("HF_AO_PUBLISH_SKIP_INSTALL is set but" in e for e in run.errors())
 
 
+def test_usage_and_check_from_the_command_line(tmp_path: Path) -> None:
+    """main.py as the steps call it: isolated, from another folder, inputs in the environment only."""
+    main = [sys.executable, "-I", str(GLUE / "main.py")]
+    usage = subprocess.run([*main, "nope"], capture_output=True, text=True, cwd=tmp_path)
+    assert usage.returncode == 2 and usage.stderr.startswith("usage: main.py {check|")
+    env = {"PATH": os.environ.get("PATH", ""), "HFAO_MODEL": "bfl/tiny-flux", "HFAO_QUANT": "int8wo",
+           "HFAO_TOKEN": "tok_x", "HFAO_EXTRA_ARGS": "--token=tok_x"}
+    bad = subprocess.run([*main, "check"], capture_output=True, text=True, cwd=tmp_path, env=env)
+    assert bad.returncode == 2 and bad.stdout.startswith("::error title=hf-ao-publish::input extra-args must not")
+    good = subprocess.run([*main, "check"], capture_output=True, text=True, cwd=tmp_path,
+                          env={**env, "HFAO_EXTRA_ARGS": SMALL})
+    assert good.returncode == 0 and good.stdout == "", good.stdout + good.stderr
+
+
 HOSTILE = {  # input -> (value template, the CLI's clean message); none may run anything
     "model-quote": ("model", 'x/y"; touch {marker} #', "is neither an existing local folder nor a Hub repo id"),
     "model-subst": ("model", "$(touch {marker})", "is neither an existing local folder nor a Hub repo id"),
@@ -531,6 +262,7 @@ HOSTILE = {  # input -> (value template, the CLI's clean message); none may run 
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", list(HOSTILE))
 def test_hostile_inputs_run_nothing(tmp_path: Path, flux_repo: str, case: str) -> None:
     name, template, message = HOSTILE[case]
@@ -548,6 +280,25 @@ def test_hostile_inputs_run_nothing(tmp_path: Path, flux_repo: str, case: str) -
     assert message in run.summary
     # the CLI echoed the value (newline included) while workflow commands were switched off
     assert {c.name for c in run.commands} <= {"add-mask", "group", "endgroup", "error"}
+    assert_secret_absent(run, "tok_alice")
+
+
+@pytest.mark.slow
+def test_run_step_with_the_tool_in_another_interpreter(tmp_path: Path, hub: Any) -> None:
+    """The glue runs under a bare python3 first on PATH; the CLI comes from HF_AO_PUBLISH_PYTHON's venv."""
+    bare = shutil.which("python3", path="/usr/bin:/bin")
+    if bare is None or Path(bare).resolve() == Path(sys.executable).resolve():
+        pytest.skip("no python3 in /usr/bin or /bin other than the test interpreter")
+    path = os.pathsep.join(["/usr/bin", "/bin", os.environ.get("PATH", "")])
+    run = run_action({"model": "nobody/absent-model", "quant": "int8wo", "hf-token": "tok_alice"}, tmp_path,
+                     env={"PATH": path, "HF_AO_PUBLISH_PYTHON": sys.executable})
+    assert run.steps["install"]["python"] == sys.executable
+    assert run.ran[-1] == "Quantize, verify and publish" and run.failed_step == "Quantize, verify and publish"
+    assert run.returncode in (1, 2)
+    errors = run.errors()
+    assert len(errors) == 1 and "nobody/absent-model" in errors[0], errors  # the CLI's own message
+    assert "Traceback" not in run.log
+    assert json.loads(run.outputs["result-json"])["exit_code"] == run.returncode
     assert_secret_absent(run, "tok_alice")
 
 

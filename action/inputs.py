@@ -1,0 +1,114 @@
+"""The action's inputs, read from HFAO_* environment variables, turned into the CLI's argv list.
+
+action.yml hands every input to the scripts through `env:` (never `${{ inputs.* }}` inside a script), and
+the argv built here is run without a shell, so a value such as `$(touch x)` stays a plain string that the
+CLI rejects. Inputs are always strings on the runner: booleans are 'true' / 'false', lists are separated
+by commas, spaces or newlines.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from action.workflow import StepFailed
+
+# Options the action sets itself, or that would leak the token or break the JSON result it parses.
+FORBIDDEN_EXTRA = ("--token", "--json", "--output-dir", "--help", "-h", "--version")
+
+
+class InputError(StepFailed):
+    """An action input is malformed: exit code 2, as the CLI uses for a usage error."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, code=2)
+
+
+def parse_bool(name: str, value: str | None, default: bool) -> bool:
+    """'true' / 'false' in any case; empty means the default. Anything else is refused, not guessed."""
+    text = (value or "").strip().lower()
+    if not text:
+        return default
+    if text == "true":
+        return True
+    if text == "false":
+        return False
+    raise InputError(f"input {name} must be 'true' or 'false', got {value!r}")
+
+
+def split_list(value: str | None) -> list[str]:
+    """'a,b', 'a b' or one per line -> ['a', 'b'] (YAML block scalars give one item per line)."""
+    return [part for part in re.split(r"[\s,]+", value or "") if part]
+
+
+def secret_values(env: Mapping[str, str]) -> list[str]:
+    """The token values to mask and to keep out of everything the action writes."""
+    return [s for s in (env.get("HFAO_TOKEN", "").strip(), env.get("HF_TOKEN", "").strip()) if s]
+
+
+@dataclass
+class Request:
+    """What one run of the CLI needs: its arguments and what the action does around it."""
+
+    model: str
+    args: list[str]  # the CLI's arguments after the executable, without --json / --output-dir
+    push: bool
+    keep_output: bool
+    token: str | None = field(default=None, repr=False)  # kept out of repr: it may end up in a log
+
+
+def parse_extra_args(value: str | None) -> list[str]:
+    """Split extra-args like a POSIX shell would (quotes only: nothing is expanded or executed)."""
+    try:
+        args = shlex.split(value or "", comments=False, posix=True)
+    except ValueError as exc:
+        raise InputError(f"input extra-args cannot be parsed ({exc}); quote it like a shell command line") from None
+    for arg in args:
+        name = arg.split("=", 1)[0]
+        if name == "--token":
+            raise InputError("input extra-args must not contain --token; pass the token with the hf-token input "
+                             "(from a secret)")
+        if name in FORBIDDEN_EXTRA:
+            raise InputError(f"input extra-args must not contain {name}: the action sets it itself")
+    return args
+
+
+def build_request(env: Mapping[str, str]) -> Request:
+    """The CLI arguments for the action's inputs. Raises InputError on the first malformed one."""
+    model = env.get("HFAO_MODEL", "").strip()
+    if not model:
+        raise InputError("input model is required (a Hub repo id such as black-forest-labs/FLUX.1-dev)")
+    if model.startswith("-"):  # click would read it as an option
+        raise InputError(f"input model must be a repo id or a folder, not an option: {model!r}")
+    recipes = split_list(env.get("HFAO_QUANT"))
+    if not recipes:
+        raise InputError("input quant is required (one or several recipes, e.g. 'int8wo' or 'int8wo,float8wo')")
+    # --name=value everywhere: a value that starts with '-' cannot be taken for an option.
+    args = ["publish", model]
+    args += [f"--quant={recipe}" for recipe in recipes]
+    components = split_list(env.get("HFAO_COMPONENTS"))
+    if components:
+        args.append(f"--components={','.join(components)}")
+    args += [f"--exclude={module}" for module in split_list(env.get("HFAO_EXCLUDE"))]
+    for option, var in (("--repo-id", "HFAO_REPO_ID"), ("--revision", "HFAO_REVISION")):
+        value = env.get(var, "").strip()
+        if value:
+            args.append(f"{option}={value}")
+    if parse_bool("private", env.get("HFAO_PRIVATE"), False):
+        args.append("--private")
+    if parse_bool("create-pr", env.get("HFAO_CREATE_PR"), False):
+        args.append("--create-pr")
+    push = parse_bool("push", env.get("HFAO_PUSH"), True)
+    if not push:
+        args.append("--no-push")
+    keep_output = parse_bool("keep-output", env.get("HFAO_KEEP_OUTPUT"), False)
+    extra = parse_extra_args(env.get("HFAO_EXTRA_ARGS"))
+    if "--no-push" in extra:
+        push = False
+    args += extra
+    token = env.get("HFAO_TOKEN", "").strip() or env.get("HF_TOKEN", "").strip() or None
+    if push and not token:
+        raise InputError("input hf-token is required to push (pass a write token from a secret), or set push: 'false'")
+    return Request(model=model, args=args, push=push, keep_output=keep_output, token=token)

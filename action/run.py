@@ -1,0 +1,183 @@
+"""The publish step: run `hf-ao-publish publish ... --json` once; write the outputs, the summary, annotations.
+
+The CLI runs in the interpreter the install step prepared ($HFAO_PYTHON), without a shell, with its
+--output-dir in $RUNNER_TEMP so the action can keep or remove the repo folder as the inputs say. This module
+runs under any python3: it only starts the CLI and reads its JSON, so it never imports the package.
+"""
+
+from __future__ import annotations
+
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from collections import deque
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from action import result
+from action.inputs import InputError, build_request, secret_values, split_list
+from action.summary import build_summary
+from action.workflow import (
+    TITLE,
+    StepFailed,
+    append_summary,
+    commands_stopped,
+    error,
+    group,
+    mask,
+    redact,
+    write_output,
+)
+
+STDERR_TAIL = 400  # lines of the CLI's stderr kept to find its one-line error message
+
+
+def cli_command(python: str) -> list[str]:
+    """How to start the CLI: the console script next to `python`, else on PATH, else through `python -c`."""
+    script = Path(python).parent / "hf-ao-publish"
+    if script.exists():
+        return [str(script)]
+    found = shutil.which("hf-ao-publish")
+    if found:
+        return [found]
+    return [python, "-c", "import sys; sys.argv[0] = 'hf-ao-publish'; from publisher.cli import main; main()"]
+
+
+def child_env(env: Mapping[str, str], token: str | None) -> dict[str, str]:
+    """The CLI's environment: the step's, without the raw inputs, with the token as HF_TOKEN only."""
+    child = {key: value for key, value in env.items() if not key.startswith("HFAO_")}
+    if token:
+        child["HF_TOKEN"] = token
+    child.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # progress bars are noise in a CI log
+    child.setdefault("PYTHONUNBUFFERED", "1")  # the log streams as the CLI works, not at its end
+    return child
+
+
+@dataclass
+class CliRun:
+    """What the CLI left: its exit code, its stdout (the JSON result) and the end of its stderr."""
+
+    returncode: int
+    stdout: str
+    stderr_tail: list[str]
+
+    @property
+    def error_line(self) -> str | None:
+        """The CLI's one-line message (`Error: ...`), the last one on stderr."""
+        for line in reversed(self.stderr_tail):
+            if line.startswith("Error: "):
+                return line[len("Error: "):].strip()
+        return None
+
+
+def run_cli(argv: list[str], env: Mapping[str, str], secrets: Sequence[str], show: str = "") -> CliRun:
+    """Run the CLI without a shell; stream its stderr (redacted) with workflow commands switched off.
+
+    Nothing printed meanwhile (the command line with the model id, the CLI's logs) can issue a workflow
+    command such as ::add-path:: or ::set-env::. Raises StepFailed when the CLI cannot be started."""
+    tail: deque[str] = deque(maxlen=STDERR_TAIL)
+    with commands_stopped():
+        if show:
+            sys.stdout.write(redact(show, secrets) + "\n")
+            sys.stdout.flush()
+        try:
+            proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(env), text=True,
+                                    encoding="utf-8", errors="replace")
+        except OSError as exc:
+            raise StepFailed(f"cannot start {argv[0]}: {exc}") from None
+        stderr, stdout = proc.stderr, proc.stdout
+        if stderr is None or stdout is None:  # pragma: no cover - both are pipes above
+            raise StepFailed(f"{argv[0]} started without its pipes")
+
+        def pump() -> None:
+            # stderr is read on a thread while stdout is read here: either pipe filling up would block the CLI.
+            for line in stderr:
+                line = redact(line, secrets)
+                tail.append(line.rstrip("\n"))
+                sys.stderr.write(line)
+                sys.stderr.flush()
+
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        out = stdout.read()
+        code = proc.wait()
+        reader.join()
+    return CliRun(code, out, list(tail))
+
+
+def failure_message(run: CliRun) -> str | None:
+    """The run's error: the CLI's own message, else its exit code and last stderr line; None on success."""
+    message = run.error_line
+    if run.returncode != 0 and not message:
+        message = f"hf-ao-publish exited with code {run.returncode}"
+        if run.stderr_tail:
+            message += f": {run.stderr_tail[-1][:500]}"
+    return message
+
+
+def read_cards(results: list[dict[str, Any]]) -> dict[int, str]:
+    """Each recipe's card text by its index in the result, for the summary's preview."""
+    cards: dict[int, str] = {}
+    for i, r in enumerate(results):
+        card_path = r.get("card_path")
+        if card_path and Path(card_path).is_file():
+            cards[i] = Path(card_path).read_text(encoding="utf-8", errors="replace")
+    return cards
+
+
+def fail_early(env: Mapping[str, str], model: str, message: str, secrets: Sequence[str], code: int = 2) -> int:
+    """The CLI did not run: still one annotation, a summary and every output (result-json holds the error)."""
+    message = redact(message, secrets)
+    error(message)
+    append_summary(env.get("GITHUB_STEP_SUMMARY"), build_summary(model, None, message, code, {}, secrets))
+    for name, value in result.outputs_for(None, message, code, None).items():
+        write_output(env.get("GITHUB_OUTPUT"), name, value)
+    return code
+
+
+def run(env: Mapping[str, str]) -> int:
+    """The step: mask, build the argv, run the CLI, then annotations, summary, the repo folder and outputs."""
+    model = env.get("HFAO_MODEL", "")
+    secrets = secret_values(env)
+    for secret in secrets:
+        mask(secret)
+    try:
+        req = build_request(env)
+    except InputError as exc:
+        return fail_early(env, model, str(exc), secrets, exc.code)
+    temp_root = Path(env.get("RUNNER_TEMP") or tempfile.gettempdir())
+    temp_root.mkdir(parents=True, exist_ok=True)
+    out_dir = Path(tempfile.mkdtemp(prefix="hf-ao-publish-out-", dir=str(temp_root)))
+    cli = cli_command(env.get("HFAO_PYTHON") or sys.executable)
+    argv = cli + req.args + ["--json", f"--output-dir={out_dir}"]
+    show = "+ " + shlex.join(["hf-ao-publish", *argv[len(cli):]])
+    try:
+        with group(f"{TITLE} {' '.join(split_list(env.get('HFAO_QUANT')))}"):
+            cli_run = run_cli(argv, child_env(env, req.token), secrets, show=show)
+    except StepFailed as exc:
+        return fail_early(env, model, str(exc), secrets, exc.code)
+
+    payload = result.parse(cli_run.stdout)
+    message = failure_message(cli_run)
+    if message:
+        message = redact(message, secrets)
+        error(message)
+    results = result.entries(payload)
+    for r in results:
+        if r.get("error"):
+            error(redact(f"{r.get('recipe')}: {r['error']}", secrets))
+    summary = build_summary(req.model, payload, message, cli_run.returncode, read_cards(results), secrets)
+    append_summary(env.get("GITHUB_STEP_SUMMARY"), summary)
+
+    if cli_run.returncode == 0 and req.push and not req.keep_output:
+        shutil.rmtree(out_dir, ignore_errors=True)  # the CLI would delete its own temp folder after a push
+    elif out_dir.is_dir() and not any(out_dir.iterdir()):
+        out_dir.rmdir()
+    for name, value in result.outputs_for(payload, message, cli_run.returncode, out_dir).items():
+        write_output(env.get("GITHUB_OUTPUT"), name, redact(value, secrets))
+    return cli_run.returncode if cli_run.returncode >= 0 else 1  # killed by a signal: a plain failure

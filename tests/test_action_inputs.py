@@ -1,0 +1,82 @@
+"""action/inputs.py: the action's inputs (HFAO_* variables) -> the CLI's argv list, and what is refused."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from action.inputs import (
+    InputError,
+    build_request,
+    parse_bool,
+    secret_values,
+    split_list,
+)
+
+SMALL = "--sample-steps 2 --sample-size 64"
+
+
+def test_bool_inputs_are_strings() -> None:
+    assert parse_bool("x", "true", False) is True
+    assert parse_bool("x", "False", True) is False
+    assert parse_bool("x", "", True) is True
+    for bad in ("yes", "1", "on", "true "):
+        if bad.strip() in ("true",):
+            continue
+        with pytest.raises(InputError, match="'true' or 'false'"):
+            parse_bool("x", bad, False)
+
+
+def test_lists_split_on_commas_spaces_and_newlines() -> None:
+    assert split_list(" a, b\nc  d,,") == ["a", "b", "c", "d"]
+    assert split_list("") == [] and split_list(None) == []
+
+
+def _env(**kw: str) -> dict[str, str]:
+    base = {"HFAO_MODEL": "bfl/tiny-flux", "HFAO_QUANT": "int8wo", "HFAO_TOKEN": "tok_x"}
+    base.update({f"HFAO_{k.upper()}": v for k, v in kw.items()})
+    return base
+
+
+def test_request_argv() -> None:
+    req = build_request(_env(QUANT="int8wo, int8dq\nfloat8wo", COMPONENTS="transformer text_encoder_2",
+                             EXCLUDE="a.b\nc", REPO_ID="acme/x-{recipe}", REVISION=" main ", PRIVATE="True",
+                             CREATE_PR="false", EXTRA_ARGS=f"{SMALL} --sample-prompt \"a cat's 'x'\" $(id)"))
+    assert req.args == ["publish", "bfl/tiny-flux", "--quant=int8wo", "--quant=int8dq", "--quant=float8wo",
+                        "--components=transformer,text_encoder_2", "--exclude=a.b", "--exclude=c",
+                        "--repo-id=acme/x-{recipe}", "--revision=main", "--private",
+                        "--sample-steps", "2", "--sample-size", "64", "--sample-prompt", "a cat's 'x'", "$(id)"]
+    assert req.push and req.token == "tok_x" and "tok_x" not in repr(req)
+    assert not build_request(_env(PUSH="false", TOKEN="")).push
+    assert not build_request(_env(EXTRA_ARGS="--no-push", TOKEN="")).push
+    assert build_request({**_env(TOKEN=""), "HF_TOKEN": "tok_env"}).token == "tok_env"
+
+
+def test_request_flags() -> None:
+    req = build_request(_env(CREATE_PR="true", PUSH="false", KEEP_OUTPUT="true"))
+    assert req.args == ["publish", "bfl/tiny-flux", "--quant=int8wo", "--create-pr", "--no-push"]
+    assert not req.push and req.keep_output
+
+
+@pytest.mark.parametrize("env, message", [
+    (_env(MODEL=""), "model is required"),
+    (_env(MODEL="--help"), "not an option"),
+    (_env(QUANT=" , "), "quant is required"),
+    (_env(TOKEN=""), "hf-token is required to push"),
+    (_env(PRIVATE="yes"), "private must be 'true' or 'false'"),
+    (_env(EXTRA_ARGS="--token tok_y"), "must not contain --token"),
+    (_env(EXTRA_ARGS="--sample-steps 2 --token=tok_y"), "must not contain --token"),
+    (_env(EXTRA_ARGS="--output-dir /x"), "must not contain --output-dir"),
+    (_env(EXTRA_ARGS="--json"), "must not contain --json"),
+    (_env(EXTRA_ARGS="--sample-prompt 'unclosed"), "cannot be parsed"),
+])
+def test_request_rejects(env: dict[str, str], message: str) -> None:
+    with pytest.raises(InputError, match=re.escape(message)) as info:
+        build_request(env)
+    assert info.value.code == 2  # a usage error, as the CLI's own
+
+
+def test_secret_values() -> None:
+    assert secret_values({"HFAO_TOKEN": " tok_a\n", "HF_TOKEN": "tok_b"}) == ["tok_a", "tok_b"]
+    assert secret_values({"HFAO_TOKEN": "", "OTHER": "x"}) == []

@@ -1,0 +1,102 @@
+"""action/run.py: the publish step around a stand-in CLI (fast); the real CLI runs in test_action.py.
+
+The stand-in is an executable `hf-ao-publish` next to HFAO_PYTHON, where the step looks first. It records
+its argv and environment in its JSON result, writes a card into --output-dir and behaves as FAKE_MODE says.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+from pathlib import Path
+
+import pytest
+from action_harness import parse_commands, parse_output_file, sample_result
+
+from action.run import CliRun, cli_command, failure_message, run
+
+FAKE_CLI = f"""#!{sys.executable}
+import json, os, sys
+out = next(a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--output-dir="))
+mode = os.environ["FAKE_MODE"]
+print("working with " + os.environ.get("HF_TOKEN", "no token"), file=sys.stderr)
+print("::add-path::/evil", file=sys.stderr)
+if mode == "fail":
+    print("Error: boom for " + os.environ.get("HF_TOKEN", ""), file=sys.stderr)
+    sys.exit(1)
+card = os.path.join(out, "README.md")
+with open(card, "w") as fh:
+    fh.write("# card of alice/m-int8wo\\n")
+result = json.loads(os.environ["FAKE_RESULT"])
+result.update(card_path=card, argv=sys.argv[1:], hfao=sorted(k for k in os.environ if k.startswith("HFAO_")))
+print(json.dumps(result))
+"""
+
+
+@pytest.fixture
+def step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+    """The run step's environment, with the stand-in CLI installed next to HFAO_PYTHON."""
+    bin_dir = tmp_path / "venv" / "bin"
+    bin_dir.mkdir(parents=True)
+    script = bin_dir / "hf-ao-publish"
+    script.write_text(FAKE_CLI)
+    script.chmod(script.stat().st_mode | stat.S_IXUSR)
+    (tmp_path / "runner_temp").mkdir()
+    return {"PATH": os.environ.get("PATH", ""), "HFAO_PYTHON": str(bin_dir / "python"), "HFAO_MODEL": "bfl/tiny-flux",
+            "HFAO_QUANT": "int8wo", "HFAO_TOKEN": "tok_x", "RUNNER_TEMP": str(tmp_path / "runner_temp"),
+            "GITHUB_OUTPUT": str(tmp_path / "output"), "GITHUB_STEP_SUMMARY": str(tmp_path / "summary"),
+            "FAKE_MODE": "ok", "FAKE_RESULT": json.dumps(sample_result())}
+
+
+def test_run_publishes_and_cleans_up(step: dict[str, str], capfd: pytest.CaptureFixture[str]) -> None:
+    assert run(step) == 0
+    out, err = capfd.readouterr()
+    outputs = parse_output_file(Path(step["GITHUB_OUTPUT"]))
+    assert outputs["repo-id"] == "alice/m-int8wo" and outputs["verified"] == "true" and outputs["output-dir"] == ""
+    result = json.loads(outputs["result-json"])
+    assert result["argv"][:3] == ["publish", "bfl/tiny-flux", "--quant=int8wo"] and result["argv"][-2] == "--json"
+    out_dir = Path(result["argv"][-1].split("=", 1)[1])
+    assert out_dir.parent == Path(step["RUNNER_TEMP"]) and not out_dir.exists()  # pushed: the folder is gone
+    assert result["hfao"] == []  # the CLI sees HF_TOKEN, never the raw inputs
+    assert "working with ***" in err and "tok_x" not in err + out.replace("::add-mask::tok_x", "")
+    assert [c.name for c in parse_commands(out)] == ["add-mask", "group", "endgroup"]  # ::add-path:: was stopped
+    summary = Path(step["GITHUB_STEP_SUMMARY"]).read_text()
+    assert "## ✅ hf-ao-publish: `bfl/tiny-flux`" in summary and "# card of alice/m-int8wo" in summary
+
+
+def test_run_keeps_the_folder_without_push(step: dict[str, str]) -> None:
+    assert run({**step, "HFAO_PUSH": "false", "FAKE_RESULT": json.dumps(sample_result(pushed=False))}) == 0
+    outputs = parse_output_file(Path(step["GITHUB_OUTPUT"]))
+    assert Path(outputs["output-dir"], "README.md").is_file()
+    assert "--no-push" in json.loads(outputs["result-json"])["argv"]
+
+
+def test_run_reports_the_cli_error(step: dict[str, str], capfd: pytest.CaptureFixture[str]) -> None:
+    assert run({**step, "FAKE_MODE": "fail"}) == 1
+    commands = parse_commands(capfd.readouterr().out)
+    assert [c.message for c in commands if c.name == "error"] == ["boom for ***"]
+    outputs = parse_output_file(Path(step["GITHUB_OUTPUT"]))
+    assert outputs["verified"] == "false" and outputs["output-dir"] == ""  # the empty folder was removed
+    assert json.loads(outputs["result-json"]) == {"error": "boom for ***", "exit_code": 1}
+    assert "> **Error:** boom for ***" in Path(step["GITHUB_STEP_SUMMARY"]).read_text()
+
+
+def test_run_bad_input_and_missing_cli(step: dict[str, str], tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    assert run({**step, "HFAO_PRIVATE": "maybe"}) == 2
+    assert json.loads(parse_output_file(Path(step["GITHUB_OUTPUT"]))["result-json"])["exit_code"] == 2
+    nowhere = {**step, "HFAO_PYTHON": str(tmp_path / "absent" / "python"), "PATH": str(tmp_path / "absent")}
+    os.remove(step["GITHUB_OUTPUT"])
+    assert run(nowhere) == 1
+    errors = [c.message for c in parse_commands(capfd.readouterr().out) if c.name == "error"]
+    assert errors[-1].startswith("cannot start ") and len(errors) == 2
+    assert parse_output_file(Path(step["GITHUB_OUTPUT"]))["verified"] == "false"
+
+
+def test_cli_command_and_failure_message(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert cli_command(str(tmp_path / "python"))[:2] == [str(tmp_path / "python"), "-c"]
+    assert failure_message(CliRun(0, "{}", ["Error: late"])) == "late"
+    assert failure_message(CliRun(0, "{}", ["fine"])) is None
+    assert failure_message(CliRun(-9, "", ["Killed"])) == "hf-ao-publish exited with code -9: Killed"
