@@ -40,6 +40,9 @@ from huggingface_hub.errors import (  # noqa: E402
     RevisionNotFoundError,
 )
 
+# Self-tests of the test infrastructure: in the full run, not in `make test-fast`.
+pytestmark = pytest.mark.slow
+
 from publisher.testing.hubserver import HubServer, spawn_server  # noqa: E402
 
 TOKENS = {"tok_alice": "alice", "tok_bob": "bob", "tok_carol": "carol"}

@@ -13,6 +13,9 @@ import pytest
 
 from publisher.testing import tiny
 
+# Self-tests of the test infrastructure: in the full run, not in `make test-fast`.
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 
 FLUX_FILES = {
