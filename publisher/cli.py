@@ -7,10 +7,9 @@ subcommands. Heavy libraries are imported inside the stages so `--help` is insta
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shlex
-import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
@@ -20,7 +19,22 @@ import click
 from publisher import __version__
 from publisher import recipes as recipe_registry
 
-_SUBCOMMANDS = ("publish", "recipes", "verify")
+RECIPES_WIDTH = 100  # `hf-ao-publish recipes` fits a 100-column terminal
+
+# Options that several commands share: declared once, so the flag, its help and its env var agree.
+token_option = click.option(
+    "--token", envvar="HF_TOKEN", default=None, show_envvar=True, metavar="TOKEN",
+    help="Hub token (default: HF_TOKEN, then the stored login). Never printed.")
+revision_option = click.option(
+    "--revision", default=None, metavar="REV",
+    help="Branch, tag or commit sha of the Hub repo given as argument (default: main).")
+verify_env_option = click.option(
+    "--verify-env", "verify_envs", multiple=True, metavar="PYTHON",
+    help="Also run the load checks with this Python interpreter (another venv). Repeatable.")
+json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
+debug_option = click.option(
+    "--debug", is_flag=True, help="Show tracebacks, and the library warnings hidden as harmless.")
+quiet_option = click.option("--quiet", is_flag=True, help="Only warnings and errors on stderr.")
 
 
 def _prefer_lfs_for_local_hub() -> None:
@@ -31,28 +45,29 @@ def _prefer_lfs_for_local_hub() -> None:
         os.environ.setdefault("HF_HUB_DISABLE_XET", "1")
 
 
+def _start(debug: bool, quiet: bool) -> None:
+    """Before a command imports any library: logging (with the library noise filter) and the Hub switch."""
+    from publisher import logs
+
+    logs.setup(debug=debug, quiet=quiet)
+    _prefer_lfs_for_local_hub()
+
+
 class _DefaultToPublish(click.Group):
-    """`hf-ao-publish MODEL ...` means `hf-ao-publish publish MODEL ...`."""
+    """`hf-ao-publish MODEL ...` means `hf-ao-publish publish MODEL ...`; the group's own options
+    (--help, --version) and its subcommands keep their meaning."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
-        if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version", "--list-recipes"):
+        own = {opt for param in self.get_params(ctx) for opt in (*param.opts, *param.secondary_opts)}
+        if args and args[0] not in self.commands and args[0] not in own:
             args = ["publish", *args]
         return super().parse_args(ctx, args)
-
-
-def _setup_logging(debug: bool, quiet: bool) -> None:
-    level = logging.DEBUG if debug else logging.WARNING if quiet else logging.INFO
-    handler = logging.StreamHandler(sys.stderr)  # logs and progress go to stderr; data to stdout
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    root = logging.getLogger("publisher")
-    root.handlers[:] = [handler]
-    root.setLevel(level)
 
 
 class _Failure(click.ClickException):
     def __init__(self, message: str, exit_code: int) -> None:
         super().__init__(message)
-        self.exit_code = exit_code
+        self.exit_code = exit_code  # type: ignore[misc]  # click declares it on the class; ours varies
 
 
 def _run_mapped(debug: bool, fn: Any, *args: Any, **kwargs: Any) -> Any:
@@ -75,46 +90,45 @@ def _run_mapped(debug: bool, fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise _Failure(message, code) from None
 
 
-def _print_recipes(as_json: bool) -> None:
-    rows = recipe_registry.all_recipes()
-    if as_json:
-        click.echo(json.dumps([
-            {"name": r.name, "summary": r.summary, "config": r.python, "quantize_needs": r.quantize.describe(),
-             "run_needs": r.run.describe(), "speedup": r.speedup, "tensor_class": r.tensor_class} for r in rows
-        ], indent=2))
-        return
-    width = max(len(r.name) for r in rows)
-    click.echo(f"{'recipe':<{width}}  {'quantize on':<42}  {'run on':<42}  what")
-    for r in rows:
-        click.echo(f"{r.name:<{width}}  {r.quantize.describe():<42}  {r.run.describe():<42}  {r.summary}")
+def recipes_text(width: int = RECIPES_WIDTH) -> str:
+    """The registry as text: one block per recipe, every line at most ``width`` columns."""
+    label_width = 11
+    indent = " " * (2 + label_width + 2)
+    lines = ["Recipes for --quant (hf-ao-publish MODEL_ID --quant RECIPE):"]
+    for recipe in recipe_registry.all_recipes():
+        data = recipe.to_dict()
+        lines += ["", *textwrap.wrap(f"{recipe.name}  {recipe.summary}", width, subsequent_indent="    ")]
+        facts = [("quantize on", data["quantize_on"]["text"]), ("run on", data["run_on"]["text"]),
+                 ("speed-ups", data["speedup"]), ("config", recipe.expression),
+                 *(("note", note) for note in data["notes"])]
+        for label, text in facts:
+            lines += textwrap.wrap(text, width, initial_indent=f"  {label:<{label_width}}  ",
+                                   subsequent_indent=indent, break_on_hyphens=False)
+    return "\n".join(lines)
 
 
-@click.group(cls=_DefaultToPublish, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group("hf-ao-publish", cls=_DefaultToPublish, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="hf-ao-publish")
-@click.option("--list-recipes", is_flag=True, help="Print the recipe table and exit.")
-@click.pass_context
-def main(ctx: click.Context, list_recipes: bool) -> None:
+def main() -> None:
     """Quantize a Hugging Face model with torchao, verify it reloads, write a card and publish it.
 
     \b
     Example:
       hf-ao-publish black-forest-labs/FLUX.1-dev --quant int8wo
     """
-    if list_recipes:
-        _print_recipes(False)
-        ctx.exit(0)
-    if ctx.invoked_subcommand is None:
-        click.echo(ctx.get_help())
 
 
 @main.command("recipes")
-@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+@json_option
 def recipes_cmd(as_json: bool) -> None:
     """List the quantization recipes and the hardware each needs.
 
     Example: hf-ao-publish recipes
     """
-    _print_recipes(as_json)
+    if as_json:
+        click.echo(json.dumps([r.to_dict() for r in recipe_registry.all_recipes()], indent=2))
+    else:
+        click.echo(recipes_text())
 
 
 @main.command("publish")
@@ -125,18 +139,16 @@ def recipes_cmd(as_json: bool) -> None:
 @click.option("--exclude", multiple=True, metavar="MODULE", help="Module to keep unquantized (repeatable).")
 @click.option("--repo-id", default=None, metavar="NAMESPACE/NAME",
               help="Target repo (default: <your user>/<base name>-torchao-<recipe>).")
-@click.option("--revision", default=None, help="Base branch, tag or commit sha (resolved to a sha).")
+@revision_option
 @click.option("--private", is_flag=True, help="Create the target repo as private.")
-@click.option("--token", envvar="HF_TOKEN", default=None, show_envvar=True,
-              help="Hub token (default: HF_TOKEN or the stored login). Never printed.")
+@token_option
 @click.option("--output-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="Where to write the repo folder (default: a temporary folder).")
 @click.option("--no-push", is_flag=True, help="Stop after verify and card, leaving a complete repo folder.")
 @click.option("--create-pr", is_flag=True, help="Open (or update) a pull request on the target instead of committing to main.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow bases that need remote code (review it first).")
 @click.option("--keep-going", is_flag=True, help="With several recipes, publish those that succeed even if one fails.")
-@click.option("--verify-env", "verify_envs", multiple=True, metavar="PYTHON",
-              help="Also verify with this Python interpreter (another venv). Repeatable.")
+@verify_env_option
 @click.option("--sample-prompt", default=None, help="Prompt used in the card's usage snippet.")
 @click.option("--sample-steps", type=click.IntRange(1, 200), default=28, show_default=True, help="Denoising steps in the card's snippet.")
 @click.option("--sample-size", type=click.IntRange(16, 4096), default=1024, show_default=True, help="Image size in the card's snippet.")
@@ -149,9 +161,9 @@ def recipes_cmd(as_json: bool) -> None:
 @click.option("--verify-mode", type=click.Choice(["auto", "full", "streaming"]), default="auto", show_default=True,
               help="full: reload each component whole in fresh processes; streaming: tensor by tensor and block by "
                    "block (bounded memory); auto: full when it fits in memory.")
-@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the result on stdout.")
-@click.option("--debug", is_flag=True, help="Show tracebacks.")
-@click.option("--quiet", is_flag=True, help="Only warnings and errors on stderr.")
+@json_option
+@debug_option
+@quiet_option
 def publish_cmd(model_id: str, quant: tuple[str, ...], components: str | None, exclude: tuple[str, ...], repo_id: str | None,
                 revision: str | None, private: bool, token: str | None, output_dir: Path | None, no_push: bool,
                 create_pr: bool, trust_remote_code: bool, keep_going: bool, verify_envs: tuple[str, ...],
@@ -173,8 +185,7 @@ def publish_cmd(model_id: str, quant: tuple[str, ...], components: str | None, e
                                "nothing to reload; drop --verify-env, or add --no-push")
     if low_disk and engine == "library":
         raise click.UsageError("--low-disk reads weights by HTTP range, which only the streaming engine does; drop --engine library")
-    _setup_logging(debug, quiet)
-    _prefer_lfs_for_local_hub()
+    _start(debug, quiet)
     from publisher.job import PublishRequest, run
 
     req = PublishRequest(
@@ -215,13 +226,14 @@ def publish_cmd(model_id: str, quant: tuple[str, ...], components: str | None, e
 
 @main.command("verify")
 @click.argument("target")
-@click.option("--revision", default=None, help="Revision of a Hub TARGET (default: main).")
-@click.option("--token", envvar="HF_TOKEN", default=None, show_envvar=True, help="Hub token for private or gated repos.")
-@click.option("--verify-env", "verify_envs", multiple=True, metavar="PYTHON", help="Also run the load paths with this interpreter.")
-@click.option("--no-requantize", is_flag=True, help="Do not re-quantize the recorded base; only compare load paths with each other.")
-@click.option("--json", "as_json", is_flag=True, help="Print the verification report as JSON on stdout.")
-@click.option("--debug", is_flag=True, help="Show tracebacks.")
-@click.option("--quiet", is_flag=True, help="Only warnings and errors on stderr.")
+@revision_option
+@token_option
+@verify_env_option
+@click.option("--no-requantize", is_flag=True,
+              help="Do not re-quantize the recorded base; only compare load paths with each other.")
+@json_option
+@debug_option
+@quiet_option
 def verify_cmd(target: str, revision: str | None, token: str | None, verify_envs: tuple[str, ...], no_requantize: bool,
                as_json: bool, debug: bool, quiet: bool) -> None:
     """Check that a torchao-quantized repo (Hub id or folder) reloads along every load path.
@@ -230,8 +242,7 @@ def verify_cmd(target: str, revision: str | None, token: str | None, verify_envs
     Example:
       hf-ao-publish verify alice/FLUX.1-dev-torchao-int8wo
     """
-    _setup_logging(debug, quiet)
-    _prefer_lfs_for_local_hub()
+    _start(debug, quiet)
     import tempfile
 
     from publisher.verify.target import verify_target

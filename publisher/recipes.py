@@ -1,8 +1,9 @@
 """The recipe registry: one place that names every quantization recipe we publish.
 
-It feeds the CLI choices, the hardware check, the model card and the test parametrisation.
-A recipe is data (which torchao config, what hardware it needs to quantize and to run, which
-library versions can read its output); `build_config` turns it into a torchao ``AOBaseConfig``.
+It feeds the CLI choices and `hf-ao-publish recipes` (text and --json, both from ``Recipe.to_dict``),
+the hardware check, the model card and the test parametrisation. A recipe is data (which torchao
+config, what hardware it needs to quantize and to run, which library versions can read its output);
+`build_config` turns it into a torchao ``AOBaseConfig``.
 The config is written as Python source once (``imports`` + ``expression``) so the card shows
 exactly the code that built it; a unit test checks the two agree.
 """
@@ -33,6 +34,10 @@ class Needs:
             text += " and " + ", ".join(self.packages)
         return text
 
+    def to_dict(self) -> dict[str, Any]:
+        return {"cpu": not self.cuda, "gpu_min_cc": ".".join(map(str, self.min_cc)) if self.min_cc else None,
+                "packages": list(self.packages), "text": self.describe()}
+
 
 @dataclass(frozen=True)
 class Recipe:
@@ -41,7 +46,7 @@ class Recipe:
     imports: str
     expression: str
     tensor_class: str  # torchao tensor subclass every quantized Linear weight must be
-    quantize: Needs
+    quantize: Needs  # what torchao's own handler needs (see cpu_producible)
     run: Needs
     speedup: str  # where it runs with real speed-ups (card's hardware table)
     bits: int  # bits per stored weight value (for size estimates)
@@ -55,6 +60,34 @@ class Recipe:
     def python(self) -> str:
         """The Python that builds this recipe's torchao config (shown in the card)."""
         return f"{self.imports}\n\nconfig = {self.expression}"
+
+    @property
+    def needs_gpu_to_quantize(self) -> bool:
+        """True when this machine needs a fitting GPU to produce the recipe (FP8 recipes do not: fp8cpu)."""
+        return self.quantize.cuda and not self.cpu_producible
+
+    @property
+    def quantize_on(self) -> str:
+        """Where hf-ao-publish can produce (quantize and save) this recipe, in words."""
+        if self.cpu_producible:
+            return (f"CPU or any GPU (torchao alone needs a {self.quantize.describe()}; "
+                    "without one, hf-ao-publish quantizes on the CPU)")
+        return self.quantize.describe()
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything `hf-ao-publish recipes` shows (its text and its --json)."""
+        return {
+            "name": self.name,
+            "summary": self.summary,
+            "config": self.python,
+            "tensor_class": self.tensor_class,
+            "bits": self.bits,
+            "quantize_on": {**self.quantize.to_dict(), "cpu": not self.needs_gpu_to_quantize, "text": self.quantize_on},
+            "run_on": self.run.to_dict(),
+            "speedup": self.speedup,
+            "notes": list(self.notes),
+            "min_read_versions": dict(self.min_read_versions),
+        }
 
 
 # Lower bounds shared by every recipe (from shared/reference/torchao-facts.md): diffusers reads
@@ -213,13 +246,14 @@ def run_device(recipe: Recipe, capability: tuple[int, int] | None) -> str:
 def check_can_quantize(recipe: Recipe, capability: tuple[int, int] | None = None, *, probe: bool = True) -> None:
     """Fail before any download when this machine cannot quantize with ``recipe``."""
     needs = recipe.quantize
-    if not needs.cuda or recipe.cpu_producible:
+    if not recipe.needs_gpu_to_quantize:
         return
     cc = capability if capability is not None or not probe else cuda_capability()
     if cc is None:
         raise HardwareError(
             f"{recipe.name} needs a {needs.describe()} to quantize, and this machine has none; "
-            f"run it on such a GPU or pick a CPU recipe ({', '.join(r.name for r in all_recipes() if not r.quantize.cuda or r.cpu_producible)})"
+            "run it on such a GPU or pick a CPU recipe "
+            f"({', '.join(r.name for r in all_recipes() if not r.needs_gpu_to_quantize)})"
         )
     if needs.min_cc and cc < needs.min_cc:
         raise HardwareError(

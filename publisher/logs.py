@@ -1,0 +1,133 @@
+"""Logging for the commands: our messages and the libraries' warnings on stderr, known-harmless noise dropped.
+
+Our modules log on ``publisher.*`` and never print. The libraries log on their own top loggers, and
+torch, diffusers, transformers and huggingface_hub each add a stderr handler of their own to it when
+they are imported, which would bypass any filter and print in their own formats. ``setup`` gives each
+of those top loggers our one handler and keeps the library from adding its own, whether the library
+is imported before or after (the stages import them lazily, and several warn while being imported).
+
+The handler drops the records listed in ``HARMLESS`` unless ``--debug``; everything else a library
+logs at WARNING or above is shown, prefixed with the logger's name. Not covered: ``warnings.warn``
+(left to Python's own display) and torch's torch.compile sub-loggers (``torch._dynamo``,
+``torch._inductor`` ...), which keep their own handlers; we do not compile.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import sys
+from dataclasses import dataclass
+from typing import TextIO
+
+LIBRARIES = ("torch", "torchao", "diffusers", "transformers", "huggingface_hub")
+
+
+@dataclass(frozen=True)
+class Harmless:
+    """A library message we know to be harmless for this tool: dropped unless --debug."""
+
+    logger: str  # the logger the record is made on (exactly)
+    pattern: str  # regular expression searched in the message
+    why: str  # shown nowhere: the reason it may be hidden, for whoever reviews this list
+
+
+HARMLESS: tuple[Harmless, ...] = (
+    Harmless(
+        "torchao", r"^Failed to load \S*_C_(mxfp8|cutlass_90a)\S*\.so",
+        "torchao's optional MX-FP8 (prototype) and CUTLASS sm90a sparse-FP8 kernel libraries; the wheel ships "
+        "them built for another Python or CUDA, and no recipe of ours calls them (our FP8 matmuls are "
+        "torch._scaled_mm). Any other torchao library that fails to load is still shown.",
+    ),
+    Harmless(
+        "torchao.kernel.intmm", r"Detected no triton",
+        "Triton backs torchao's optional int_mm autotuner only (off unless TORCHAO_AUTOTUNER_ENABLE=1); "
+        "CPU builds of torch have no Triton and our CPU recipes do not need it.",
+    ),
+    Harmless(
+        "torch.utils._pytree", r"is an Enum subclass .*register_constant\(\) on Enum subclasses is deprecated",
+        "torchao 0.18 registers its enums (KernelPreference, ScaleCalculationMode) as pytree constants at "
+        "import; a deprecation addressed to torchao that changes nothing in the tensors we write or read.",
+    ),
+    Harmless(
+        "diffusers.quantizers.torchao.torchao_quantizer", r"Unable to import `torchao` Tensor objects",
+        "diffusers adds torchao's old tensor classes (NF4Tensor, UintxTensor ...) to torch.load's weights_only "
+        "allow-list for pickled .bin checkpoints; torchao 0.18 removed them. We write and read safetensors "
+        "only, which never goes through torch.load.",
+    ),
+)
+
+
+_COMPILED = [(h.logger, re.compile(h.pattern)) for h in HARMLESS]
+
+
+def is_harmless(record: logging.LogRecord) -> bool:
+    """True when ``record`` is one of the HARMLESS library messages."""
+    return any(record.name == name and rx.search(record.getMessage()) for name, rx in _COMPILED)
+
+
+class _Format(logging.Formatter):
+    """Our messages as they are; a library's prefixed with its logger's name (where to look it up)."""
+
+    def formatMessage(self, record: logging.LogRecord) -> str:  # logging's name
+        if record.name == "publisher" or record.name.startswith("publisher."):
+            return record.message
+        return f"{record.name}: {record.message}"
+
+
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to the current ``sys.stderr`` (click's test runner swaps it); drops HARMLESS unless --debug."""
+
+    def __init__(self, show_harmless: bool) -> None:
+        super().__init__()
+        self.show_harmless = show_harmless
+        self.setFormatter(_Format())
+
+    @property
+    def stream(self) -> TextIO:  # the attribute logging.StreamHandler writes to
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: object) -> None:  # StreamHandler.__init__ assigns it; we always use sys.stderr
+        pass
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if not self.show_harmless and is_harmless(record):
+            return False
+        return bool(super().filter(record))
+
+
+class _LibraryLogger(logging.Logger):
+    """A library's top logger whose records go to our handler only.
+
+    torch, diffusers, transformers and huggingface_hub call ``addHandler`` (and set ``propagate``) on
+    their top logger while being imported; those calls are ignored here, so it makes no difference
+    whether a stage imports them before or after ``setup``."""
+
+    def addHandler(self, hdlr: logging.Handler) -> None:  # logging's name
+        if isinstance(hdlr, _Stderr):
+            super().addHandler(hdlr)
+
+    @property
+    def propagate(self) -> bool:  # never to the root: our handler is here
+        return False
+
+    @propagate.setter
+    def propagate(self, value: bool) -> None:
+        pass
+
+
+def setup(*, debug: bool = False, quiet: bool = False) -> None:
+    """Route ``publisher.*`` and the LIBRARIES' logging to one stderr handler.
+
+    Ours at INFO (DEBUG with ``debug``, WARNING with ``quiet``); the libraries at their own level
+    (WARNING by default). Call before the stages import torch: torchao and diffusers warn at import."""
+    handler = _Stderr(show_harmless=debug)
+    ours = logging.getLogger("publisher")
+    ours.handlers[:] = [handler]
+    ours.setLevel(logging.DEBUG if debug else logging.WARNING if quiet else logging.INFO)
+    for name in LIBRARIES:
+        lib = logging.getLogger(name)
+        if type(lib) is logging.Logger:
+            lib.__class__ = _LibraryLogger  # see _LibraryLogger: the library's own handlers are refused from now on
+        lib.handlers[:] = [handler]

@@ -1,0 +1,576 @@
+"""The command line: one test per advertised option of every command (a meta-test keeps it so),
+the recipes listing, the shared options and the library-noise filter.
+
+Options that need a publish or a verification replace the job with a recorder (``job.run`` /
+``verify_target``) and assert what reached it; the cheap checks of the real job (unknown recipe,
+bad target id, output folder, missing token) run for real. The end-to-end noise checks run the real
+command on a tiny model and are marked slow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import click
+import pytest
+from click.testing import CliRunner, Result
+
+from publisher import __version__, logs
+from publisher import recipes as recipe_registry
+from publisher.cli import RECIPES_WIDTH, main
+from publisher.errors import SourceError, TargetError
+from publisher.job import Outcome, PublishRequest
+from publisher.verify.full import PathResult, VerifyReport
+
+SMALL = ["--sample-steps", "2", "--sample-size", "64"]
+SECRET = "hf_s3cret_never_printed"
+
+
+def invoke(*args: str, env: dict[str, str] | None = None) -> Result:
+    return CliRunner().invoke(main, list(args), catch_exceptions=False, env=env)
+
+
+# ---------------------------------------------------------------- every advertised option has a test
+
+def _option_tests() -> list[str]:
+    """test_<command>_<longest option name> for every parameter of every command, the group's included."""
+    root = click.Context(main, info_name="hf-ao-publish", **main.context_settings)  # with -h, as when run
+    commands = {"main": main, **main.commands}
+    wanted = []
+    for cmd_name, cmd in commands.items():
+        ctx = root if cmd is main else click.Context(cmd, parent=root, info_name=cmd_name)
+        for param in cmd.get_params(ctx):
+            name = max(param.opts, key=len).lstrip("-").replace("-", "_") if isinstance(param, click.Option) else param.name
+            wanted.append(f"test_{cmd_name}_{name}")
+    return wanted
+
+
+def test_every_advertised_option_has_a_test() -> None:
+    missing = [name for name in _option_tests() if not callable(globals().get(name))]
+    assert not missing, f"options without a CLI test: {missing}"
+
+
+# ---------------------------------------------------------------- the group
+
+def test_main_help() -> None:
+    for flag in ("--help", "-h"):
+        result = invoke(flag)
+        assert result.exit_code == 0
+        assert result.stdout.startswith("Usage: hf-ao-publish [OPTIONS] COMMAND [ARGS]...")
+        assert re.findall(r"^  (\w+)  ", result.stdout, re.MULTILINE) == ["publish", "recipes", "verify"]
+        assert "--list-recipes" not in result.stdout
+
+
+def test_main_version() -> None:
+    result = invoke("--version")
+    assert result.exit_code == 0
+    assert result.stdout == f"hf-ao-publish, version {__version__}\n"
+
+
+def test_no_arguments_is_a_usage_error_that_shows_help() -> None:
+    result = invoke()
+    assert result.exit_code == 2
+    assert "Usage: hf-ao-publish [OPTIONS] COMMAND [ARGS]..." in result.output
+
+
+def test_list_recipes_is_not_an_option() -> None:
+    # It used to be advertised and exit 2 with "Missing command."; `recipes` is the one way to list them.
+    result = invoke("--list-recipes")
+    assert result.exit_code == 2
+    assert "No such option '--list-recipes'" in result.stderr
+
+
+def test_a_model_id_defaults_to_publish() -> None:
+    result = invoke("some/model")
+    assert result.exit_code == 2
+    assert "Usage: hf-ao-publish publish [OPTIONS] MODEL_ID" in result.stderr
+    assert "Missing option '--quant'" in result.stderr
+
+
+def test_help_imports_no_heavy_library() -> None:
+    code = ("import sys\nfrom publisher.cli import main\n"
+            "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+            "print([m for m in ('torch', 'torchao', 'diffusers', 'transformers', 'huggingface_hub') if m in sys.modules])")
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"
+
+
+# ---------------------------------------------------------------- recipes
+
+def test_recipes_help() -> None:
+    result = invoke("recipes", "--help")
+    assert result.exit_code == 0
+    assert "List the quantization recipes and the hardware each needs." in result.stdout
+    assert "--json" in result.stdout
+
+
+def _blocks(text: str) -> dict[str, str]:
+    """recipe name -> its block of `hf-ao-publish recipes` text."""
+    return {block.split()[0]: block for block in text.split("\n\n")[1:]}
+
+
+def test_recipes_lists_the_registry_within_100_columns() -> None:
+    result = invoke("recipes")
+    assert result.exit_code == 0
+    lines = result.stdout.splitlines()
+    assert max(len(line) for line in lines) <= RECIPES_WIDTH
+    blocks = _blocks(result.stdout)
+    assert list(blocks) == recipe_registry.names()
+    for recipe in recipe_registry.all_recipes():
+        flat = " ".join(blocks[recipe.name].split())  # undo the wrapping
+        for text in (recipe.summary, recipe.quantize_on, recipe.run.describe(), recipe.speedup, recipe.expression, *recipe.notes):
+            assert " ".join(text.split()) in flat, (recipe.name, text)
+
+
+def test_recipes_say_fp8_dynamic_is_made_on_a_cpu_and_runs_on_cc_89() -> None:
+    blocks = _blocks(invoke("recipes").stdout)
+    for name in ("float8dq", "float8dq-tensor"):
+        assert recipe_registry.get(name).cpu_producible
+        flat = " ".join(blocks[name].split())
+        assert "quantize on CPU or any GPU" in flat
+        assert "run on CUDA GPU with compute capability >= 8.9" in flat
+    assert "quantize on CUDA GPU with compute capability >= 8.0" in " ".join(blocks["int4wo"].split())
+
+
+def test_recipes_wraps_long_registry_text(monkeypatch: pytest.MonkeyPatch) -> None:
+    base = recipe_registry.get("int4wo")
+    long = dataclasses.replace(base, name="x" * 120, summary="word " * 60, notes=("n" * 150, "short note"))
+    monkeypatch.setattr(recipe_registry, "all_recipes", lambda: [base, long])
+    result = invoke("recipes")
+    assert result.exit_code == 0
+    assert max(len(line) for line in result.stdout.splitlines()) <= RECIPES_WIDTH
+    assert "short note" in result.stdout
+
+
+def test_recipes_json() -> None:
+    result = invoke("recipes", "--json")
+    assert result.exit_code == 0
+    data = json.loads(result.stdout)
+    assert data == [r.to_dict() for r in recipe_registry.all_recipes()]
+    by_name = {d["name"]: d for d in data}
+    assert by_name["float8dq"]["quantize_on"]["cpu"] is True
+    assert by_name["float8dq"]["quantize_on"]["gpu_min_cc"] == "8.9"
+    assert by_name["float8dq"]["run_on"] == {"cpu": False, "gpu_min_cc": "8.9", "packages": [],
+                                             "text": "CUDA GPU with compute capability >= 8.9"}
+    assert by_name["int4wo"]["quantize_on"]["cpu"] is False
+    assert by_name["int8wo"]["quantize_on"]["cpu"] is True and by_name["int8wo"]["run_on"]["cpu"] is True
+
+
+# ---------------------------------------------------------------- verify (verify_target replaced by a recorder)
+
+@pytest.fixture
+def fake_verify(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Replace the verification with a recorder; set calls["passed"] / calls["raise"] to change its answer."""
+    import publisher.verify.target as target_module
+
+    calls: dict[str, Any] = {"passed": True}
+
+    def verify_target(target: str, work: Path, **kwargs: Any) -> VerifyReport:
+        calls.update(target=target, work=work, **kwargs)
+        logging.getLogger("publisher.verify.target").info("info from the verification")
+        logging.getLogger("publisher.verify.target").warning("warning from the verification")
+        if "raise" in calls:
+            raise calls["raise"]
+        result = PathResult("transformer", "library", "current", {"torch": "2.x", "torchao": "0.18.0"},
+                            ok=calls["passed"], detail="" if calls["passed"] else "tensor w differs", quantized_layers=3)
+        return VerifyReport(recipe="int8wo", location=target, passed=calls["passed"], results=[result])
+
+    monkeypatch.setattr(target_module, "verify_target", verify_target)
+    return calls
+
+
+def test_verify_help() -> None:
+    result = invoke("verify", "--help")
+    assert result.exit_code == 0
+    assert result.stdout.startswith("Usage: hf-ao-publish verify [OPTIONS] TARGET")
+    for option in ("--revision", "--token", "--verify-env", "--no-requantize", "--json", "--debug", "--quiet"):
+        assert option in result.stdout
+
+
+def test_verify_target(fake_verify: dict[str, Any]) -> None:
+    result = invoke("verify", "alice/tiny-int8wo")
+    assert result.exit_code == 0, result.output
+    assert fake_verify["target"] == "alice/tiny-int8wo"
+    assert fake_verify["revision"] is None and fake_verify["token"] is None and fake_verify["envs"] == ()
+    assert result.stdout.splitlines()[0].split() == ["component", "path", "environment", "result", "layers", "detail"]
+    assert result.stdout.splitlines()[1].split()[:2] == ["transformer", "library"]
+    assert "alice/tiny-int8wo: all 1 load checks passed" in result.stderr
+
+
+def test_verify_failure_exits_1(fake_verify: dict[str, Any]) -> None:
+    fake_verify["passed"] = False
+    result = invoke("verify", "alice/tiny-int8wo")
+    assert result.exit_code == 1
+    assert result.stderr.splitlines()[-1] == (
+        "Error: verification of alice/tiny-int8wo failed: transformer via the library path (current): tensor w differs")
+
+
+def test_verify_missing_target_is_a_usage_error() -> None:
+    result = invoke("verify")
+    assert result.exit_code == 2 and "Missing argument 'TARGET'" in result.stderr
+
+
+def test_verify_revision(fake_verify: dict[str, Any]) -> None:
+    assert invoke("verify", "alice/x", "--revision", "v1.0").exit_code == 0
+    assert fake_verify["revision"] == "v1.0"
+
+
+def test_verify_token(fake_verify: dict[str, Any]) -> None:
+    result = invoke("verify", "alice/x", "--token", SECRET)
+    assert result.exit_code == 0 and fake_verify["token"] == SECRET
+    assert SECRET not in result.output
+    result = invoke("verify", "alice/x", env={"HF_TOKEN": SECRET})
+    assert result.exit_code == 0 and fake_verify["token"] == SECRET
+    assert SECRET not in result.output
+
+
+def test_verify_verify_env(fake_verify: dict[str, Any]) -> None:
+    assert invoke("verify", "alice/x", "--verify-env", "/venv-a/bin/python", "--verify-env", "/venv-b/bin/python").exit_code == 0
+    assert fake_verify["envs"] == ("/venv-a/bin/python", "/venv-b/bin/python")
+
+
+def test_verify_no_requantize(fake_verify: dict[str, Any]) -> None:
+    assert invoke("verify", "alice/x").exit_code == 0
+    assert fake_verify["requantize"] is True
+    assert invoke("verify", "alice/x", "--no-requantize").exit_code == 0
+    assert fake_verify["requantize"] is False
+
+
+def test_verify_json(fake_verify: dict[str, Any]) -> None:
+    result = invoke("verify", "alice/x", "--json")
+    assert result.exit_code == 0
+    data = json.loads(result.stdout)
+    assert data["passed"] is True and data["location"] == "alice/x"
+    assert data["results"][0]["component"] == "transformer"
+
+
+def test_verify_debug(fake_verify: dict[str, Any]) -> None:
+    fake_verify["raise"] = SourceError("alice/x has no torchao component; check the id")
+    result = invoke("verify", "alice/x")
+    assert result.exit_code == 1
+    assert result.stderr.splitlines()[-1] == "Error: alice/x has no torchao component; check the id"
+    assert "Traceback" not in result.output
+    with pytest.raises(SourceError, match="has no torchao component"):  # --debug: the real exception, with its traceback
+        invoke("verify", "alice/x", "--debug")
+
+
+def test_verify_quiet(fake_verify: dict[str, Any]) -> None:
+    loud = invoke("verify", "alice/x")
+    assert "info from the verification" in loud.stderr and "warning from the verification" in loud.stderr
+    quiet = invoke("verify", "alice/x", "--quiet")
+    assert quiet.exit_code == 0
+    assert "info from the verification" not in quiet.stderr and "warning from the verification" in quiet.stderr
+
+
+# ---------------------------------------------------------------- publish (job.run replaced by a recorder)
+
+@pytest.fixture
+def fake_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[PublishRequest]:
+    """Replace the publish job with a recorder; each call appends its request and returns one
+    verified, unpushed outcome per recipe (a recipe named "broken" fails)."""
+    from publisher import job
+
+    seen: list[PublishRequest] = []
+
+    def run(req: PublishRequest) -> list[Outcome]:
+        seen.append(req)
+        logging.getLogger("publisher.job").info("info from the job")
+        logging.getLogger("publisher.job").warning("warning from the job")
+        names = [n for value in req.quant for n in value.split(",")]
+        return [Outcome(recipe=n, repo_id=f"alice/m-{n}", folder=tmp_path / n, verified=n != "broken",
+                        error="injected" if n == "broken" else None) for n in names]
+
+    monkeypatch.setattr(job, "run", run)
+    return seen
+
+
+def publish(*args: str, env: dict[str, str] | None = None) -> Result:
+    return invoke("some/model", "--quant", "int8wo", *args, env=env)
+
+
+def test_publish_help() -> None:
+    for args in (["publish", "--help"], ["some/model", "--help"], ["publish", "-h"]):
+        result = invoke(*args)
+        assert result.exit_code == 0
+        assert result.stdout.startswith("Usage: hf-ao-publish publish [OPTIONS] MODEL_ID")
+    assert "--quant RECIPE" in result.stdout and ", ".join(recipe_registry.names()) in " ".join(result.stdout.split())
+
+
+def test_publish_model_id(fake_run: list[PublishRequest], tmp_path: Path) -> None:
+    for args in (["some/model"], ["publish", "some/model"]):
+        result = invoke(*args, "--quant", "int8wo")
+        assert result.exit_code == 0, result.output
+        assert fake_run[-1].model == "some/model"
+        assert result.stdout == f"{tmp_path / 'int8wo'}\n"
+        assert f"int8wo: verified repo folder at {tmp_path / 'int8wo'}" in result.stderr
+    assert invoke("publish", "--quant", "int8wo").exit_code == 2
+
+
+def test_publish_quant(fake_run: list[PublishRequest]) -> None:
+    assert publish("--quant", "float8wo,int8dq").exit_code == 0
+    assert fake_run[-1].quant == ["int8wo", "float8wo,int8dq"]
+    result = invoke("some/model")
+    assert result.exit_code == 2 and "Missing option '--quant'" in result.stderr
+
+
+def test_publish_unknown_recipe_is_a_usage_error() -> None:
+    # the real job: the recipe is checked before anything is read
+    result = invoke("some/model", "--quant", "int3", "--no-push")
+    assert result.exit_code == 2
+    assert "unknown recipe 'int3'; choose one of: " + ", ".join(recipe_registry.names()) in result.stderr
+
+
+def test_publish_components(fake_run: list[PublishRequest]) -> None:
+    assert publish().exit_code == 0 and fake_run[-1].components is None
+    assert publish("--components", "transformer, text_encoder_2,").exit_code == 0
+    assert fake_run[-1].components == ["transformer", "text_encoder_2"]
+
+
+def test_publish_exclude(fake_run: list[PublishRequest]) -> None:
+    assert publish("--exclude", "proj_out", "--exclude", "norm_out.linear").exit_code == 0
+    assert fake_run[-1].exclude == ["proj_out", "norm_out.linear"]
+
+
+def test_publish_repo_id(fake_run: list[PublishRequest]) -> None:
+    assert publish("--repo-id", "acme/m-{recipe}").exit_code == 0
+    assert fake_run[-1].repo_id == "acme/m-{recipe}"
+
+
+def test_publish_malformed_repo_id_is_a_usage_error() -> None:
+    result = invoke("some/model", "--quant", "int8wo", "--no-push", "--repo-id", "no-namespace")  # the real job
+    assert result.exit_code == 2
+    assert "--repo-id 'no-namespace' is not a valid Hub repo id" in result.stderr
+
+
+def test_publish_revision(fake_run: list[PublishRequest]) -> None:
+    assert publish("--revision", "refs/pr/1").exit_code == 0
+    assert fake_run[-1].revision == "refs/pr/1"
+
+
+def test_publish_private(fake_run: list[PublishRequest]) -> None:
+    assert publish().exit_code == 0 and fake_run[-1].private is False
+    assert publish("--private").exit_code == 0 and fake_run[-1].private is True
+
+
+def test_publish_token(fake_run: list[PublishRequest]) -> None:
+    result = publish("--token", SECRET, "--repo-id", "alice/m")
+    assert result.exit_code == 0 and fake_run[-1].token == SECRET
+    assert SECRET not in result.output and SECRET not in fake_run[-1].command
+    assert SECRET not in repr(fake_run[-1])
+    result = publish(env={"HF_TOKEN": SECRET})
+    assert result.exit_code == 0 and fake_run[-1].token == SECRET and SECRET not in result.output
+
+
+def test_publish_without_a_token_cannot_push() -> None:
+    result = invoke("some/model", "--quant", "int8wo")  # the real job, no token anywhere (conftest)
+    assert result.exit_code == 1
+    assert "pushing needs a Hub token" in result.stderr
+
+
+def test_publish_output_dir(fake_run: list[PublishRequest], tmp_path: Path) -> None:
+    assert publish("--output-dir", str(tmp_path / "out")).exit_code == 0
+    assert fake_run[-1].output_dir == tmp_path / "out"
+    assert "--output-dir" not in fake_run[-1].command  # a local path says nothing about the published bytes
+
+
+def test_publish_output_dir_must_be_a_new_or_empty_folder(tmp_path: Path) -> None:
+    (tmp_path / "file").write_text("")
+    result = invoke("some/model", "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "file"))
+    assert result.exit_code == 2 and f"Directory '{tmp_path / 'file'}' is a file" in result.stderr
+    result = invoke("some/model", "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path))  # the real job
+    assert result.exit_code == 1
+    assert f"--output-dir {tmp_path} is not empty; choose an empty or new folder" in result.stderr
+
+
+def test_publish_no_push(fake_run: list[PublishRequest]) -> None:
+    assert publish().exit_code == 0 and fake_run[-1].push is True
+    assert publish("--no-push").exit_code == 0 and fake_run[-1].push is False
+
+
+def test_publish_create_pr(fake_run: list[PublishRequest]) -> None:
+    assert publish().exit_code == 0 and fake_run[-1].create_pr is False
+    assert publish("--create-pr").exit_code == 0 and fake_run[-1].create_pr is True
+
+
+def test_publish_trust_remote_code(fake_run: list[PublishRequest]) -> None:
+    assert publish().exit_code == 0 and fake_run[-1].trust_remote_code is False
+    assert publish("--trust-remote-code").exit_code == 0 and fake_run[-1].trust_remote_code is True
+
+
+def test_publish_keep_going(fake_run: list[PublishRequest]) -> None:
+    result = publish("--quant", "broken", "--keep-going")
+    assert fake_run[-1].keep_going is True
+    assert result.exit_code == 1
+    assert "broken: FAILED: injected" in result.stderr
+    assert result.stderr.splitlines()[-1] == "Error: 1 of 2 recipes failed"
+
+
+def test_publish_verify_env(fake_run: list[PublishRequest]) -> None:
+    assert publish("--verify-env", "/venv-a/bin/python", "--verify-env", "/venv-b/bin/python").exit_code == 0
+    assert fake_run[-1].verify_envs == ("/venv-a/bin/python", "/venv-b/bin/python")
+    assert fake_run[-1].verify_mode == "full"  # whole reloads in the other interpreters
+    result = publish("--verify-env", "/venv-a/bin/python", "--verify-mode", "streaming")
+    assert result.exit_code == 2 and "--verify-env reloads whole components" in result.stderr
+
+
+def test_publish_sample_prompt(fake_run: list[PublishRequest]) -> None:
+    assert publish("--sample-prompt", "a red fox").exit_code == 0
+    assert fake_run[-1].sample_prompt == "a red fox"
+
+
+def test_publish_sample_steps(fake_run: list[PublishRequest]) -> None:
+    assert publish().exit_code == 0 and fake_run[-1].sample_steps == 28
+    assert publish("--sample-steps", "2").exit_code == 0 and fake_run[-1].sample_steps == 2
+    result = publish("--sample-steps", "0")
+    assert result.exit_code == 2 and "--sample-steps" in result.stderr
+
+
+def test_publish_sample_size(fake_run: list[PublishRequest]) -> None:
+    assert publish().exit_code == 0 and fake_run[-1].sample_size == 1024
+    assert publish("--sample-size", "64").exit_code == 0 and fake_run[-1].sample_size == 64
+    result = publish("--sample-size", "8")
+    assert result.exit_code == 2 and "--sample-size" in result.stderr
+
+
+def test_publish_benchmark(fake_run: list[PublishRequest]) -> None:
+    assert publish().exit_code == 0 and fake_run[-1].benchmark is False
+    assert publish("--benchmark").exit_code == 0 and fake_run[-1].benchmark is True
+    result = publish("--benchmark", "--low-disk")
+    assert result.exit_code == 2 and "--low-disk does not download" in result.stderr
+
+
+def test_publish_engine(fake_run: list[PublishRequest]) -> None:
+    assert publish().exit_code == 0 and fake_run[-1].engine == "auto"
+    assert publish("--engine", "library").exit_code == 0 and fake_run[-1].engine == "library"
+    result = publish("--engine", "fast")
+    assert result.exit_code == 2 and "'fast' is not one of 'auto', 'streaming', 'library'" in result.stderr
+
+
+def test_publish_low_disk(fake_run: list[PublishRequest]) -> None:
+    assert publish().exit_code == 0 and fake_run[-1].low_disk is None
+    assert publish("--low-disk").exit_code == 0 and fake_run[-1].low_disk is True
+    assert publish("--no-low-disk").exit_code == 0 and fake_run[-1].low_disk is False
+    result = publish("--low-disk", "--engine", "library")
+    assert result.exit_code == 2 and "only the streaming engine does" in result.stderr
+
+
+def test_publish_verify_mode(fake_run: list[PublishRequest]) -> None:
+    assert publish().exit_code == 0 and fake_run[-1].verify_mode == "auto"
+    assert publish("--verify-mode", "streaming").exit_code == 0 and fake_run[-1].verify_mode == "streaming"
+    assert publish("--verify-mode", "sometimes").exit_code == 2
+
+
+def test_publish_json(fake_run: list[PublishRequest], tmp_path: Path) -> None:
+    result = publish("--json")
+    assert result.exit_code == 0
+    data = json.loads(result.stdout)
+    assert data["recipe"] == "int8wo" and data["repo_id"] == "alice/m-int8wo" and data["verified"] is True
+    assert data["folder"] == str(tmp_path / "int8wo")
+    result = publish("--quant", "float8wo", "--json")
+    data = json.loads(result.stdout)
+    assert [r["recipe"] for r in data["results"]] == ["int8wo", "float8wo"] and data["verified"] is True
+
+
+def test_publish_debug(monkeypatch: pytest.MonkeyPatch) -> None:
+    from publisher import job
+
+    def run(req: PublishRequest) -> list[Outcome]:
+        raise TargetError("cannot write to the namespace 'bob'; use a token of bob")
+
+    monkeypatch.setattr(job, "run", run)
+    result = publish()
+    assert result.exit_code == 1
+    assert result.stderr.splitlines()[-1] == "Error: cannot write to the namespace 'bob'; use a token of bob"
+    with pytest.raises(TargetError, match="namespace 'bob'"):
+        publish("--debug")
+
+
+def test_publish_quiet(fake_run: list[PublishRequest]) -> None:
+    loud = publish()
+    assert "info from the job" in loud.stderr and "warning from the job" in loud.stderr
+    quiet = publish("--quiet")
+    assert quiet.exit_code == 0
+    assert "info from the job" not in quiet.stderr and "warning from the job" in quiet.stderr
+
+
+def test_publish_records_the_command_without_secrets_or_local_paths(fake_run: list[PublishRequest], tmp_path: Path) -> None:
+    assert publish("--repo-id", "acme/m", "--token", SECRET, "--output-dir", str(tmp_path / "o"), "--json",
+                   "--quiet", *SMALL).exit_code == 0
+    assert fake_run[-1].command == "hf-ao-publish some/model --quant int8wo --repo-id acme/m --sample-steps 2 --sample-size 64"
+
+
+# ---------------------------------------------------------------- library noise
+
+# Lines a successful run printed before the filter (torch 2.13, torchao 0.18, diffusers 0.42).
+NOISE = [
+    ("torchao", ("Failed to load /venv/site-packages/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so: "
+                 "Could not load this library: /venv/site-packages/torchao/_C_mxfp8.cpython-310-x86_64-linux-gnu.so")),
+    ("torchao", ("Failed to load /venv/site-packages/torchao/_C_cutlass_90a.abi3.so: Could not load this library: "
+                 "/venv/site-packages/torchao/_C_cutlass_90a.abi3.so")),
+    ("torchao.kernel.intmm", "Warning: Detected no triton, on systems without Triton certain kernels will not work"),
+    ("torch.utils._pytree", ("<enum 'KernelPreference'> is an Enum subclass and is now natively supported by "
+                             "torch.compile as an opaque value type. Calling register_constant() on Enum subclasses "
+                             "is deprecated and will be an error in a future release.")),
+    ("diffusers.quantizers.torchao.torchao_quantizer",
+     "Unable to import `torchao` Tensor objects. This may affect loading checkpoints serialized with `torchao`"),
+]
+NOISE_MARKS = ("Failed to load", "Detected no triton", "register_constant()", "Unable to import `torchao` Tensor objects")
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_known_library_noise_is_hidden_unless_debug(capsys: pytest.CaptureFixture[str], debug: bool) -> None:
+    logs.setup(debug=debug)
+    for name, message in NOISE:
+        logging.getLogger(name).warning(message)
+    # the same loggers keep saying what is not on the list
+    logging.getLogger("torchao").warning("Failed to load /venv/site-packages/torchao/_C.abi3.so: undefined symbol")
+    logging.getLogger("diffusers.models.modeling_utils").warning("some weights were not used")
+    err = capsys.readouterr().err
+    assert "torchao: Failed to load /venv/site-packages/torchao/_C.abi3.so: undefined symbol" in err
+    assert "diffusers.models.modeling_utils: some weights were not used" in err
+    for name, message in NOISE:
+        assert (f"{name}: {message}" in err) is debug
+
+
+@pytest.mark.slow  # two fresh interpreters importing torch, torchao, diffusers and transformers
+def test_library_loggers_keep_our_handler_whoever_is_imported_first() -> None:
+    code = ("import logging, sys\nfrom publisher import logs\n"
+            "import huggingface_hub\nlogs.setup(debug='-d' in sys.argv)\n"
+            "import torchao, diffusers.quantizers.torchao.torchao_quantizer, transformers\n"
+            "from diffusers.utils import logging as dl\ndl.get_logger('diffusers.x').warning('diffusers says')\n"
+            "from transformers.utils import logging as tl\ntl.get_logger('transformers.x').warning('transformers says')\n"
+            "print(sorted({type(h).__name__ for n in logs.LIBRARIES for h in logging.getLogger(n).handlers}))\n")
+    quiet = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300)
+    assert quiet.returncode == 0, quiet.stderr
+    assert quiet.stdout.strip() == "['_Stderr']"
+    assert quiet.stderr.splitlines() == ["diffusers.x: diffusers says", "transformers.x: transformers says"]
+    debug = subprocess.run([sys.executable, "-c", code, "-d"], check=False, capture_output=True, text=True, timeout=300)
+    assert any(mark in debug.stderr for mark in NOISE_MARKS), debug.stderr
+
+
+@pytest.mark.slow
+def test_a_successful_publish_prints_no_library_noise(tiny_flux_dir: Path, tmp_path: Path) -> None:
+    def run(out: str, *extra: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "publisher.cli", str(tiny_flux_dir), "--quant", "int8wo", "--no-push",
+               "--output-dir", str(tmp_path / out), *SMALL, *extra]
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+
+    clean = run("out")
+    assert clean.stdout == f"{tmp_path / 'out'}\n"
+    noisy = [line for line in clean.stderr.splitlines() if any(mark in line for mark in NOISE_MARKS)]
+    assert not noisy, noisy
+    assert "int8wo: verified repo folder at" in clean.stderr
+    shown = [line for line in run("debug", "--debug").stderr.splitlines() if any(mark in line for mark in NOISE_MARKS)]
+    assert shown  # --debug shows what the filter hides (which lines depends on the machine)
+    assert all(logs.is_harmless(logging.makeLogRecord({"name": line.split(": ", 1)[0], "msg": line.split(": ", 1)[1]}))
+               for line in shown), shown
