@@ -115,8 +115,8 @@ def _rss() -> int:
 def child_library(a: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     import diffusers  # noqa: F401 - import cost reported apart
-    from diffusers import FluxTransformer2DModel  # noqa: F401 - diffusers imports model modules lazily
     import torch
+    from diffusers import FluxTransformer2DModel  # noqa: F401 - diffusers imports model modules lazily
 
     from publisher import recipes
     from publisher.recipes import build_config
@@ -138,8 +138,8 @@ def child_library(a: argparse.Namespace) -> dict:
 def child_stream(a: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     import diffusers  # noqa: F401 - the same imports as the other children, timed apart
-    from diffusers import FluxTransformer2DModel  # noqa: F401 - diffusers imports model modules lazily
     import torchao.quantization  # noqa: F401
+    from diffusers import FluxTransformer2DModel  # noqa: F401 - diffusers imports model modules lazily
 
     from publisher import recipes
     from publisher.streaming import stream_quantize
@@ -169,8 +169,8 @@ def child_floor(a: argparse.Namespace) -> dict:
     """Read every tensor, quantize Linear weights with torchao on a bare nn.Linear, write the bytes: no framework."""
     t0 = time.perf_counter()
     import diffusers  # noqa: F401 - the same imports as the other children
-    from diffusers import FluxTransformer2DModel  # noqa: F401 - diffusers imports model modules lazily
     import torch
+    from diffusers import FluxTransformer2DModel  # noqa: F401 - diffusers imports model modules lazily
     from torchao.quantization import quantize_
 
     from publisher import recipes

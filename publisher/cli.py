@@ -11,13 +11,17 @@ import os
 import shlex
 import textwrap
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 import click
 
 from publisher import __version__
 from publisher import recipes as recipe_registry
+
+if TYPE_CHECKING:  # types only: the job and its stages are imported when a command runs
+    from publisher.job import Engine
+    from publisher.verify.report import Mode
 
 RECIPES_WIDTH = 100  # `hf-ao-publish recipes` fits a 100-column terminal
 
@@ -167,8 +171,8 @@ def recipes_cmd(as_json: bool) -> None:
 def publish_cmd(model_id: str, quant: tuple[str, ...], components: str | None, exclude: tuple[str, ...], repo_id: str | None,
                 revision: str | None, private: bool, token: str | None, output_dir: Path | None, no_push: bool,
                 create_pr: bool, trust_remote_code: bool, keep_going: bool, verify_envs: tuple[str, ...],
-                sample_prompt: str | None, sample_steps: int, sample_size: int, benchmark: bool, engine: str, low_disk: bool | None,
-                verify_mode: str, as_json: bool, debug: bool, quiet: bool) -> None:
+                sample_prompt: str | None, sample_steps: int, sample_size: int, benchmark: bool, engine: Engine, low_disk: bool | None,
+                verify_mode: Mode, as_json: bool, debug: bool, quiet: bool) -> None:
     """Quantize MODEL_ID (Hub repo id or local folder), verify, card and push it.
 
     \b

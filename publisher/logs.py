@@ -75,7 +75,7 @@ class _Format(logging.Formatter):
         return f"{record.name}: {record.message}"
 
 
-class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+class _Stderr(logging.StreamHandler):
     """Writes to the current ``sys.stderr`` (click's test runner swaps it); drops HARMLESS unless --debug."""
 
     def __init__(self, show_harmless: bool) -> None:

@@ -104,9 +104,8 @@ def test_flux_files_and_card(flux_dir: Path) -> None:
 
 
 def test_flux_weights_bf16_and_dims(flux_dir: Path) -> None:
-    from safetensors import safe_open
-
     import torch
+    from safetensors import safe_open
 
     for rel in ("transformer/diffusion_pytorch_model.safetensors", "text_encoder/model.safetensors",
                 "text_encoder_2/model.safetensors", "vae/diffusion_pytorch_model.safetensors"):

@@ -96,10 +96,10 @@ def test_block_forward_equals_a_full_reload(streamed: Any, tiny_flux_dir: Path, 
                                             sub: str, lib: str, cls: str, budget: int) -> None:
     import torch
 
-    from publisher.verify.inputs import build_inputs
-    from publisher.streaming.shards import LocalShards
-    from publisher.verify.streaming import block_forward
     from publisher.loadpath import forward, load_component
+    from publisher.streaming.shards import LocalShards
+    from publisher.verify.inputs import build_inputs
+    from publisher.verify.streaming import block_forward
 
     out, _ = streamed(sub, lib, cls, "int8wo")
     config = json.loads((out / "config.json").read_text())
@@ -299,9 +299,9 @@ def test_option_conflicts_are_usage_errors(cli: Any, tiny_flux_dir: Path, args: 
 def test_block_forward_failure_counts_unless_the_recipe_runs_on_a_gpu(streamed: Any, tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch, optional: bool) -> None:
     """A CPU without a GPU recipe's kernel costs the forward check (said in the detail); any other failure fails."""
+    from publisher.streaming.shards import LocalShards
     from publisher.verify import streaming as verify_stream
     from publisher.verify.inputs import build_inputs, save_inputs
-    from publisher.streaming.shards import LocalShards
     from publisher.verify.report import Expected
     from publisher.verify.streaming import streaming_check
 
