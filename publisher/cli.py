@@ -313,7 +313,7 @@ def _report(outcomes: list[Any], as_json: bool, keep_going: bool) -> None:
         if not as_json and not o.error:
             click.echo(o.pr_url or o.url or str(o.folder))
     if failed:
-        raise _Failure(f"{len(failed)} of {len(outcomes)} recipes failed" + ("" if keep_going else ""), 1)
+        raise _Failure(f"{len(failed)} of {len(outcomes)} recipes failed", 1)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ class UsageError(PublishError):
 
 
 class HardwareError(PublishError):
-    """The recipe cannot run on this machine (e.g. FP8 dynamic needs CUDA CC >= 8.9)."""
+    """The recipe cannot be made on this machine (e.g. int4wo needs a CUDA GPU with compute capability >= 8.0)."""
 
 
 class SourceError(PublishError):

@@ -27,7 +27,7 @@ from publisher import recipes as recipe_registry
 from publisher.cli import RECIPES_WIDTH, main
 from publisher.errors import SourceError, TargetError
 from publisher.job import Outcome, PublishRequest
-from publisher.verify.full import PathResult, VerifyReport
+from publisher.verify.report import PathResult, VerifyReport
 
 SMALL = ["--sample-steps", "2", "--sample-size", "64"]
 SECRET = "hf_s3cret_never_printed"

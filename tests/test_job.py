@@ -10,7 +10,7 @@ import pytest
 
 from publisher import recipes
 
-CPU_RECIPES = [r.name for r in recipes.all_recipes() if not r.quantize.cuda]
+CPU_RECIPES = [r.name for r in recipes.all_recipes() if not r.needs_gpu_to_quantize and not r.run.cuda]  # made and run on a CPU
 SMALL = ["--sample-steps", "2", "--sample-size", "64"]
 
 

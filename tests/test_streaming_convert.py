@@ -19,7 +19,7 @@ from publisher.errors import QuantizeError
 
 # Recipes a CPU can quantize: natively, or (FP8 dynamic) through publisher.fp8cpu's bypass, which both
 # paths then run inside.
-CPU_RECIPES = [r for r in recipes.all_recipes() if not r.quantize.cuda or getattr(r, "cpu_producible", False)]
+CPU_RECIPES = [r for r in recipes.all_recipes() if not r.needs_gpu_to_quantize]  # made on a CPU
 pytestmark = pytest.mark.slow
 
 

@@ -14,7 +14,7 @@ from conftest import seed
 
 from publisher import recipes
 
-CPU_RECIPES = [r.name for r in recipes.all_recipes() if not r.quantize.cuda or r.cpu_producible]
+CPU_RECIPES = [r.name for r in recipes.all_recipes() if not r.needs_gpu_to_quantize]  # made on a CPU
 SMALL = ["--sample-steps", "2", "--sample-size", "64"]
 COMPONENTS = [("transformer", "diffusers", "FluxTransformer2DModel"), ("text_encoder_2", "transformers", "T5EncoderModel"),
               ("", "transformers", "LlamaForCausalLM")]

@@ -56,7 +56,7 @@ def _static_reason(library: str, src_dir: Path, recipe: Any, device: str) -> str
         return f"{src_dir} has no config.json"
     needs = recipe.quantize
     if device == "cpu":
-        if needs.cuda and not _cpu_producible(recipe):
+        if recipe.needs_gpu_to_quantize or (needs.cuda and not _cpu_producible(recipe)):
             return f"{recipe.name} quantizes on a {needs.describe()} only; run it on such a GPU"
         return None
     cc = cuda_capability()
