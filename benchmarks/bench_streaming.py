@@ -36,34 +36,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-FLUX_DEV = dict(patch_size=1, in_channels=64, num_attention_heads=24, attention_head_dim=128,
-                joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
-                axes_dims_rope=(16, 56, 56))
-FLUX_DEV_BYTES = 23.8e9
+from publisher.testing.checkpoints import compare_checkpoints  # noqa: E402 - after the path insert
+from publisher.testing.configs import FLUX_DEV_BF16_BYTES, flux_dev_blocks, flux_dev_shaped  # noqa: E402
+
 GIB = 1024 ** 3
 
 
 # ------------------------------------------------------------------ checkpoint
-
-def _meta_bytes(layers: int, singles: int) -> int:
-    import torch
-    from accelerate import init_empty_weights
-    from diffusers import FluxTransformer2DModel
-
-    with init_empty_weights():
-        m = FluxTransformer2DModel(num_layers=layers, num_single_layers=singles, **FLUX_DEV)
-    return sum(p.numel() for p in m.state_dict().values()) * torch.bfloat16.itemsize
-
-
-def choose_blocks(size_gb: float) -> tuple[int, int]:
-    """Double/single block counts for ~size_gb, keeping FLUX.1-dev's 1:2 ratio where possible."""
-    base = _meta_bytes(0, 0)
-    dbl, sgl = _meta_bytes(1, 0) - base, _meta_bytes(0, 1) - base
-    target = size_gb * 1e9
-    d = max(1, round((target - base) / (dbl + 2 * sgl)))
-    s = max(1, round((target - base - d * dbl) / sgl))
-    return d, s
-
 
 def build_checkpoint(folder: Path, layers: int, singles: int, shards: int = 3) -> int:
     """Write config.json, the index and `shards` safetensors files, one random bf16 tensor at a time."""
@@ -76,7 +55,7 @@ def build_checkpoint(folder: Path, layers: int, singles: int, shards: int = 3) -
 
     folder.mkdir(parents=True, exist_ok=True)
     with init_empty_weights():
-        model = FluxTransformer2DModel(num_layers=layers, num_single_layers=singles, **FLUX_DEV)
+        model = FluxTransformer2DModel.from_config(flux_dev_shaped(layers, singles))
     model.save_config(folder)
     specs = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     sizes = {k: math.prod(s) * 2 for k, s in specs.items()}
@@ -309,7 +288,7 @@ def run_publish(work: Path, ckpt: Path, recipe: str) -> dict:
 
 
 def report_publish(pub: dict, size: int) -> None:
-    scale = FLUX_DEV_BYTES / size
+    scale = FLUX_DEV_BF16_BYTES / size
     stages = ", ".join(f"{k} {v:.1f}s" for k, v in pub["seconds"].items())
     print("\nwhole publish run (CLI, --low-disk: range reads in, each output shard checked, uploaded and deleted, "
           "committed as a pull request, checked block by block on it, merged):")
@@ -328,35 +307,10 @@ def report_publish(pub: dict, size: int) -> None:
 # ------------------------------------------------------------------ comparison and report
 
 def same_output(a: Path, b: Path) -> str:
-    from publisher.streaming import safetensors_io as stio
-
-    names = sorted(p.name for p in a.iterdir())
-    if names != sorted(p.name for p in b.iterdir()):
-        return f"file lists differ: {names} vs {sorted(p.name for p in b.iterdir())}"
-    for name in names:
-        pa, pb = a / name, b / name
-        if name.endswith(".safetensors"):
-            ha, hb = stio.read_header(pa), stio.read_header(pb)
-            if ha != hb:
-                return f"{name}: parsed headers differ"
-            start = min(e.begin for e in ha[1].values())  # same header length: same content, maybe reordered keys
-            if pa.stat().st_size != pb.stat().st_size or not _same_bytes(pa, pb, start):
-                return f"{name}: tensor bytes differ"
-        elif pa.read_bytes() != pb.read_bytes():
-            return f"{name} differs"
-    return "identical (tensor bytes, parsed headers, index, config)"
-
-
-def _same_bytes(a: Path, b: Path, start: int, chunk: int = 64 << 20) -> bool:
-    with open(a, "rb") as fa, open(b, "rb") as fb:
-        fa.seek(start)
-        fb.seek(start)
-        while True:
-            x, y = fa.read(chunk), fb.read(chunk)
-            if x != y:
-                return False
-            if not x:
-                return True
+    result = compare_checkpoints(a, b)
+    if result.identical:
+        return "identical (tensor bytes, parsed headers, index, config)"
+    return "; ".join(result.differences()[:5])
 
 
 def _work(r: dict) -> float:
@@ -365,7 +319,7 @@ def _work(r: dict) -> float:
 
 
 def report(size: int, recipe: str, lib: dict, st: dict, floor: dict, verdict: str, blocks: tuple[int, int]) -> None:
-    scale = FLUX_DEV_BYTES / size
+    scale = FLUX_DEV_BF16_BYTES / size
 
     def g(x: float) -> str:
         return f"{x / GIB:6.2f}"
@@ -382,13 +336,13 @@ def report(size: int, recipe: str, lib: dict, st: dict, floor: dict, verdict: st
     base = lib["import_rss"]  # what torch & co cost before any weight; the rest grows with the model
     lib_proj = base + (lib["rss"] - base) * scale
     out_ratio = st["out_bytes"] / size
-    print(f"\nprojection to FLUX.1-dev ({FLUX_DEV_BYTES / 1e9:.1f} GB bf16, x{scale:.1f}; linear in bytes, same largest tensor):")
+    print(f"\nprojection to FLUX.1-dev ({FLUX_DEV_BF16_BYTES / 1e9:.1f} GB bf16, x{scale:.1f}; linear in bytes, same largest tensor):")
     print(f"  library:   RSS ~{lib_proj / GIB:.1f} GiB, wall ~{lib['wall'] * scale / 60:.1f} min, "
           f"disk ~{lib['peak_disk'] * scale / GIB:.1f} GiB (snapshot + output)")
     # FLUX.1-dev's largest input shard is ~10 GB; outputs are out_ratio of the input.
     print(f"  streaming: RSS ~{st['rss'] / GIB:.1f} GiB (does not grow), wall ~{st['wall'] * scale / 60:.1f} min, "
-          f"disk ~{(10e9 + out_ratio * FLUX_DEV_BYTES) / GIB:.1f} GiB with shards downloaded one at a time (largest "
-          f"input shard + outputs), ~{out_ratio * FLUX_DEV_BYTES / GIB:.1f} GiB with --low-disk (HTTP range: outputs only)")
+          f"disk ~{(10e9 + out_ratio * FLUX_DEV_BF16_BYTES) / GIB:.1f} GiB with shards downloaded one at a time (largest "
+          f"input shard + outputs), ~{out_ratio * FLUX_DEV_BF16_BYTES / GIB:.1f} GiB with --low-disk (HTTP range: outputs only)")
     print(f"  floor:     wall ~{floor['wall'] * scale / 60:.1f} min")
     print(f"\noutputs: {verdict}")
 
@@ -422,7 +376,7 @@ def main() -> None:
         shutil.rmtree(d, ignore_errors=True)
     floor_out.mkdir()
     try:
-        blocks = choose_blocks(a.size_gb)
+        blocks = flux_dev_blocks(a.size_gb)
         t = time.perf_counter()
         size = build_checkpoint(hub, *blocks)
         print(f"built {hub} ({size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f}s", file=sys.stderr)

@@ -93,14 +93,18 @@ def meta_model(library: str, class_name: str, config: Any) -> Any:
 
 
 def _load_manual(req: dict[str, Any]) -> Any:
+    return load_manual(req["library"], req["class_name"], _local_folder(req))
+
+
+def load_manual(library: str, class_name: str, folder: Path) -> Any:
+    """The manual path (module docstring) from a local component folder, on the CPU."""
     from safetensors import safe_open
     from safetensors.torch import load_file
     from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
 
-    folder = _local_folder(req)
-    cls = _model_class(req["library"], req["class_name"])
-    config = cls.load_config(folder) if req["library"] == "diffusers" else cls.config_class.from_pretrained(folder)
-    model = meta_model(req["library"], req["class_name"], config)
+    cls = _model_class(library, class_name)
+    config = cls.load_config(folder) if library == "diffusers" else cls.config_class.from_pretrained(folder)
+    model = meta_model(library, class_name, config)
     shards = sorted(folder.glob("*.safetensors"))
     if not shards:
         raise FileNotFoundError(f"no safetensors files in {folder}")
@@ -121,7 +125,8 @@ def _load_manual(req: dict[str, Any]) -> Any:
         metadata.update(meta)
         tensors.update(load_file(str(shard)))
     if names:
-        metadata["tensor_names"] = json.dumps(names)
+        # diffusers writes the whole model's tensor_names into every shard; torchao's unflatten fails on a repeat
+        metadata["tensor_names"] = json.dumps(list(dict.fromkeys(names)))
         state, leftover = unflatten_tensor_state_dict(tensors, metadata)
         state.update(leftover)
     else:

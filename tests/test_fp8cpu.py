@@ -20,10 +20,11 @@ from torchao.quantization import (
     PerTensor,
     quantize_,
 )
-from torchao.quantization.quantize_.workflows import QuantizeTensorToFloat8Kwargs
 
 from publisher import fp8cpu, recipes
 from publisher.errors import QuantizeError
+from publisher.testing.configs import FLUX_TINY_FP8, flux_transformer
+from publisher.testing.fp8_checks import expected_act_kwargs
 
 # With a GPU of CC >= 8.9 present torchao itself accepts CPU weights, so "refuses" cannot be shown.
 needs_no_fp8_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="torchao's refusal shows only without a GPU")
@@ -38,23 +39,6 @@ def _sequential(seed: int = 0) -> torch.nn.Sequential:
     return torch.nn.Sequential(
         torch.nn.Linear(64, 32), torch.nn.GELU(), torch.nn.Linear(32, 48), torch.nn.Linear(48, 16, bias=False),
     ).to(torch.bfloat16)
-
-
-def _expected_act_kwargs(config: Float8DynamicActivationFloat8WeightConfig) -> QuantizeTensorToFloat8Kwargs:
-    return QuantizeTensorToFloat8Kwargs(config.activation_dtype, config.granularity[0],
-                                        hp_value_lb=config.activation_value_lb, hp_value_ub=config.activation_value_ub,
-                                        kernel_preference=config.kernel_preference)
-
-
-def _tiny_flux():
-    from diffusers import FluxTransformer2DModel
-
-    torch.manual_seed(0)
-    # inner dim 96 (3 heads x 32): every Linear has dims that are multiples of 16, none is 128x128
-    return FluxTransformer2DModel.from_config(dict(
-        patch_size=1, in_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=32, num_attention_heads=3,
-        joint_attention_dim=32, pooled_projection_dim=32, guidance_embeds=True, axes_dims_rope=(8, 12, 12),
-    )).to(torch.bfloat16)
 
 
 @needs_no_fp8_gpu
@@ -76,7 +60,7 @@ def test_sequential_quantizes_like_the_config_says(per_row: bool):
         assert w.scale.dtype == torch.float32
         assert tuple(w.scale.shape) == ((ref.shape[0], 1) if per_row else (1, 1))
         assert w.block_size == ([1, ref.shape[1]] if per_row else list(ref.shape))
-        assert w.act_quant_kwargs == _expected_act_kwargs(config)
+        assert w.act_quant_kwargs == expected_act_kwargs(config)
         assert w.mm_config == config.mm_config and w.mm_config.use_fast_accum
         assert w.kernel_preference == config.kernel_preference
         report = fp8cpu.check_dequantized(w, ref)
@@ -190,7 +174,7 @@ def test_recipe_support_flags():
 def test_tiny_flux_saves_reloads_and_carries_the_normal_config(tmp_path):
     from diffusers import FluxTransformer2DModel, TorchAoConfig
 
-    base = _tiny_flux()
+    base = flux_transformer(FLUX_TINY_FP8)  # every Linear dim a multiple of 16, none 128x128
     base.save_pretrained(tmp_path / "bf16")
     originals = {n: m.weight.detach().clone() for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)}
     config = recipes.build_config(recipes.get("float8dq"))
@@ -201,7 +185,7 @@ def test_tiny_flux_saves_reloads_and_carries_the_normal_config(tmp_path):
     assert weights and all(isinstance(w, Float8Tensor) for w in weights.values())
     for name, w in weights.items():
         assert tuple(w.scale.shape) == (w.shape[0], 1) and w.scale.dtype == torch.float32
-        assert w.act_quant_kwargs == _expected_act_kwargs(config)
+        assert w.act_quant_kwargs == expected_act_kwargs(config)
         assert fp8cpu.check_dequantized(w, originals[name]).ok, name
     model.save_pretrained(tmp_path / "q")
     assert list((tmp_path / "q").glob("*.safetensors")) and not list((tmp_path / "q").glob("*.bin"))

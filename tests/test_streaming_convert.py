@@ -28,14 +28,10 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def flux_src(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import torch
-    from diffusers import FluxTransformer2DModel
 
-    torch.manual_seed(0)
-    model = FluxTransformer2DModel(
-        patch_size=1, in_channels=16, num_layers=2, num_single_layers=2, attention_head_dim=16,
-        num_attention_heads=4, joint_attention_dim=48, pooled_projection_dim=32, axes_dims_rope=(4, 6, 6),
-        guidance_embeds=True,
-    ).to(torch.bfloat16)
+    from publisher.testing.configs import FLUX_TINY_SHARDED, flux_transformer
+
+    model = flux_transformer(FLUX_TINY_SHARDED, seed=0)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.5)
@@ -89,13 +85,15 @@ def _flux_out(path: Path) -> object:
     import torch
     from diffusers import FluxTransformer2DModel
 
+    from publisher.testing.configs import FLUX_TINY_SHARDED as cfg
+
     model = FluxTransformer2DModel.from_pretrained(path, torch_dtype=torch.bfloat16).eval()
     g = torch.Generator().manual_seed(1)
     seq, txt = 16, 8
     inputs = dict(
-        hidden_states=torch.randn(1, seq, 16, generator=g, dtype=torch.bfloat16),
-        encoder_hidden_states=torch.randn(1, txt, 48, generator=g, dtype=torch.bfloat16),
-        pooled_projections=torch.randn(1, 32, generator=g, dtype=torch.bfloat16),
+        hidden_states=torch.randn(1, seq, cfg["in_channels"], generator=g, dtype=torch.bfloat16),
+        encoder_hidden_states=torch.randn(1, txt, cfg["joint_attention_dim"], generator=g, dtype=torch.bfloat16),
+        pooled_projections=torch.randn(1, cfg["pooled_projection_dim"], generator=g, dtype=torch.bfloat16),
         timestep=torch.tensor([0.5], dtype=torch.bfloat16),
         guidance=torch.tensor([3.5], dtype=torch.bfloat16),
         img_ids=torch.zeros(seq, 3), txt_ids=torch.zeros(txt, 3),

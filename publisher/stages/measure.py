@@ -7,6 +7,8 @@ empty and only latency is measured.
 
 from __future__ import annotations
 
+import collections.abc
+import contextlib
 import gc
 import logging
 import statistics
@@ -23,14 +25,15 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def _sync(device: str) -> None:
+def sync(device: str) -> None:
     import torch
 
     if device == "cuda":
         torch.cuda.synchronize()
 
 
-def _allocated_mb(device: str, peak: bool = False) -> float | None:
+def allocated_mb(device: str, peak: bool = False) -> float | None:
+    """MiB allocated by torch on the GPU now (or at the peak since ``reset_peak``); None on a CPU."""
     import torch
 
     if device != "cuda":
@@ -38,14 +41,50 @@ def _allocated_mb(device: str, peak: bool = False) -> float | None:
     return round((torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()) / 2**20, 1)
 
 
-def _latency_ms(model: Any, library: str, inputs: dict[str, Any], device: str, iters: int) -> float:
-    forward(model, library, inputs)  # warm-up (and the compile, for a compiled model)
+def reset_peak(device: str) -> None:
+    import torch
+
+    if device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+
+
+@contextlib.contextmanager
+def gpu_memory(device: str) -> collections.abc.Iterator[dict[str, float | None]]:
+    """What the block allocates on the GPU, in MiB above its start: ``added`` (still held at its end) and
+    ``peak``; both stay None on a CPU."""
+    import torch
+
+    mem: dict[str, float | None] = {"added": None, "peak": None}
+    reset_peak(device)
+    if device != "cuda":
+        yield mem
+        return
+    start = torch.cuda.memory_allocated()
+    yield mem
+    sync(device)
+    mem["added"] = round((torch.cuda.memory_allocated() - start) / 2**20, 1)
+    mem["peak"] = round((torch.cuda.max_memory_allocated() - start) / 2**20, 1)
+
+
+def free(device: str) -> None:
+    """Collect garbage and hand cached GPU blocks back, so the next allocation figures start clean."""
+    gc.collect()
+    if device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+def latency_ms(model: Any, library: str, inputs: dict[str, Any], device: str, iters: int) -> float:
+    """Median milliseconds of ``iters`` forward passes after one warm-up (and the compile, for a compiled model)."""
+    forward(model, library, inputs)
     times = []
     for _ in range(iters):
-        _sync(device)
+        sync(device)
         start = time.perf_counter()
         forward(model, library, inputs)
-        _sync(device)
+        sync(device)
         times.append((time.perf_counter() - start) * 1e3)
     return round(statistics.median(times), 3)
 
@@ -54,30 +93,26 @@ def _measure(folder: Path, library: str, class_name: str, inputs_file: Path, dev
     import torch
     from safetensors.torch import load_file
 
-    before = _allocated_mb(device)
-    model = load_component(library, class_name, folder, device=device)
-    after = _allocated_mb(device)
+    with gpu_memory(device) as mem:
+        model = load_component(library, class_name, folder, device=device)
     inputs = {k: v.to(device) for k, v in load_file(str(inputs_file)).items()}
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
+    reset_peak(device)
     forward(model, library, inputs)
     row: dict[str, Any] = {
-        "weights_mb": round(after - before, 1) if after is not None and before is not None else None,
-        "forward_peak_mb": _allocated_mb(device, peak=True),
-        "eager_ms": _latency_ms(model, library, inputs, device, iters),
+        "weights_mb": mem["added"],
+        "forward_peak_mb": allocated_mb(device, peak=True),
+        "eager_ms": latency_ms(model, library, inputs, device, iters),
         "compiled_ms": None,
         "compile_error": None,
     }
     if compile:
         try:
-            row["compiled_ms"] = _latency_ms(torch.compile(model), library, inputs, device, iters)
+            row["compiled_ms"] = latency_ms(torch.compile(model), library, inputs, device, iters)
         except (RuntimeError, AssertionError, NotImplementedError, torch._dynamo.exc.TorchDynamoException) as exc:
             # a measurement, not a publication check: record why compile did not work
             row["compile_error"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
     del model, inputs
-    gc.collect()
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    free(device)
     return row
 
 

@@ -22,11 +22,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-# FLUX.1-dev's real dimensions, for contrast: inner dim 3072 (24 heads x 128), 19 double + 38 single blocks,
-# T5-XXL d_model 4096, CLIP-L hidden 768, latent 16 channels (x_embedder in_features 64).
-FLUX_HEADS, FLUX_HEAD_DIM = 2, 64  # inner dim 128
-FLUX_ROPE_AXES = (8, 28, 28)  # FLUX requires sum(axes_dims_rope) == attention_head_dim
-TEXT_DIM = 128  # CLIP hidden size (= pooled_projection_dim) and T5 d_model (= joint_attention_dim)
+from publisher.testing.configs import TINY_TEXT_DIM, tiny_pipeline_transformer
+
 T5_MAX_LENGTH = 512  # FLUX.1-dev's tokenizer_2 model_max_length
 CLIP_MAX_LENGTH = 77  # the pipeline pads CLIP prompts to tokenizer.model_max_length: must fit the position table
 
@@ -149,28 +146,17 @@ def build_tiny_flux(
     path = _prepare(path)
     clip_tok, t5_tok = _clip_tokenizer(), _t5_tokenizer()
     with _seeded(seed):
-        transformer = FluxTransformer2DModel(
-            patch_size=1,
-            in_channels=4 * latent_channels,  # the pipeline packs 2x2 latent patches
-            num_layers=1,  # 1 double-stream + 1 single-stream block: every FLUX Linear kind, ~1 M params
-            num_single_layers=1,
-            attention_head_dim=FLUX_HEAD_DIM,
-            num_attention_heads=FLUX_HEADS,
-            joint_attention_dim=TEXT_DIM,
-            pooled_projection_dim=TEXT_DIM,
-            guidance_embeds=True,  # FLUX.1-dev is guidance-distilled
-            axes_dims_rope=FLUX_ROPE_AXES,
-        )
+        transformer = FluxTransformer2DModel(**tiny_pipeline_transformer(latent_channels))
         text_encoder = CLIPTextModel(
             CLIPTextConfig(
                 vocab_size=len(clip_tok),
-                hidden_size=TEXT_DIM,
-                intermediate_size=2 * TEXT_DIM,
+                hidden_size=TINY_TEXT_DIM,
+                intermediate_size=2 * TINY_TEXT_DIM,
                 num_hidden_layers=1,
                 num_attention_heads=4,
                 max_position_embeddings=CLIP_MAX_LENGTH,
                 hidden_act="quick_gelu",
-                projection_dim=TEXT_DIM,
+                projection_dim=TINY_TEXT_DIM,
                 # The pooled output is taken at the first eos token (eos_token_id == 2 means legacy argmax).
                 bos_token_id=clip_tok.bos_token_id,
                 eos_token_id=clip_tok.eos_token_id,
@@ -180,9 +166,9 @@ def build_tiny_flux(
         text_encoder_2 = T5EncoderModel(
             T5Config(
                 vocab_size=len(t5_tok),
-                d_model=TEXT_DIM,
+                d_model=TINY_TEXT_DIM,
                 d_kv=32,
-                d_ff=2 * TEXT_DIM,
+                d_ff=2 * TINY_TEXT_DIM,
                 num_layers=1,
                 num_heads=4,
                 feed_forward_proj="gated-gelu",  # T5 v1.1 / T5-XXL as used by FLUX
