@@ -29,7 +29,6 @@ import shutil
 import sys
 import time
 import traceback
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
