@@ -30,7 +30,14 @@ def check_base(source: Source, files: Sequence[str], token: str | None) -> None:
     for f in files:
         if jsonfile.parsed_here(f):
             source.read_json(f, token)
-    headers = {f: _header(source, f, token) for f in files if f.endswith(".safetensors")}
+    weights = [f for f in files if f.endswith(".safetensors")]
+    if source.local_dir is not None:
+        headers = {f: _header(source, f, token) for f in weights}
+    else:  # a few small range reads per file; concurrent, for repos of hundreds of shards
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            headers = dict(zip(weights, pool.map(lambda f: _header(source, f, token), weights)))
     for f in files:
         if f.endswith(".safetensors.index.json"):
             _check_index(source, f, headers, token)
