@@ -123,7 +123,7 @@ def detect_layout(source: Source, token: str | None, trust_remote_code: bool) ->
         pipeline_class = index.get("_class_name")
         if isinstance(pipeline_class, list):  # [module, class] means a custom (remote-code) pipeline
             _refuse_remote_code(source, f"custom pipeline {pipeline_class}", trust_remote_code)
-            pipeline_class = pipeline_class[-1]
+            pipeline_class = pipeline_class[-1] if pipeline_class else None
         if not isinstance(pipeline_class, str):
             raise SourceError(f"{where}: _class_name is {pipeline_class!r}, not a pipeline class name; fix the file")
         comps: list[tuple[str, str, str]] = []

@@ -7,7 +7,6 @@ run never leaves something that looks finished.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import shutil
@@ -17,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from publisher.errors import QuantizeError, TargetError
+from publisher.jsonfile import read_object
 from publisher.recipes import Recipe, build_config
 from publisher.stages.leftovers import MARKER, make_partial, remove_partial
 from publisher.stages.plan import Component, Plan
@@ -218,7 +218,7 @@ def _stream_component(plan: Plan, src: Path, comp: Component, recipe: Recipe, ou
                              fetch_shard=remote.opener(comp) if remote is not None else None, on_tensor=fp8,
                              digests=digests, on_planned=hook.planned if hook else None,
                              on_output_file=hook.finished if hook else None)
-    config = json.loads((dst / "config.json").read_text())
+    config = read_object(dst / "config.json")
     return QuantizedComponent(
         name=comp.name,
         library=comp.library,
@@ -322,7 +322,7 @@ def summarize(model: Any, comp: Component, recipe: Recipe, folder: Path) -> Quan
             classes[type(weight).__name__] = classes.get(type(weight).__name__, 0) + 1
         else:
             plain.append(name)
-    config = json.loads((folder / "config.json").read_text())
+    config = read_object(folder / "config.json")
     qconfig = config.get("quantization_config", {})
     # What the library itself decided to keep (user exclusions plus its defaults such as lm_head),
     # matched with the library's own rule, so "excluded" and "skipped by torchao" are told apart.
