@@ -30,6 +30,18 @@ class SourceError(PublishError):
     """The base model cannot be used: missing, gated, wrong layout, unknown component..."""
 
 
+class InputError(PublishError):
+    """A file we read is malformed or unsafe: JSON that is not an object or over its size limit, a safetensors
+    header the safetensors library would refuse, a link that leaves the base folder, a special file.
+
+    ``kind`` names the rule that failed (for safetensors headers: the class of the library's own error), so
+    tests can compare classes without parsing messages."""
+
+    def __init__(self, message: str, kind: str = "") -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
 class TargetError(PublishError):
     """The target repo or output folder cannot be written."""
 

@@ -22,7 +22,7 @@ from publisher import __version__
 from publisher import recipes as recipe_registry
 from publisher.errors import PublishError, ResourceError, RunFailed, TargetError, VerificationError
 from publisher.recipes import Recipe
-from publisher.stages import card, fetch, preflight, push_pr
+from publisher.stages import card, fetch, leftovers, preflight, push_pr
 from publisher.stages import plan as planning
 from publisher.stages import push as pushing
 from publisher.stages import source as source_stage
@@ -187,14 +187,8 @@ def _check_output_dir(path: Path) -> None:
     """Fail before any download when the output folder cannot be used; leave nothing behind."""
     if path.exists() and not path.is_dir():
         raise TargetError(f"--output-dir {path} is a file; give a folder")
-    if path.is_dir():
-        leftovers = list(path.iterdir())
-        if leftovers and all(p.is_dir() and p.name.endswith(".partial") for p in leftovers):
-            # an interrupted run's unfinished folders: never taken as finished, so start them again
-            for p in leftovers:
-                shutil.rmtree(p)
-        elif leftovers:
-            raise TargetError(f"--output-dir {path} is not empty; choose an empty or new folder")
+    if path.is_dir():  # only an interrupted run's marked unfinished folders are removed (stages/leftovers.py)
+        leftovers.clear_output_dir(path)
     created = not path.exists()
     try:
         path.mkdir(parents=True, exist_ok=True)
@@ -366,7 +360,7 @@ def _build_stages(run: _Run, recipe: Recipe, outcome: Outcome, folder: Path, upl
         cache = run.caches[recipe.name] = ComponentCache(default_root(), run.states[recipe.name]["fingerprint"])
         artifacts = quantize_recipe(plan, run.base_dir, recipe, partial_folder(folder, run.out_root),
                                     recipe_registry.quantize_device(recipe, run.capability), engine=req.engine, cache=cache,
-                                    remote=run.remote, uploader=uploader)
+                                    remote=run.remote, uploader=uploader, fingerprint=run.states[recipe.name]["fingerprint"])
     outcome.components = [_component_json(c) for c in artifacts.components]
     with _timed(outcome, "verify"):
         report = verify(artifacts, run.work / recipe.name, envs=req.verify_envs, base_sources=fetch.base_sources(plan, run.base_dir, run.remote),

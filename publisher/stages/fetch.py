@@ -91,5 +91,7 @@ def base_sources(plan: Plan, base_dir: Path, remote: RemoteWeights | None) -> di
     for comp in plan.quantized:
         local = base_dir / comp.name if comp.name else base_dir
         downloaded = remote is None or any(local.glob("*.safetensors"))
-        sources[comp.name] = LocalShards(local) if downloaded or remote is None else remote.source(comp)
+        prefix = f"{comp.name}/" if comp.name else ""
+        planned = [f[len(prefix):] for f in weight_files(plan, comp)]  # never a stray file of the folder
+        sources[comp.name] = LocalShards(local, planned) if downloaded or remote is None else remote.source(comp)
     return sources

@@ -15,7 +15,10 @@ from typing import Any
 
 from publisher import recipes as recipe_registry
 from publisher.errors import SourceError, UsageError
+from publisher.jsonfile import weight_map
+from publisher.localfiles import plain_name
 from publisher.recipes import Recipe
+from publisher.stages.basecheck import check_base
 from publisher.stages.source import Source
 
 log = logging.getLogger(__name__)
@@ -116,15 +119,23 @@ def detect_layout(source: Source, token: str | None, trust_remote_code: bool) ->
     files = set(source.sizes)
     if "model_index.json" in files:
         index = source.read_json("model_index.json", token)
+        where = source.where("model_index.json")
         pipeline_class = index.get("_class_name")
         if isinstance(pipeline_class, list):  # [module, class] means a custom (remote-code) pipeline
             _refuse_remote_code(source, f"custom pipeline {pipeline_class}", trust_remote_code)
-            pipeline_class = pipeline_class[-1]
+            pipeline_class = pipeline_class[-1] if pipeline_class else None
+        if not isinstance(pipeline_class, str):
+            raise SourceError(f"{where}: _class_name is {pipeline_class!r}, not a pipeline class name; fix the file")
         comps: list[tuple[str, str, str]] = []
         for name, value in index.items():
             if name.startswith("_") or not isinstance(value, list) or len(value) != 2 or value[0] is None:
-                continue
+                continue  # diffusers reads the rest as pipeline options (e.g. requires_safety_checker)
+            if not plain_name(name):
+                raise SourceError(f"{where} names a component {name!r}, which is not a plain folder name; "
+                                  "refusing it (a component must be a folder of the base)")
             library, class_name = value
+            if not isinstance(library, str) or not isinstance(class_name, str):
+                raise SourceError(f"{where}: component {name} is {value!r}, not [library, class name]; fix the file")
             if library not in ("diffusers", "transformers"):
                 _refuse_remote_code(source, f"component {name} from {library!r}", trust_remote_code)
             comps.append((name, library, class_name))
@@ -141,6 +152,9 @@ def detect_layout(source: Source, token: str | None, trust_remote_code: bool) ->
         if config.get("auto_map"):
             _refuse_remote_code(source, "auto_map in config.json", trust_remote_code)
         archs = config.get("architectures") or ["AutoModel"]
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise SourceError(f"{source.where('config.json')}: architectures is {archs!r}, not a list of class names; "
+                              "fix the file")
         return "transformers", None, [("", "transformers", archs[0])]
     raise SourceError(
         f"{source.display} is neither a diffusers pipeline (model_index.json) nor a transformers model (config.json)"
@@ -226,15 +240,15 @@ def build_plan(
         files = weight_files(source, name) if name in model_comps else ()
         if quantize and not files:
             raise SourceError(f"{source.display}: component {name or 'model'} has no safetensors weights; only safetensors bases are supported")
-        comp = Component(name=name, library=library, class_name=class_name, quantize=quantize, weight_files=files)
-        if quantize:
-            comp = _with_meta_structure(source, comp, token)
-        comps.append(comp)
+        comps.append(Component(name=name, library=library, class_name=class_name, quantize=quantize, weight_files=files))
+    base_files = _base_files(source, kind, comps, token)
+    # Every file the run will parse, checked before the meta-device builds and any download or repo (basecheck).
+    check_base(source, base_files, token)
+    comps = [_with_meta_structure(source, c, token) if c.quantize else c for c in comps]
     _check_excludes(exclude, [c for c in comps if c.quantize])
 
     pipeline_tag = source.card_data.get("pipeline_tag")
     library_name = "diffusers" if kind == "pipeline" else "transformers"
-    base_files = _base_files(source, kind, comps, token)
     return Plan(
         source=source,
         kind=kind,
@@ -312,9 +326,17 @@ def _base_files(source: Source, kind: str, comps: list[Component], token: str | 
         for wf in comp.weight_files:
             wanted.add(wf)
             if wf.endswith(".index.json"):
-                index = source.read_json(wf, token)
+                shards = set(weight_map(source.read_json(wf, token), source.where(wf)).values())
+                unsafe = sorted(s for s in shards if not plain_name(s))
+                if unsafe:
+                    raise SourceError(f"{source.display} has an unsafe file name {unsafe[0]!r} in {wf} (a shard must sit "
+                                      "next to its index; this one escapes the folder); refusing to download it")
                 base = str(Path(wf).parent) if "/" in wf else ""
-                for shard in sorted(set(index.get("weight_map", {}).values())):
+                absent = sorted(s for s in shards if (f"{base}/{s}" if base else s) not in source.sizes)
+                if absent:
+                    raise SourceError(f"{source.where(wf)} names the shard {absent[0]}, which {source.display} does not "
+                                      "have; the checkpoint is incomplete: fix the index or add the shard")
+                for shard in sorted(shards):
                     wanted.add(f"{base}/{shard}" if base else shard)
     for f in sorted(wanted):
         if f.startswith("/") or ".." in Path(f).parts:

@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from publisher import hub
-from publisher.errors import TargetError, VerificationError
+from publisher.errors import InputError, TargetError, VerificationError
+from publisher.jsonfile import read_object
 from publisher.verify.report import VerifyReport
 
 log = logging.getLogger(__name__)
@@ -71,8 +72,8 @@ def _state_at(repo_id: str, sha: str | None, token: str | None, *, retried: bool
             raise exc.__cause__ from None  # the Hub could not be reached: say so, not "no state file"
         return None
     try:
-        return json.loads(Path(path).read_text())
-    except ValueError:
+        return read_object(Path(path), f"{repo_id}/{STATE_FILE}")
+    except InputError:  # not our state file after all: publish as over a repo without one
         return None
 
 

@@ -7,7 +7,6 @@ run never leaves something that looks finished.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import os
 import shutil
@@ -17,7 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from publisher.errors import QuantizeError, TargetError
+from publisher.jsonfile import read_object
 from publisher.recipes import Recipe, build_config
+from publisher.stages.leftovers import MARKER, make_partial, remove_partial
 from publisher.stages.plan import Component, Plan
 
 if TYPE_CHECKING:
@@ -62,7 +63,8 @@ class Artifacts:
 
     def files(self) -> dict[str, int]:
         """Every file of the repo: those on disk and those already uploaded."""
-        local = {p.relative_to(self.folder).as_posix(): p.stat().st_size for p in self.folder.rglob("*") if p.is_file()}
+        local = {p.relative_to(self.folder).as_posix(): p.stat().st_size for p in self.folder.rglob("*")
+                 if p.is_file() and p.name != MARKER}
         if self.uploader is not None:
             local.update(self.uploader.sizes)
         return dict(sorted(local.items()))
@@ -99,6 +101,7 @@ def finalize(artifacts: Artifacts, folder: Path) -> None:
     """Give the finished repo folder its final name: the last local step, after verify and the card,
     so a killed run never leaves something that looks finished."""
     partial = artifacts.folder
+    (partial / MARKER).unlink(missing_ok=True)  # ours until now; never part of the repo
     if partial.parent == folder:  # built inside the output folder: move the entries up, README.md last
         entries = sorted(partial.iterdir(), key=lambda p: p.name == "README.md")
         for entry in entries:
@@ -113,7 +116,7 @@ def finalize(artifacts: Artifacts, folder: Path) -> None:
 
 def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, device: str = "cpu",
                     engine: str = "auto", cache: ComponentCache | None = None, remote: RemoteWeights | None = None,
-                    uploader: ShardUploader | None = None) -> Artifacts:
+                    uploader: ShardUploader | None = None, fingerprint: str = "0" * 64) -> Artifacts:
     """Quantize every planned component with ``recipe`` and write the standalone repo into ``folder``.
 
     engine "auto": the streaming engine (one tensor in memory, same bytes as the library path) for every
@@ -121,10 +124,10 @@ def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, d
     ``remote`` (``fetch.RemoteWeights``, --low-disk): the quantized components' weight files were not
     downloaded; the streaming engine reads them by HTTP range, the library path has them fetched first.
     ``uploader`` (``push_pr.ShardUploader``): each finished shard of a streamed component is checked,
-    pre-uploaded and deleted at once (no resume cache then: its files leave the disk)."""
-    if partial.exists():
-        shutil.rmtree(partial)
-    partial.mkdir(parents=True)
+    pre-uploaded and deleted at once (no resume cache then: its files leave the disk). ``fingerprint``: the run's
+    (job.state_for), written into the folder's marker (stages/leftovers.py)."""
+    remove_partial(partial)  # an earlier run's unfinished folder; refuses anything that is not ours
+    make_partial(partial, fingerprint, recipe.name)
     try:
         _copy_unchanged(plan, base_dir, partial)
         done: list[QuantizedComponent] = []
@@ -215,7 +218,7 @@ def _stream_component(plan: Plan, src: Path, comp: Component, recipe: Recipe, ou
                              fetch_shard=remote.opener(comp) if remote is not None else None, on_tensor=fp8,
                              digests=digests, on_planned=hook.planned if hook else None,
                              on_output_file=hook.finished if hook else None)
-    config = json.loads((dst / "config.json").read_text())
+    config = read_object(dst / "config.json")
     return QuantizedComponent(
         name=comp.name,
         library=comp.library,
@@ -236,7 +239,12 @@ def _stream_component(plan: Plan, src: Path, comp: Component, recipe: Recipe, ou
 
 
 def _copy_unchanged(plan: Plan, base_dir: Path, out: Path) -> None:
-    """Everything but the quantized components' weights and the base card (replaced by ours)."""
+    """Everything but the quantized components' weights and the base card (replaced by ours), as plain files: a
+    link is read only when it resolves inside the base folder (or the download cache's blobs of this repo), and
+    never copied as a link (localfiles)."""
+    from publisher.localfiles import allowed_roots, copy_regular
+
+    roots = allowed_roots(base_dir)
     skip_prefixes = [f"{c.name}/" if c.name else "" for c in plan.quantized]
     for rel in plan.base_files:
         if rel == "README.md":
@@ -246,7 +254,7 @@ def _copy_unchanged(plan: Plan, base_dir: Path, out: Path) -> None:
             continue  # rewritten by save_pretrained
         dst = out / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(base_dir / rel, dst)  # copyfile follows the cache's symlinks
+        copy_regular(base_dir / rel, dst, roots)
 
 
 def _quantize_component(plan: Plan, base_dir: Path, comp: Component, recipe: Recipe, out: Path,
@@ -314,7 +322,7 @@ def summarize(model: Any, comp: Component, recipe: Recipe, folder: Path) -> Quan
             classes[type(weight).__name__] = classes.get(type(weight).__name__, 0) + 1
         else:
             plain.append(name)
-    config = json.loads((folder / "config.json").read_text())
+    config = read_object(folder / "config.json")
     qconfig = config.get("quantization_config", {})
     # What the library itself decided to keep (user exclusions plus its defaults such as lm_head),
     # matched with the library's own rule, so "excluded" and "skipped by torchao" are told apart.

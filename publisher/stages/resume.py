@@ -16,6 +16,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
+from publisher.stages.leftovers import MARKER
+
 log = logging.getLogger(__name__)
 
 MANIFEST = "hf-ao-publish-cache.json"
@@ -58,7 +60,7 @@ class ComponentCache:
         tmp = entry.with_name(entry.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         files = {}
-        for path in sorted(p for p in folder.iterdir() if p.is_file()):
+        for path in sorted(p for p in folder.iterdir() if p.is_file() and p.name != MARKER):
             _link_or_copy(path, tmp / path.name)
             files[path.name] = {"size": path.stat().st_size, "sha256": _sha256(path)}
         (tmp / MANIFEST).write_text(json.dumps({"files": files, "summary": summary}))

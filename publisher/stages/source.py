@@ -6,7 +6,6 @@ metadata) is read here; weights are only fetched by the snapshot stage.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from dataclasses import dataclass, field
@@ -51,18 +50,37 @@ class Source:
         return f"{(self.endpoint or constants.ENDPOINT).rstrip('/')}/{self.repo_id}"
 
     def read_json(self, path: str, token: str | None) -> dict[str, Any]:
-        return json.loads(self.read_text(path, token))
+        """A JSON file of the base (model_index.json, a config, an index) as an object, through the one JSON
+        reader; its size limit is checked from the listing first, so an oversized file is never downloaded."""
+        from publisher import jsonfile
 
-    def read_text(self, path: str, token: str | None) -> str:
-        """Read a small file of the base (configs, card) at the pinned sha."""
+        what = self.where(path)
+        limit = jsonfile.limit_for(path)
+        if self.sizes.get(path, 0) > limit:
+            raise jsonfile.too_big(what, self.sizes[path], limit)
+        return jsonfile.read_object(self.local_path(path, token), what, limit, roots=self.roots())
+
+    def where(self, path: str) -> str:
+        """How errors name a file of the base: repo@sha/path, or the local path."""
+        if self.local_dir is not None:
+            return str(self.local_dir / path)
+        return f"{self.repo_id}@{(self.sha or '')[:12]}/{path}"
+
+    def roots(self) -> tuple[Path, ...] | None:
+        """Where a local base's files may resolve to (links never lead outside the folder)."""
+        from publisher.localfiles import allowed_roots
+
+        return allowed_roots(self.local_dir) if self.local_dir is not None else None
+
+    def local_path(self, path: str, token: str | None) -> Path:
+        """A small file of the base on local disk (downloaded at the pinned sha for a Hub base)."""
         if path not in self.sizes:
             raise SourceError(f"{self.display} has no file {path}")
         if self.local_dir is not None:
-            return (self.local_dir / path).read_text(encoding="utf-8")
+            return self.local_dir / path
         from huggingface_hub import hf_hub_download
 
-        local = hf_hub_download(self.repo_id, path, revision=self.sha, token=token)  # type: ignore[arg-type]
-        return Path(local).read_text(encoding="utf-8")
+        return Path(hf_hub_download(self.repo_id, path, revision=self.sha, token=token))  # type: ignore[arg-type]
 
 
 def is_local(model_id: str) -> bool:
@@ -74,13 +92,14 @@ def resolve(model_id: str, revision: str | None, token: str | None) -> Source:
     if is_local(model_id):
         if revision:
             raise UsageError(f"--revision {revision!r} only applies to a Hub repo, not the local folder {model_id}")
+        from publisher.localfiles import allowed_roots, list_folder, read_bytes
+
         root = Path(model_id).expanduser().resolve()
-        sizes = {
-            p.relative_to(root).as_posix(): p.stat().st_size
-            for p in sorted(root.rglob("*"))
-            if p.is_file() and ".cache" not in p.relative_to(root).parts and ".git" not in p.relative_to(root).parts
-        }
-        card = _front_matter((root / "README.md").read_text(encoding="utf-8")) if "README.md" in sizes else {}
+        sizes = list_folder(root)  # refuses links that leave the folder, and special files
+        card = {}
+        if "README.md" in sizes:
+            text = read_bytes(root / "README.md", allowed_roots(root)).decode("utf-8", errors="replace")
+            card = _front_matter(text)
         return Source(model_id=model_id, repo_id=None, local_dir=root, revision=None, sha=None, sizes=sizes, card_data=card)
 
     from huggingface_hub import constants

@@ -19,7 +19,6 @@ reads/writes), ``reference`` (the library path, for tests and the benchmark).
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
@@ -106,11 +105,12 @@ def _component(library: str, src_dir: Path, recipe: Any, exclude: Sequence[str],
 
 def _checkpoint_keys(src_dir: Path, comp: Any, fetch: Callable[[str], Any] | None) -> dict[str, str] | None:
     """Checkpoint key -> shard name, from the index; a single file is read (fetched if needed) for its header."""
+    from publisher.jsonfile import read_object, weight_map
     from publisher.streaming.safetensors_io import read_header
 
     index = src_dir / comp.index_name
     if index.is_file():
-        return dict(json.loads(index.read_text())["weight_map"])
+        return weight_map(read_object(index), str(index))
     single = src_dir / comp.weights_name
     if not single.is_file():
         if fetch is None:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from publisher.errors import QuantizeError
+from publisher.localfiles import open_regular
 from publisher.streaming import safetensors_io as stio
 from publisher.streaming.layout import OutFile, OutTensor, Plan, Work
 
@@ -142,9 +143,9 @@ def execute(plan: Plan, dst: Path, *, fetch_shard: Callable[[str], Any],
         for name in plan.input_files:
             src = fetch_shard(name)
             local = isinstance(src, (str, Path))
-            f = open(src, "rb", buffering=0) if local else src  # noqa: SIM115 - closed below
+            f = open_regular(Path(src)) if local else src  # never blocks on a FIFO; closed below
             try:
-                _, header = stio.read_header(f)
+                _, header = stio.read_header(f, str(src) if local else None)
                 items = [w for w in plan.work if w.src_file == name]
                 missing = [w.key for w in items if w.key not in header]
                 if missing:

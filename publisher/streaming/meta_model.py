@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import copy
 import inspect
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -84,7 +83,11 @@ def diffusers_component(src: Path, ao_config: Any, exclude: list[str], class_nam
     from diffusers.quantizers import DiffusersAutoQuantizer
     from diffusers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME
 
-    name = class_name or json.loads((src / "config.json").read_text()).get("_class_name")
+    if class_name is None:
+        from publisher.jsonfile import read_object
+
+        class_name = read_object(src / "config.json").get("_class_name")
+    name = class_name if isinstance(class_name, str) else None
     cls: Any = getattr(diffusers, name or "", None)
     if not _is_subclass(cls, diffusers.ModelMixin):
         raise ValueError(f"config.json names no diffusers model class ({name!r})")

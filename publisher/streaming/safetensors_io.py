@@ -2,7 +2,7 @@
 
 ``safetensors.safe_open`` memory-maps the whole file, and every page touched stays in the process's
 RSS until the map is closed; ``save_file`` needs every tensor of a shard in memory at once. The
-streaming engine instead parses headers itself, reads each tensor with ``readinto`` into a buffer it
+streaming engine instead parses headers itself (checked with the library's own rules: ``validate``), reads each tensor with ``readinto`` into a buffer it
 owns, and writes a shard's header first (every size is known from the plan), then tensor bytes at
 their offsets.
 
@@ -13,12 +13,17 @@ empty tensors with ``safetensors.torch.save`` and reading the header back.
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import struct
-from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
+
+from publisher.errors import InputError, QuantizeError
+from publisher.streaming import validate
+from publisher.streaming.validate import HeaderEntry
 
 if TYPE_CHECKING:
     import torch
@@ -27,42 +32,39 @@ if TYPE_CHECKING:
 CHUNK_BYTES = 64 * 1024 * 1024
 
 
-@dataclass(frozen=True)
-class HeaderEntry:
-    """One tensor as an input safetensors header describes it."""
+def read_header(path: Path | BinaryIO, name: str | None = None) -> tuple[dict[str, str], dict[str, HeaderEntry]]:
+    """Parse and validate a safetensors header without mapping the file: (``__metadata__``, tensors by name).
 
-    name: str
-    dtype: str  # safetensors name, e.g. "BF16"
-    shape: tuple[int, ...]
-    begin: int  # absolute file offset of the first byte
-    end: int  # absolute file offset one past the last byte
-
-
-def read_header(path: Path | BinaryIO) -> tuple[dict[str, str], dict[str, HeaderEntry]]:
-    """Parse a safetensors header without mapping the file: (``__metadata__``, tensors by name).
-
-    ``path`` may also be an open binary file (e.g. a Hub file read by HTTP range)."""
+    ``path`` may also be an open binary file (e.g. a Hub file read by HTTP range); ``name`` names it in errors.
+    The header must pass every rule of ``validate`` (the safetensors library's own), else ``InputError``."""
     if isinstance(path, (str, Path)):
-        with open(path, "rb") as local:
-            return read_header(local)
+        from publisher.localfiles import open_regular
+
+        with open_regular(Path(path)) as local:
+            return read_header(local, name or str(path))
     f = path
+    name = name or str(getattr(f, "name", None) or "safetensors file")
     f.seek(0)
-    raw = f.read(8)
-    name = getattr(f, "name", None) or getattr(f, "path", "safetensors file")
-    if len(raw) != 8:
-        raise ValueError(f"{name} is not a safetensors file (shorter than 8 bytes)")
-    (n,) = struct.unpack("<Q", raw)
-    if n > 100 * 1024 * 1024:
-        raise ValueError(f"{name} is not a safetensors file (header length {n})")
-    header = json.loads(f.read(n))
-    base = 8 + n
-    metadata = header.pop("__metadata__", None) or {}
-    entries = {
-        name: HeaderEntry(name, info["dtype"], tuple(info["shape"]),
-                          base + info["data_offsets"][0], base + info["data_offsets"][1])
-        for name, info in header.items()
-    }
-    return metadata, entries
+    prefix = f.read(8)
+    size = file_size(f, name)
+    n = validate.header_length(prefix, size, name)
+    raw = f.read(n)
+    if len(raw) != n:
+        raise InputError(f"{name} ended after {8 + len(raw)} of its {size} bytes while its header was read "
+                         "(truncated, or changed while being read); fetch it again", kind="length")
+    return validate.parse_header(raw, size, name)
+
+
+def file_size(f: BinaryIO, name: str) -> int:
+    """The size of an open file: from the file system, or what a ``RangeFile`` learnt from the server."""
+    try:
+        return os.fstat(f.fileno()).st_size
+    except (AttributeError, OSError, io.UnsupportedOperation):
+        pass
+    size = getattr(f, "size", None)
+    if isinstance(size, int):
+        return size
+    raise InputError(f"the size of {name} is unknown, so its header cannot be checked", kind="length")
 
 
 @cache
@@ -88,10 +90,19 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype for a safetensors dtype name (the inverse of what ``save`` writes)."""
+    """The torch dtype for a safetensors dtype name (the inverse of what ``save`` writes).
+
+    Every byte-sized dtype the library accepts has one; the sub-byte ones (F4, F6_*) are packed in ways a plain
+    read cannot rebuild, and are refused with the fix."""
+    import torch
     from safetensors.torch import _TYPES  # the table safetensors' own loader uses
 
-    return _TYPES[name]
+    extra = {"F8_E8M0": getattr(torch, "float8_e8m0fnu", None)}  # known to the library, missing from that table
+    dtype = _TYPES.get(name) or extra.get(name)
+    if dtype is None:
+        raise QuantizeError(f"the checkpoint holds {name} tensors, which the streaming engine does not read; "
+                            "use --engine library")
+    return dtype
 
 
 def order_entries(entries: list[tuple[str, torch.dtype]]) -> list[int]:

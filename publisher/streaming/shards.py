@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from publisher.errors import InputError
 from publisher.streaming import safetensors_io as stio
 
 
@@ -34,11 +35,16 @@ class LocalShards:
         return sorted(p.name for p in self.folder.glob("*.safetensors"))
 
     def open(self, name: str) -> BinaryIO:
-        return open(self.folder / name, "rb", buffering=0)  # noqa: SIM115 - the caller closes it
+        from publisher.localfiles import open_regular
 
-    def text(self, name: str) -> str | None:
+        return open_regular(self.folder / name)  # unbuffered; never blocks on a FIFO; the caller closes it
+
+    def json(self, name: str) -> dict[str, Any] | None:
+        """A JSON file of the folder, through the one JSON reader (size limit, UTF-8, an object); None if absent."""
+        from publisher.jsonfile import read_object
+
         path = self.folder / name
-        return path.read_text(encoding="utf-8") if path.is_file() else None
+        return read_object(path) if path.exists() else None
 
 
 class HubShards:
@@ -66,16 +72,19 @@ class HubShards:
         url = hf_hub_url(self.repo_id, name, subfolder=self.subfolder or None, revision=self.revision)
         return RangeFile(url, self.token, f"{self.where}/{name}")  # type: ignore[return-value]
 
-    def text(self, name: str) -> str | None:
+    def json(self, name: str) -> dict[str, Any] | None:
+        """A JSON file of the folder, through the one JSON reader (size limit, UTF-8, an object); None if absent."""
         from huggingface_hub import hf_hub_download
         from huggingface_hub.errors import EntryNotFoundError
+
+        from publisher.jsonfile import read_object
 
         try:
             path = hf_hub_download(self.repo_id, name, subfolder=self.subfolder or None, revision=self.revision,
                                    token=self.token or None)
         except EntryNotFoundError:
             return None
-        return Path(path).read_text(encoding="utf-8")
+        return read_object(Path(path), f"{self.where}/{name}")
 
 
 class RangeFile:
@@ -88,6 +97,7 @@ class RangeFile:
     def __init__(self, url: str, token: str | None, name: str) -> None:
         self.url, self.token, self.name = url, token, name
         self.pos = 0
+        self.size: int | None = None  # the file's total size, learnt from the first answer (Content-Range)
 
     def seek(self, pos: int, whence: int = 0) -> int:
         if whence != 0:
@@ -113,6 +123,9 @@ class RangeFile:
         headers = {**build_hf_headers(token=self.token or None), "Range": f"bytes={self.pos}-{self.pos + want - 1}"}
         done = 0
         with http_stream_backoff("GET", self.url, headers=headers) as r:
+            self._learn_size(r.status_code, r.headers)
+            if r.status_code == 416:  # a range past the end (e.g. in an empty file): nothing to read
+                return 0
             hf_raise_for_status(r)
             if r.status_code != 206 and self.pos:
                 raise OSError(f"{self.name}: the server ignored the byte range (HTTP {r.status_code})")
@@ -124,6 +137,13 @@ class RangeFile:
                     break
         self.pos += done
         return done
+
+    def _learn_size(self, status: int, headers: Any) -> None:
+        total = (headers.get("Content-Range") or "").rpartition("/")[2]
+        if total.isdigit():
+            self.size = int(total)
+        elif status == 200 and str(headers.get("Content-Length") or "").isdigit():  # the whole file was sent
+            self.size = int(headers["Content-Length"])
 
     def close(self) -> None:
         pass
@@ -169,8 +189,8 @@ def build_index(source: ShardSource) -> CheckpointIndex:
         raise FileNotFoundError(f"no safetensors files in {source.where}")
     for file in files:
         with source.open(file) as fh:
-            meta, header = stio.read_header(fh)
-        names.extend(json.loads(meta.pop("tensor_names", "[]")))
+            meta, header = stio.read_header(fh, f"{source.where}/{file}")
+        names.extend(_tensor_names(meta.pop("tensor_names", "[]"), f"{source.where}/{file}"))
         metadata.update({k: v for k, v in meta.items() if k != "format"})
         for key, entry in header.items():
             if key in entries:
@@ -192,6 +212,18 @@ def build_index(source: ShardSource) -> CheckpointIndex:
     else:
         parts = {k: [k] for k in entries}
     return CheckpointIndex(entries, metadata, parts)
+
+
+def _tensor_names(text: str, where: str) -> list[str]:
+    """torchao's ``tensor_names`` metadata: a JSON list of state-dict names."""
+    try:
+        names = json.loads(text)
+    except ValueError:
+        names = None
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise InputError(f"{where}: the tensor_names metadata is not a JSON list of names; fix or re-upload the file",
+                         kind="metadata")
+    return names
 
 
 class TensorReader:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from publisher import loadpath
 from publisher.errors import VerificationError
+from publisher.jsonfile import read_object
 from publisher.stages.quantize import Artifacts
 from publisher.verify.inputs import build_inputs, save_inputs
 from publisher.verify.report import PATHS, Expected, Mode, PathResult, Quality, VerifyReport
@@ -37,7 +38,7 @@ def record_expected(artifacts: Artifacts, work: Path, device: str = "cpu") -> tu
     notes: list[str] = []
     for comp in artifacts.components:
         folder = artifacts.folder / comp.name if comp.name else artifacts.folder
-        inputs = build_inputs(comp.library, comp.class_name, json.loads((folder / "config.json").read_text()))
+        inputs = build_inputs(comp.library, comp.class_name, read_object(folder / "config.json"))
         inputs_file = save_inputs(inputs, work / f"inputs-{comp.label}.safetensors")
         model = artifacts.models.get(comp.name)
         if model is None:

@@ -19,7 +19,6 @@ Peak memory: one block (bf16 for the base forward) plus activations, whatever th
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -250,10 +249,10 @@ def _bar(total: int, desc: str, unit: str) -> Any:
 
 
 def load_config(source: ShardSource) -> dict[str, Any]:
-    text = source.text("config.json")
-    if text is None:
+    config = source.json("config.json")
+    if config is None:
         raise FileNotFoundError(f"no config.json in {source.where}")
-    return dict(json.loads(text))
+    return config
 
 
 def streaming_check(exp: Expected, source: ShardSource, tensor_class: str, env: str = "current",

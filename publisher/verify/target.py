@@ -9,7 +9,6 @@ every published tensor must be bit-identical to it: a tampered or corrupted weig
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import sys
 from contextlib import nullcontext
@@ -21,6 +20,8 @@ from publisher import hub
 from publisher import recipes as recipe_registry
 from publisher.errors import QuantizeError, SourceError
 from publisher.fp8cpu import cpu_quantization_context
+from publisher.jsonfile import read_object
+from publisher.localfiles import allowed_roots, plain_name
 from publisher.stages.push import STATE_FILE
 from publisher.verify.full import check_location, compare, run_worker
 from publisher.verify.inputs import build_inputs, save_inputs
@@ -37,37 +38,40 @@ class TargetComponent:
     config: dict[str, Any]
 
 
-def _read(target: str, path: str, token: str | None, revision: str | None) -> str | None:
+def _read(target: str, path: str, token: str | None, revision: str | None) -> dict[str, Any] | None:
+    """A JSON file of the target, through the one JSON reader (size limit, UTF-8, an object); None if absent."""
     if Path(target).is_dir():
         p = Path(target) / path
-        return p.read_text() if p.is_file() else None
+        return read_object(p, roots=allowed_roots(Path(target))) if p.is_file() else None
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError
 
     try:
-        return Path(hf_hub_download(target, path, revision=revision, token=token)).read_text()
+        local = hf_hub_download(target, path, revision=revision, token=token)
     except EntryNotFoundError:
         return None
+    return read_object(Path(local), f"{target}/{path}")
 
 
 def quantized_components(target: str, token: str | None, revision: str | None) -> list[TargetComponent]:
     """Components whose config.json says they were quantized with torchao."""
-    index_text = _read(target, "model_index.json", token, revision)
+    index = _read(target, "model_index.json", token, revision)
     found: list[TargetComponent] = []
-    if index_text:
-        for name, value in json.loads(index_text).items():
+    if index:
+        for name, value in index.items():
             if name.startswith("_") or not isinstance(value, list) or len(value) != 2 or value[0] not in ("diffusers", "transformers"):
                 continue
-            cfg_text = _read(target, f"{name}/config.json", token, revision)
-            if cfg_text:
-                cfg = json.loads(cfg_text)
+            if not plain_name(name) or not isinstance(value[1], str):
+                raise SourceError(f"{target}/model_index.json names a component {name!r} ({value!r}) that is not a "
+                                  "plain folder name and class; refusing to read it")
+            cfg = _read(target, f"{name}/config.json", token, revision)
+            if cfg:
                 if (cfg.get("quantization_config") or {}).get("quant_method") == "torchao":
                     found.append(TargetComponent(name, value[0], value[1], cfg))
     else:
-        cfg_text = _read(target, "config.json", token, revision)
-        if not cfg_text:
+        cfg = _read(target, "config.json", token, revision)
+        if not cfg:
             raise SourceError(f"{target} is neither a diffusers pipeline nor a transformers model (no model_index.json or config.json)")
-        cfg = json.loads(cfg_text)
         if (cfg.get("quantization_config") or {}).get("quant_method") == "torchao":
             found.append(TargetComponent("", "transformers", (cfg.get("architectures") or ["AutoModel"])[0], cfg))
     if not found:
@@ -82,8 +86,7 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), token:
     if not Path(target).is_dir():
         revision = hub.call(hub.client(token).model_info, target, revision=revision, what=f"reading {target}").sha
     comps = quantized_components(target, token, revision)
-    state_text = _read(target, STATE_FILE, token, revision)
-    state = json.loads(state_text) if state_text else None
+    state = _read(target, STATE_FILE, token, revision)
     recipe = recipe_registry.get(state["recipe"]) if state and state.get("recipe") in recipe_registry.names() else None
     tensor_class = recipe.tensor_class if recipe else None
     device = recipe_registry.run_device(recipe, recipe_registry.cuda_capability()) if recipe else "cpu"

@@ -1,0 +1,174 @@
+"""Local folders we do not own (publisher/localfiles.py), the JSON reader (publisher/jsonfile.py) and our own
+leftovers (publisher/stages/leftovers.py): the rules the hostile-input suite relies on, one by one (fast)."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from publisher import jsonfile
+from publisher.errors import InputError, TargetError
+from publisher.localfiles import allowed_roots, copy_regular, list_folder, open_regular
+from publisher.stages import leftovers
+
+
+def test_links_inside_the_folder_are_read_as_their_target(tmp_path: Path) -> None:
+    base = tmp_path / "base"
+    (base / "shared").mkdir(parents=True)
+    (base / "shared" / "tokenizer_config.json").write_text("{}")
+    (base / "tokenizer_config.json").symlink_to("shared/tokenizer_config.json")
+    assert list_folder(base) == {"shared/tokenizer_config.json": 2, "tokenizer_config.json": 2}
+    out = tmp_path / "out.json"
+    copy_regular(base / "tokenizer_config.json", out, allowed_roots(base))
+    assert not out.is_symlink() and out.read_text() == "{}"
+
+
+def test_a_download_cache_snapshot_may_link_into_its_blobs(tmp_path: Path) -> None:
+    repo = tmp_path / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "blobs" / "abc").write_text('{"model_type": "llama"}')
+    snapshot = repo / "snapshots" / ("0" * 40)
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").symlink_to("../../blobs/abc")
+    assert list_folder(snapshot) == {"config.json": 23}
+    assert jsonfile.read_object(snapshot / "config.json", roots=allowed_roots(snapshot)) == {"model_type": "llama"}
+    (tmp_path / "elsewhere.txt").write_text("secret")
+    (snapshot / "LICENSE").symlink_to(tmp_path / "elsewhere.txt")
+    with pytest.raises(InputError, match="links that leave it: LICENSE -> ") as exc:
+        list_folder(snapshot)
+    assert exc.value.kind == "link"
+    with pytest.raises(InputError, match="outside"):
+        open_regular(snapshot / "LICENSE", allowed_roots(snapshot))
+
+
+def test_a_fifo_is_refused_without_being_opened_for_reading(tmp_path: Path) -> None:
+    fifo = tmp_path / "model.safetensors"
+    os.mkfifo(fifo)
+    done = threading.Event()
+
+    def attempt() -> None:
+        with pytest.raises(InputError, match="is a FIFO, not a regular file"):
+            open_regular(fifo)
+        with pytest.raises(InputError, match="is a FIFO"):
+            jsonfile.read_object(fifo)
+        done.set()
+
+    worker = threading.Thread(target=attempt, daemon=True)
+    worker.start()
+    worker.join(timeout=10)
+    assert done.is_set(), "opening a FIFO blocked"
+
+
+def test_copies_never_write_through_a_link(tmp_path: Path) -> None:
+    (tmp_path / "src.txt").write_text("data")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep")
+    (tmp_path / "dst.txt").symlink_to(victim)
+    with pytest.raises(OSError):
+        copy_regular(tmp_path / "src.txt", tmp_path / "dst.txt")
+    assert victim.read_text() == "keep"
+
+
+def test_json_limits_are_checked_before_reading(tmp_path: Path) -> None:
+    big = tmp_path / "config.json"
+    with open(big, "wb") as f:
+        f.truncate(jsonfile.CONFIG_LIMIT + 1)  # sparse: nothing to parse, and nothing is read
+    with pytest.raises(InputError, match="over the 16 MiB limit") as exc:
+        jsonfile.read_object(big)
+    assert exc.value.kind == "json-size"
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"a": "x.safetensors"}, "pad": " " * (jsonfile.CONFIG_LIMIT + 1)}))
+    assert jsonfile.weight_map(jsonfile.read_object(index), str(index)) == {"a": "x.safetensors"}  # indexes: 64 MiB
+    with pytest.raises(InputError, match="gives tensor 'a' the shard 3"):
+        jsonfile.weight_map({"weight_map": {"a": 3}}, "x")
+
+
+def test_torch_dtypes_for_every_byte_sized_safetensors_dtype() -> None:
+    import torch
+
+    from publisher.errors import QuantizeError
+    from publisher.streaming.safetensors_io import torch_dtype
+    from publisher.streaming.validate import DTYPE_BITS
+
+    assert torch_dtype("F8_E8M0") is torch.float8_e8m0fnu
+    for name, bits in DTYPE_BITS.items():
+        if bits % 8 == 0:
+            assert torch.empty(0, dtype=torch_dtype(name)).element_size() * 8 == bits
+        else:
+            with pytest.raises(QuantizeError, match=f"holds {name} tensors"):
+                torch_dtype(name)
+
+
+# ---- our own leftovers -----------------------------------------------------------------------------------------
+def test_only_marked_partial_folders_are_cleared(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    leftovers.make_partial(out / "int8wo.partial", "f" * 64, "int8wo")
+    (out / "int8wo.partial" / "model.safetensors").write_bytes(b"x")
+    leftovers.make_partial(out / ".hf-ao-publish.partial", "0" * 64, "float8wo")  # another run's inputs: ours too
+    leftovers.clear_output_dir(out)
+    assert list(out.iterdir()) == []
+
+    for name, make in {
+        "no marker": lambda p: p.mkdir(),
+        "marker of another tool": lambda p: (p.mkdir(), (p / leftovers.MARKER).write_text('{"tool": "x"}')),
+        "marker not JSON": lambda p: (p.mkdir(), (p / leftovers.MARKER).write_text("{")),
+        "marker a link": lambda p: (p.mkdir(), (p / leftovers.MARKER).symlink_to(tmp_path / "elsewhere.json")),
+    }.items():
+        (tmp_path / "elsewhere.json").write_text(json.dumps({"tool": "hf-ao-publish", "fingerprint": "f" * 64, "recipe": "x"}))
+        folder = out / "mine.partial"
+        make(folder)
+        (folder / "thesis.tex").write_text("years of work")
+        with pytest.raises(TargetError, match="mine.partial is not an unfinished folder of hf-ao-publish"):
+            leftovers.clear_output_dir(out)
+        with pytest.raises(TargetError, match="is in the way"):
+            leftovers.remove_partial(folder)
+        assert (folder / "thesis.tex").read_text() == "years of work", name
+        for p in folder.iterdir():
+            p.unlink()
+        folder.rmdir()
+
+
+def test_the_marker_never_reaches_the_repo_or_the_resume_cache(tmp_path: Path) -> None:
+    from publisher.recipes import get
+    from publisher.stages.quantize import Artifacts, finalize
+    from publisher.stages.resume import ComponentCache
+
+    partial = tmp_path / "out" / "int8wo.partial"
+    leftovers.make_partial(partial, "a" * 64, "int8wo")
+    (partial / "config.json").write_text("{}")
+    artifacts = Artifacts(recipe=get("int8wo"), folder=partial, components=[])
+    assert artifacts.files() == {"config.json": 2}
+    cache = ComponentCache(tmp_path / "cache", "a" * 64)
+    cache.store("", partial, {})
+    restored = tmp_path / "restored"
+    restored.mkdir()
+    cache.load("", restored)
+    assert sorted(p.name for p in restored.iterdir()) == ["config.json"]
+    final = tmp_path / "out" / "int8wo"
+    finalize(artifacts, final)
+    assert sorted(p.name for p in final.iterdir()) == ["config.json"]
+
+
+@pytest.mark.slow
+def test_a_base_with_links_inside_publishes_plain_files(cli: Any, tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """End to end: a link that stays inside the base folder is followed, and the output gets a plain file."""
+    import shutil
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_llama_dir, base)
+    (base / "shared").mkdir()
+    (base / "tokenizer_config.json").rename(base / "shared" / "tokenizer_config.json")
+    (base / "tokenizer_config.json").symlink_to("shared/tokenizer_config.json")
+    out = tmp_path / "out"
+    result = cli(str(base), "--quant", "int8wo", "--no-push", "--output-dir", str(out))
+    assert result.exit_code == 0, result.output
+    copied = out / "tokenizer_config.json"
+    assert copied.is_file() and not copied.is_symlink()
+    assert copied.read_bytes() == (base / "shared" / "tokenizer_config.json").read_bytes()
+    assert [p for p in out.rglob("*") if p.is_symlink()] == []
+    assert not list(out.rglob(leftovers.MARKER)) and not list(tmp_path.rglob("*.partial"))
