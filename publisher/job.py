@@ -28,9 +28,9 @@ from publisher.stages import push as pushing
 from publisher.stages import source as source_stage
 from publisher.stages.quantize import Artifacts, QuantizedComponent, finalize, partial_folder, prepare_output, quantize_recipe
 from publisher.stages.resume import ComponentCache, default_root
-from publisher.verify import published
+from publisher.verify import capture, published
 from publisher.verify.full import verify
-from publisher.verify.report import Mode, VerifyReport, require_passed
+from publisher.verify.report import ForwardInputs, Mode, VerifyReport, require_passed
 
 log = logging.getLogger(__name__)
 
@@ -240,6 +240,7 @@ class _Run:
     caches: dict[str, ComponentCache] = field(default_factory=dict)
     created: dict[str, bool] = field(default_factory=dict)  # --low-disk push: target repo created by this run
     card_args: dict[str, Any] = field(default_factory=dict)  # how the cards were written (to rewrite one later)
+    inputs: dict[str, ForwardInputs] = field(default_factory=dict)  # forward-check inputs, derived once from the base
 
 
 def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outcomes: list[Outcome]) -> list[Outcome]:
@@ -273,6 +274,8 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
     run = _Run(req, plan, token, states, out_root, base_dir, Path(work_dir.name), recipe_registry.cuda_capability(),
                remote)
     try:
+        with _timed(outcomes[0], "inputs"):  # one derivation for every recipe: the same base, the same call
+            run.inputs = capture.prepare(plan, base_dir, run.work / "inputs")
         for recipe in todo:
             outcome = next(o for o in outcomes if o.recipe == recipe.name)
             try:
@@ -370,7 +373,8 @@ def _build_stages(run: _Run, recipe: Recipe, outcome: Outcome, folder: Path, upl
     outcome.components = [_component_json(c) for c in artifacts.components]
     with _timed(outcome, "verify"):
         report = verify(artifacts, run.work / recipe.name, envs=req.verify_envs, base_sources=fetch.base_sources(plan, run.base_dir, run.remote),
-                        token=run.token, device=run_on, mode="streaming" if uploader is not None else req.verify_mode)
+                        token=run.token, device=run_on, mode="streaming" if uploader is not None else req.verify_mode,
+                        inputs=run.inputs)
     outcome.report = report
     outcome.verified = report.passed
     require_passed(report)

@@ -52,12 +52,13 @@ def _latency_ms(model: Any, library: str, inputs: dict[str, Any], device: str, i
 
 def _measure(folder: Path, library: str, class_name: str, inputs_file: Path, device: str, iters: int, compile: bool) -> dict[str, Any]:
     import torch
-    from safetensors.torch import load_file
+
+    from publisher.loadpath import load_call
 
     before = _allocated_mb(device)
     model = load_component(library, class_name, folder, device=device)
     after = _allocated_mb(device)
-    inputs = {k: v.to(device) for k, v in load_file(str(inputs_file)).items()}
+    inputs = load_call(inputs_file, device)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
     forward(model, library, inputs)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,8 +139,9 @@ def _own_state(module: Any, whole: bool) -> list[tuple[Any, str, str, bool]]:
 class BlockLoader:
     """Forward pre/post hooks that load a block's saved weights just in time and drop them after."""
 
-    def __init__(self, model: Any, reader: TensorReader, budget: int) -> None:
+    def __init__(self, model: Any, reader: TensorReader, budget: int, cast: Callable[[str, Any], Any] | None = None) -> None:
         self.reader = reader
+        self.cast = cast or (lambda name, t: t)
         self.names = set(reader.index.parts)
         self.aliases = self._aliases(model)
         self.blocks = blocks(model, budget)
@@ -178,7 +180,8 @@ class BlockLoader:
     def _loader(self, prefix: str, module: Any, whole: bool) -> Any:
         def hook(mod: Any, args: Any) -> None:
             items = _own_state(module, whole)
-            state = {suffix: self.reader.read(self._source_name(prefix + suffix)) for _, _, suffix, _ in items}
+            state = {suffix: self.cast(prefix + suffix, self.reader.read(self._source_name(prefix + suffix)))
+                     for _, _, suffix, _ in items}
             size = sum(_nbytes(t) for t in state.values())
             self.peak_block_bytes = max(self.peak_block_bytes, size)
             self._saved[id(module)] = [(owner, attr, (owner._parameters if is_p else owner._buffers)[attr], is_p)
@@ -221,14 +224,16 @@ class BlockForward:
 
 
 def block_forward(source: ShardSource, library: str, class_name: str, config: dict[str, Any], inputs: dict[str, Any],
-                  budget: int = BLOCK_BUDGET, index: CheckpointIndex | None = None) -> BlockForward:
-    """One forward pass with at most one block's weights in memory."""
+                  budget: int = BLOCK_BUDGET, index: CheckpointIndex | None = None,
+                  cast: Callable[[str, Any], Any] | None = None) -> BlockForward:
+    """One forward pass with at most one block's weights in memory. ``cast(name, tensor)``: applied to each tensor
+    as it is read (the quality figures run a float32 or float16 base in the dtypes the quantized side was loaded in)."""
     from publisher.loadpath import forward
 
     model = meta_model(library, class_name, config)
     index = index or build_index(source)
     with TensorReader(source, index) as reader:
-        loader = BlockLoader(model, reader, budget)
+        loader = BlockLoader(model, reader, budget, cast)
         with _bar(len(loader.blocks), f"forward block by block {source.where}", "block") as bar:
             loader.bar = bar
             loader.attach()
@@ -277,11 +282,9 @@ def streaming_check(exp: Expected, source: ShardSource, tensor_class: str, env: 
             res.detail = tc.detail
             return res
         if exp.inputs is not None:
-            from safetensors.torch import load_file
-
             config = load_config(source)
             try:
-                bf = block_forward(source, exp.library, exp.class_name, config, load_file(str(exp.inputs)), index=index)
+                bf = block_forward(source, exp.library, exp.class_name, config, loadpath.load_call(exp.inputs), index=index)
             except (RuntimeError, NotImplementedError) as exc:
                 if not forward_optional:
                     raise
