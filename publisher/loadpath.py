@@ -164,7 +164,8 @@ def convert_checkpoint_keys(model, state):
     renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
     converters = [c for c in conversions if isinstance(c, WeightConverter)]
     expected = model.state_dict()
-    out, merged = {}, {}
+    out: dict = {}
+    merged: dict = {}  # target key -> (converter, {source pattern: [tensors in expert order]})
     for key in sorted(state, key=lambda k: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", k)]):
         target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, expected)
         if pattern is None:

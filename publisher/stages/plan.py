@@ -57,7 +57,7 @@ class Plan:
     components: tuple[Component, ...]
     recipes: tuple[Recipe, ...]
     exclude: tuple[str, ...]
-    targets: dict[str, str]  # recipe name -> target repo id
+    targets: dict[str, str | None]  # recipe name -> target repo id (None: none chosen, --no-push without a token)
     base_files: tuple[str, ...]  # what the snapshot stage downloads
     library_name: str
     pipeline_tag: str | None
@@ -92,10 +92,11 @@ def check_target_id(repo_id: str) -> str:
     return repo_id
 
 
-def target_ids(source: Source, recipes: list[Recipe], repo_id: str | None, user: str | None) -> dict[str, str]:
-    """Default target: <token user>/<base name>-torchao-<recipe>. With several recipes an explicit
-    --repo-id gets "-<recipe>" appended unless it contains "{recipe}"."""
-    out: dict[str, str] = {}
+def target_ids(source: Source, recipes: list[Recipe], repo_id: str | None, user: str | None) -> dict[str, str | None]:
+    """Default target: <token user>/<base name>-torchao-<recipe>; None when there is neither a --repo-id nor a token
+    to ask whose it would be (only possible with --no-push). With several recipes an explicit --repo-id gets
+    "-<recipe>" appended unless it contains "{recipe}"."""
+    out: dict[str, str | None] = {}
     base_name = (source.repo_id or str(source.local_dir)).rstrip("/").split("/")[-1]
     for recipe in recipes:
         if repo_id:
@@ -105,8 +106,11 @@ def target_ids(source: Source, recipes: list[Recipe], repo_id: str | None, user:
                 rid = f"{repo_id}-{recipe.name}"
             else:
                 rid = repo_id
+        elif user:
+            rid = f"{user}/{base_name}-torchao-{recipe.name}"
         else:
-            rid = f"{user or 'your-username'}/{base_name}-torchao-{recipe.name}"
+            out[recipe.name] = None
+            continue
         out[recipe.name] = check_target_id(rid)
     return out
 
@@ -186,7 +190,7 @@ def build_plan(
     *,
     components: list[str] | None,
     exclude: list[str],
-    targets: dict[str, str],
+    targets: dict[str, str | None],
     token: str | None,
     trust_remote_code: bool = False,
     options: dict[str, Any] | None = None,

@@ -21,6 +21,7 @@ from publisher.recipes import Recipe, build_config
 from publisher.stages.plan import Component, Plan
 
 if TYPE_CHECKING:
+    from publisher.stages.coverage import LayerReport
     from publisher.stages.fetch import RemoteWeights
     from publisher.stages.push_pr import ShardUploader
     from publisher.stages.resume import ComponentCache
@@ -59,6 +60,8 @@ class Artifacts:
     models: dict[str, Any] = field(default_factory=dict, repr=False)  # in-memory quantized models, for verify
     device: str = "cpu"  # where the weights were quantized
     uploader: ShardUploader | None = None  # shards already pre-uploaded and deleted (--low-disk push)
+    layers: dict[str, LayerReport] = field(default_factory=dict)  # component name -> what was quantized, left alone, why
+    notes: list[str] = field(default_factory=list)  # for the card (e.g. a component published unquantized on request)
 
     def files(self) -> dict[str, int]:
         """Every file of the repo: those on disk and those already uploaded."""

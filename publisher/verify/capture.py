@@ -23,7 +23,6 @@ from publisher.stages.plan import DENOISERS, Plan
 from publisher.verify.inputs import token_inputs
 from publisher.verify.report import ForwardInputs
 
-
 log = logging.getLogger(__name__)
 
 
@@ -72,7 +71,7 @@ def _saved(inputs: dict[str, Any] | None, how: str, path: Path) -> ForwardInputs
 
 def _from_pipeline(folder: Path, pipeline_class: str, wanted: set[str], work: Path) -> dict[str, ForwardInputs]:
     index = json.loads((folder / "model_index.json").read_text())
-    denoisers = [n for n in DENOISERS if isinstance(index.get(n), list) and index[n][0] is not None]
+    denoisers: list[str] = [n for n in DENOISERS if isinstance(index.get(n), list) and index[n][0] is not None]
     if not denoisers:
         return {}
     try:
@@ -80,13 +79,13 @@ def _from_pipeline(folder: Path, pipeline_class: str, wanted: set[str], work: Pa
     except (OSError, ValueError, TypeError, AttributeError, ImportError, RuntimeError) as exc:
         why = f"building {pipeline_class} to record its calls failed ({_first_line(exc)})"
         return {n: ForwardInputs(None, "", why) for n in wanted if n in DENOISERS}
-    recorded, why = _record(pipe, metas, wanted)
+    recorded, failure = _record(pipe, metas, wanted)
     out: dict[str, ForwardInputs] = {}
     for name, (kwargs, how) in recorded.items():
         out[name] = _saved(kwargs, how, work / f"inputs-{name}.safetensors")
     for name in wanted - set(recorded):
         if name in DENOISERS:
-            out[name] = ForwardInputs(None, "", why or f"{pipeline_class} never called {name}")
+            out[name] = ForwardInputs(None, "", failure or f"{pipeline_class} never called {name}")
     return out
 
 
@@ -112,14 +111,15 @@ def build_pipeline(folder: Path, pipeline_class: str, denoiser: str) -> tuple[An
             components[name] = None
             continue
         module = getattr(diffusers.pipelines, library, None) or __import__(library)
-        component_cls = getattr(module, class_name)
+        component_cls: Any = getattr(module, class_name)
         if not (isinstance(component_cls, type) and issubclass(component_cls, torch.nn.Module)):
             components[name] = component_cls.from_pretrained(folder / name)  # tokenizer, scheduler, processor
         elif name == denoiser or not any((folder / name).glob("*.safetensors")):
             metas[name] = components[name] = _meta(component_cls, folder / name)
         else:
             dtype = {"torch_dtype" if issubclass(component_cls, diffusers.ModelMixin) else "dtype": torch.bfloat16}
-            components[name] = component_cls.from_pretrained(folder / name, **dtype).eval()
+            loader: Any = component_cls
+            components[name] = loader.from_pretrained(folder / name, **dtype).eval()
     pipe = cls(**components)
     pipe.set_progress_bar_config(disable=True)
     # The pipeline takes its device from its first model, which may be on the meta device here.

@@ -186,7 +186,7 @@ def verify(
         if envs:
             report.notes.append("--verify-env runs the whole-component reloads only (full verification).")
     if base_sources:
-        saved = {e.component: LocalShards(artifacts.folder / e.component if e.component else artifacts.folder)
+        saved: dict[str, ShardSource] = {e.component: LocalShards(artifacts.folder / e.component if e.component else artifacts.folder)
                  for e in expected if artifacts.uploader is None or not artifacts.uploader.checked.get(e.component)}
         report.quality = quality_against_base(expected, base_sources, saved)
     report.passed = bool(report.results) and not report.failures()
