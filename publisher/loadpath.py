@@ -185,6 +185,29 @@ def convert_checkpoint_keys(model, state):
     return out
 
 
+def checkpoint_key_targets(model: Any, keys: list[str]) -> dict[str, str]:
+    """Checkpoint key -> the model key it loads into, for the keys transformers renames or merges (empty for
+    everything else): what ``convert_checkpoint_keys`` does, without reading a tensor (block-by-block loading)."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:
+        return {}
+    if not isinstance(model, PreTrainedModel):
+        return {}
+    conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    expected = model.state_dict()
+    out = {}
+    for key in keys:
+        target, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, expected)
+        if target != key:
+            out[key] = target
+    return out
+
+
 def load_into(model, state):
     """``load_state_dict(assign=True)`` into the meta-device model; strict, except that a weight tied to another
     (lm_head = embed_tokens) is saved once and tied again here."""

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from publisher import loadpath
 from publisher.streaming.engine import trim_memory
 from publisher.streaming.shards import CheckpointIndex, ShardSource, TensorReader, build_index
 from publisher.verify.report import Expected, PathResult
@@ -143,6 +144,10 @@ class BlockLoader:
         self.reader = reader
         self.cast = cast or (lambda name, t: t)
         self.names = set(reader.index.parts)
+        self.model = model
+        self.converted: dict[str, list[str]] = {}  # model key -> checkpoint keys transformers merges into it (MoE)
+        for key, target in loadpath.checkpoint_key_targets(model, list(self.names)).items():
+            self.converted.setdefault(target, []).append(key)
         self.aliases = self._aliases(model)
         self.blocks = blocks(model, budget)
         self.loaded = 0
@@ -167,6 +172,12 @@ class BlockLoader:
                 return other
         raise KeyError(f"{key} is not in the saved files ({self.reader.source.where})")
 
+    def _read(self, key: str) -> Any:
+        if key not in self.converted:
+            return self.reader.read(self._source_name(key))
+        parts = {k: self.reader.read(k) for k in self.converted[key]}
+        return loadpath.convert_checkpoint_keys(self.model, parts)[key]  # the manual path's own conversion
+
     def attach(self) -> None:
         for prefix, module, whole in self.blocks:
             self._handles.append(module.register_forward_pre_hook(self._loader(prefix, module, whole)))
@@ -180,8 +191,7 @@ class BlockLoader:
     def _loader(self, prefix: str, module: Any, whole: bool) -> Any:
         def hook(mod: Any, args: Any) -> None:
             items = _own_state(module, whole)
-            state = {suffix: self.cast(prefix + suffix, self.reader.read(self._source_name(prefix + suffix)))
-                     for _, _, suffix, _ in items}
+            state = {suffix: self.cast(prefix + suffix, self._read(prefix + suffix)) for _, _, suffix, _ in items}
             size = sum(_nbytes(t) for t in state.values())
             self.peak_block_bytes = max(self.peak_block_bytes, size)
             self._saved[id(module)] = [(owner, attr, (owner._parameters if is_p else owner._buffers)[attr], is_p)
