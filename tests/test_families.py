@@ -20,6 +20,9 @@ from publisher.testing.families import FAMILIES
 SMALL = ["--sample-steps", "2", "--sample-size", "64"]
 FAST = {"pixart_sigma", "sdxl", "mixtral"}  # top-level parameter, SDXL's added_cond_kwargs, MoE manual path
 OUTPUT = {"image": "sample.png", "video": "sample.mp4"}
+# every card snippet (usage and the manual load path) also in a fresh interpreter, as pasted: a video pipeline
+# (.frames, export_to_video), a top-level parameter (scale_shift_table) and transformers' MoE key conversion
+FRESH_PROCESS = {"cogvideox", "pixart_sigma", "mixtral"}
 
 
 def _params() -> list[Any]:
@@ -41,6 +44,22 @@ def usage_snippet(card: str) -> str:
     return next(s for s in snippets if "from_pretrained(" in s and "init_empty_weights" not in s)
 
 
+def run_snippets(card: str, cwd: Path) -> None:
+    """Every Python block of the card in its own fresh interpreter (the config block, usage, the manual path)."""
+    import os
+    import subprocess
+    import sys
+
+    cwd.mkdir()
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("HF_TOKEN", None)
+    snippets = re.findall(r"```python\n(.*?)```", card, flags=re.S)
+    assert len(snippets) == 3
+    for i, code in enumerate(snippets):
+        proc = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, f"snippet {i} failed:\n{code}\n{proc.stderr[-3000:]}"
+
+
 @pytest.mark.parametrize("family", _params())
 def test_family_publishes_verifies_reloads_and_runs(cli: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                      family: str) -> None:
@@ -60,6 +79,14 @@ def test_family_publishes_verifies_reloads_and_runs(cli: Any, tmp_path: Path, mo
     assert (layers["quantized"] > 0) is (family != "gpt2")
     card = (out / "README.md").read_text()
     assert "your-username" not in card and "weights only" not in card.split("## Verification")[1].split("|---")[0]
+    assert data["repo_id"] is None and "no repo id was chosen" in data["repo_id_note"]  # no token, no --repo-id
+    assert "**Repo id:** none was chosen" in card
+    if family == "gpt2":
+        assert "published as it was, at the user's request (--allow-unquantized)" in card
+    if layers["quantized"] and any(k["kind"] == "experts" for k in layers["kept"]):
+        assert "**MoE experts stay bf16.**" in card
+    if family in FRESH_PROCESS:
+        run_snippets(card, tmp_path / "fresh")
     # reloaded alone (the base is gone) and run: the card's usage snippet, as a user would paste it
     for p in (tmp_path / "base").iterdir():
         p.rename(p.with_name(p.name + "-gone"))
