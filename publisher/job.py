@@ -22,9 +22,10 @@ from publisher import __version__
 from publisher import recipes as recipe_registry
 from publisher.errors import PublishError, ResourceError, RunFailed, TargetError, VerificationError
 from publisher.recipes import Recipe
-from publisher.stages import card, coverage, fetch, preflight, push_pr
+from publisher.stages import card, fetch, preflight, push_pr
 from publisher.stages import plan as planning
 from publisher.stages import push as pushing
+from publisher.stages import quantize as quantize_stage
 from publisher.stages import source as source_stage
 from publisher.stages.quantize import Artifacts, QuantizedComponent, finalize, partial_folder, prepare_output, quantize_recipe
 from publisher.stages.resume import ComponentCache, default_root
@@ -36,8 +37,6 @@ log = logging.getLogger(__name__)
 
 Engine = Literal["auto", "streaming", "library"]
 
-NO_TARGET = ("no repo id was chosen: there is no --repo-id and no token to ask the Hub whose the default "
-             "<user>/<base>-torchao-<recipe> would be; pass --repo-id NAMESPACE/NAME or set HF_TOKEN")
 GITATTRIBUTES = "*.safetensors filter=lfs diff=lfs merge=lfs -text\n*.png filter=lfs diff=lfs merge=lfs -text\n"
 
 
@@ -91,16 +90,15 @@ class Outcome:
     rss_after: dict[str, int] = field(default_factory=dict)  # this process's peak RSS at the end of each stage
     benchmark: dict[str, Any] | None = None  # stages.measure result
 
-    def target(self) -> str:
-        """The repo id a push writes to (a push always has one: it needs a token)."""
+    def target(self) -> str:  # the repo id a push writes to (a push always has one: it needs a token)
         if self.repo_id is None:
-            raise TargetError(f"{self.recipe}: no target repo id; pass --repo-id NAMESPACE/NAME or set HF_TOKEN")
+            raise TargetError(f"{self.recipe}: {planning.NO_TARGET}")
         return self.repo_id
 
     def to_json(self) -> dict[str, Any]:
         return {
             "repo_id": self.repo_id,
-            "repo_id_note": None if self.repo_id else NO_TARGET,
+            "repo_id_note": None if self.repo_id else planning.NO_TARGET,
             "url": self.url,
             "commit": self.commit,
             "pr_url": self.pr_url,
@@ -380,13 +378,8 @@ def _build_stages(run: _Run, recipe: Recipe, outcome: Outcome, folder: Path, upl
         artifacts = quantize_recipe(plan, run.base_dir, recipe, partial_folder(folder, run.out_root),
                                     recipe_registry.quantize_device(recipe, run.capability), engine=req.engine, cache=cache,
                                     remote=run.remote, uploader=uploader)
-    for c in artifacts.components:  # what was quantized and left alone; nothing quantized is an error unless accepted
-        artifacts.layers[c.name] = coverage.layer_report(c.library, c.class_name, run.base_dir / c.name if c.name else run.base_dir,
-                                                         c.quantized, c.skipped, c.excluded)
-        note = coverage.require_quantized(c.label, c.class_name, recipe.name, artifacts.layers[c.name], req.allow_unquantized)
-        if note:
-            artifacts.notes.append(note)
-    outcome.components = [_component_json(c, artifacts.layers[c.name]) for c in artifacts.components]
+    quantize_stage.report_layers(artifacts, run.base_dir, req.allow_unquantized)  # nothing quantized is an error unless accepted
+    outcome.components = [_component_json(c, artifacts.layers[c.name].to_dict()) for c in artifacts.components]
     with _timed(outcome, "verify"):
         report = verify(artifacts, run.work / recipe.name, envs=req.verify_envs, base_sources=fetch.base_sources(plan, run.base_dir, run.remote),
                         token=run.token, device=run_on, mode="streaming" if uploader is not None else req.verify_mode,
@@ -489,9 +482,9 @@ def _endpoint() -> str:
     return constants.ENDPOINT.rstrip("/")
 
 
-def _component_json(c: QuantizedComponent, layers: coverage.LayerReport) -> dict[str, Any]:
+def _component_json(c: QuantizedComponent, layers: dict[str, Any]) -> dict[str, Any]:
     return {
-        "layers": layers.to_dict(),
+        "layers": layers,
         "name": c.label,
         "class": c.class_name,
         "quantized_layers": len(c.quantized),

@@ -5,7 +5,9 @@ sizes that suit a GPU and a CPU, and the manual load path's code, which is ``loa
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from publisher import loadpath
 
@@ -58,7 +60,7 @@ def usage(pipeline_class: str | None, size: int, steps: int) -> Usage:
 
 def manual_functions(library: str) -> str:
     """The source of the functions the manual load path runs in verification, for the card (the same code)."""
-    functions = [loadpath.read_checkpoint, loadpath.load_into]
+    functions: list[Callable[..., Any]] = [loadpath.read_checkpoint, loadpath.load_into]
     if library == "transformers":
         functions.insert(1, loadpath.convert_checkpoint_keys)
     return "\n\n".join(inspect.getsource(f).rstrip() for f in functions)

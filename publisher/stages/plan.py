@@ -21,6 +21,8 @@ from publisher.stages.source import Source
 log = logging.getLogger(__name__)
 
 DENOISERS = ("transformer", "unet", "prior", "decoder")
+NO_TARGET = ("no repo id was chosen: there is no --repo-id and no token to ask the Hub whose the default "
+             "<user>/<base>-torchao-<recipe> would be; pass --repo-id NAMESPACE/NAME or set HF_TOKEN")
 _TARGET_RE = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}$")
 
 

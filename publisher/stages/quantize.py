@@ -173,6 +173,19 @@ def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, d
     return Artifacts(recipe=recipe, folder=partial, components=done, models=models, device=device, uploader=uploader)
 
 
+def report_layers(artifacts: Artifacts, base_dir: Path, allow_unquantized: bool) -> None:
+    """What each component's quantization covered (coverage.py); QuantizeError for a component with no quantized
+    layer unless ``allow_unquantized`` (then the card says so)."""
+    from publisher.stages.coverage import layer_report, require_quantized
+
+    for c in artifacts.components:
+        artifacts.layers[c.name] = layer_report(c.library, c.class_name, base_dir / c.name if c.name else base_dir,
+                                                c.quantized, c.skipped, c.excluded)
+        note = require_quantized(c.label, c.class_name, artifacts.recipe.name, artifacts.layers[c.name], allow_unquantized)
+        if note:
+            artifacts.notes.append(note)
+
+
 def _streaming_reason(comp: Component, src: Path, recipe: Recipe, device: str, remote: RemoteWeights | None) -> str | None:
     from publisher.streaming import supports
 
