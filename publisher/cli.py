@@ -156,6 +156,8 @@ def recipes_cmd(as_json: bool) -> None:
 @click.option("--sample-prompt", default=None, help="Prompt used in the card's usage snippet.")
 @click.option("--sample-steps", type=click.IntRange(1, 200), default=28, show_default=True, help="Denoising steps in the card's snippet.")
 @click.option("--sample-size", type=click.IntRange(16, 4096), default=1024, show_default=True, help="Image size in the card's snippet.")
+@click.option("--allow-unquantized", is_flag=True,
+              help="Publish a component in which no layer could be quantized (default: an error naming its layer types).")
 @click.option("--benchmark", is_flag=True, help="Measure latency (and GPU memory) against bf16 for the card; always on with a GPU.")
 @click.option("--engine", type=click.Choice(["auto", "streaming", "library"]), default="auto", show_default=True,
               help="auto: the streaming engine (one tensor in memory) where it applies, else the library path.")
@@ -171,7 +173,7 @@ def recipes_cmd(as_json: bool) -> None:
 def publish_cmd(model_id: str, quant: tuple[str, ...], components: str | None, exclude: tuple[str, ...], repo_id: str | None,
                 revision: str | None, private: bool, token: str | None, output_dir: Path | None, no_push: bool,
                 create_pr: bool, trust_remote_code: bool, keep_going: bool, verify_envs: tuple[str, ...],
-                sample_prompt: str | None, sample_steps: int, sample_size: int, benchmark: bool, engine: Engine, low_disk: bool | None,
+                sample_prompt: str | None, sample_steps: int, sample_size: int, allow_unquantized: bool, benchmark: bool, engine: Engine, low_disk: bool | None,
                 verify_mode: Mode, as_json: bool, debug: bool, quiet: bool) -> None:
     """Quantize MODEL_ID (Hub repo id or local folder), verify, card and push it.
 
@@ -214,6 +216,7 @@ def publish_cmd(model_id: str, quant: tuple[str, ...], components: str | None, e
         low_disk=low_disk,
         verify_mode="full" if verify_envs and verify_mode == "auto" else verify_mode,
         benchmark=benchmark,
+        allow_unquantized=allow_unquantized,
         command=_command_line(click.get_current_context()),
     )
     try:

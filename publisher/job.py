@@ -25,12 +25,13 @@ from publisher.recipes import Recipe
 from publisher.stages import card, fetch, leftovers, preflight, push_pr
 from publisher.stages import plan as planning
 from publisher.stages import push as pushing
+from publisher.stages import quantize as quantize_stage
 from publisher.stages import source as source_stage
 from publisher.stages.quantize import Artifacts, QuantizedComponent, finalize, partial_folder, prepare_output, quantize_recipe
 from publisher.stages.resume import ComponentCache, default_root
-from publisher.verify import published
+from publisher.verify import capture, published
 from publisher.verify.full import verify
-from publisher.verify.report import Mode, VerifyReport, require_passed
+from publisher.verify.report import ForwardInputs, Mode, VerifyReport, require_passed
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class PublishRequest:
     low_disk: bool | None = None  # None: auto (only when the download would not fit)
     verify_mode: Mode = "auto"
     benchmark: bool = False  # measure latency/memory vs bf16 also on a CPU (always on a GPU)
+    allow_unquantized: bool = False  # publish a component in which no layer could be quantized
     command: str = "hf-ao-publish"
 
 
@@ -70,7 +72,7 @@ class Outcome:
     """What happened to one recipe: the --json result and the summary line come from this."""
 
     recipe: str
-    repo_id: str
+    repo_id: str | None  # None: no repo id was chosen (--no-push without a token or --repo-id)
     folder: Path | None = None
     url: str | None = None
     commit: str | None = None
@@ -88,9 +90,15 @@ class Outcome:
     rss_after: dict[str, int] = field(default_factory=dict)  # this process's peak RSS at the end of each stage
     benchmark: dict[str, Any] | None = None  # stages.measure result
 
+    def target(self) -> str:  # the repo id a push writes to (a push always has one: it needs a token)
+        if self.repo_id is None:
+            raise TargetError(f"{self.recipe}: {planning.NO_TARGET}")
+        return self.repo_id
+
     def to_json(self) -> dict[str, Any]:
         return {
             "repo_id": self.repo_id,
+            "repo_id_note": None if self.repo_id else planning.NO_TARGET,
             "url": self.url,
             "commit": self.commit,
             "pr_url": self.pr_url,
@@ -179,7 +187,7 @@ def make_plan(req: PublishRequest, token: str | None) -> planning.Plan:
     )
     if req.push:  # after the base checks, in the order the preflight promises
         for target in targets.values():
-            pushing.check_writable(target, token)
+            pushing.check_writable(str(target), token)  # a push has a token, so every target is named
     return plan
 
 
@@ -234,6 +242,7 @@ class _Run:
     caches: dict[str, ComponentCache] = field(default_factory=dict)
     created: dict[str, bool] = field(default_factory=dict)  # --low-disk push: target repo created by this run
     card_args: dict[str, Any] = field(default_factory=dict)  # how the cards were written (to rewrite one later)
+    inputs: dict[str, ForwardInputs] = field(default_factory=dict)  # forward-check inputs, derived once from the base
 
 
 def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outcomes: list[Outcome]) -> list[Outcome]:
@@ -267,6 +276,8 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
     run = _Run(req, plan, token, states, out_root, base_dir, Path(work_dir.name), recipe_registry.cuda_capability(),
                remote)
     try:
+        with _timed(outcomes[0], "inputs"):  # one derivation for every recipe: the same base, the same call
+            run.inputs = capture.prepare(plan, base_dir, run.work / "inputs")
         for recipe in todo:
             outcome = next(o for o in outcomes if o.recipe == recipe.name)
             try:
@@ -282,7 +293,7 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
                 log.error("%s: %s (continuing: --keep-going)", recipe.name, exc)
         run.card_args = dict(samples=run.samples, benchmarks={o.recipe: o.benchmark for o in outcomes}, command=req.command,
                              sample={"prompt": req.sample_prompt, "steps": req.sample_steps, "size": req.sample_size},
-                             endpoint=_endpoint())
+                             endpoint=_endpoint(), folders=dict(run.finals))
         card.write_cards(plan, run.done, **run.card_args)
         for name, (artifacts, report) in run.done.items():
             finalize(artifacts, run.finals[name])
@@ -301,7 +312,7 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
                     _push_one(run, outcome, previous.get(outcome.recipe))
     except BaseException:
         for name, created in run.created.items():  # --low-disk push: repos made for recipes never pushed
-            push_pr.discard(plan.targets[name], token, created)
+            push_pr.discard(str(plan.targets[name]), token, created)
         raise
     finally:
         work_dir.cleanup()
@@ -319,15 +330,15 @@ def _up_to_date(req: PublishRequest, outcome: Outcome, state: dict[str, Any],
     if not req.push:
         return False
     # With --create-pr the state that counts is our open PR's, when there is one.
-    pr = pushing.find_open_pr(outcome.repo_id, token) if req.create_pr else None
-    head, prev = pushing.published_state(outcome.repo_id, token, pr[1] if pr else None)
+    pr = pushing.find_open_pr(outcome.target(), token) if req.create_pr else None
+    head, prev = pushing.published_state(outcome.target(), token, pr[1] if pr else None)
     previous[outcome.recipe] = prev
     if not ((pr or not req.create_pr) and prev and prev.get("fingerprint") == state["fingerprint"]):
         return False
     outcome.up_to_date, outcome.verified, outcome.commit = True, bool(prev.get("verified", True)), head
-    outcome.url = f"{_endpoint()}/{outcome.repo_id}"
+    outcome.url = f"{_endpoint()}/{outcome.target()}"
     outcome.pr_url = f"{outcome.url}/discussions/{pr[0]}" if pr else None
-    log.info("%s is up to date (same base sha, recipe, options and versions); nothing to do", outcome.repo_id)
+    log.info("%s is up to date (same base sha, recipe, options and versions); nothing to do", outcome.target())
     return True
 
 
@@ -342,7 +353,7 @@ def _build(run: _Run, recipe: Recipe, outcome: Outcome) -> None:
     run.finals[recipe.name] = folder
     uploader = None
     if run.remote is not None and req.push:
-        target = plan.targets[recipe.name]
+        target = outcome.target()
         run.created[recipe.name] = push_pr.ensure_repo(target, run.token, req.private)
         uploader = push_pr.ShardUploader(target, run.token, partial_folder(folder, run.out_root), recipe.tensor_class)
     try:
@@ -361,10 +372,12 @@ def _build_stages(run: _Run, recipe: Recipe, outcome: Outcome, folder: Path, upl
         artifacts = quantize_recipe(plan, run.base_dir, recipe, partial_folder(folder, run.out_root),
                                     recipe_registry.quantize_device(recipe, run.capability), engine=req.engine, cache=cache,
                                     remote=run.remote, uploader=uploader, fingerprint=run.states[recipe.name]["fingerprint"])
-    outcome.components = [_component_json(c) for c in artifacts.components]
+    quantize_stage.report_layers(artifacts, run.base_dir, req.allow_unquantized)  # nothing quantized is an error unless accepted
+    outcome.components = [_component_json(c, artifacts.layers[c.name].to_dict()) for c in artifacts.components]
     with _timed(outcome, "verify"):
         report = verify(artifacts, run.work / recipe.name, envs=req.verify_envs, base_sources=fetch.base_sources(plan, run.base_dir, run.remote),
-                        token=run.token, device=run_on, mode="streaming" if uploader is not None else req.verify_mode)
+                        token=run.token, device=run_on, mode="streaming" if uploader is not None else req.verify_mode,
+                        inputs=run.inputs)
     outcome.report = report
     outcome.verified = report.passed
     require_passed(report)
@@ -401,7 +414,7 @@ def _push_one(run: _Run, outcome: Outcome, previous: dict[str, Any] | None) -> N
                 check=lambda oid: _check_pull_request(run, outcome, oid))
         else:
             result = pushing.push(
-                artifacts.folder, report, repo_id=outcome.repo_id, token=run.token, private=run.req.private,
+                artifacts.folder, report, repo_id=outcome.target(), token=run.token, private=run.req.private,
                 create_pr=run.req.create_pr, message=message, description=description, state=state,
             )
     except Exception as exc:  # re-raised: the outcome records the one-line reason for --json
@@ -417,7 +430,7 @@ def _push_one(run: _Run, outcome: Outcome, previous: dict[str, Any] | None) -> N
     if outcome.pushed and not run.req.create_pr:
         with _timed(outcome, "published_check"):
             try:
-                results = published.check_published(report, outcome.repo_id, str(outcome.commit), run.work / outcome.recipe,
+                results = published.check_published(report, outcome.target(), str(outcome.commit), run.work / outcome.recipe,
                                                     run.token)
             except published.PublishedMismatch as exc:
                 outcome.published_check, outcome.error = [asdict(r) for r in exc.results], str(exc)
@@ -430,7 +443,7 @@ def _check_pull_request(run: _Run, outcome: Outcome, revision: str) -> list[Path
     the rewritten card and report, which join the pull request."""
     artifacts, report = run.done[outcome.recipe]
     try:
-        published.check_pull_request(artifacts, report, outcome.repo_id, revision, run.token,
+        published.check_pull_request(artifacts, report, outcome.target(), revision, run.token,
                                      fetch.base_sources(run.plan, run.base_dir, run.remote))
     finally:
         outcome.report, outcome.verified = report, report.passed
@@ -463,8 +476,9 @@ def _endpoint() -> str:
     return constants.ENDPOINT.rstrip("/")
 
 
-def _component_json(c: QuantizedComponent) -> dict[str, Any]:
+def _component_json(c: QuantizedComponent, layers: dict[str, Any]) -> dict[str, Any]:
     return {
+        "layers": layers,
         "name": c.label,
         "class": c.class_name,
         "quantized_layers": len(c.quantized),

@@ -92,57 +92,140 @@ def meta_model(library: str, class_name: str, config: Any) -> Any:
         return cls._from_config(config, dtype=torch.bfloat16)
 
 
+class NotApplicable(Exception):
+    """A load path that does not apply to this model (reported as such, not as a failure)."""
+
+
 def _load_manual(req: dict[str, Any]) -> Any:
     return load_manual(req["library"], req["class_name"], _local_folder(req))
 
 
 def load_manual(library: str, class_name: str, folder: Path) -> Any:
-    """The manual path (module docstring) from a local component folder, on the CPU."""
-    from safetensors import safe_open
-    from safetensors.torch import load_file
-    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
-
+    """The manual path (module docstring) from a local component folder, on the CPU; NotApplicable where
+    transformers' key conversions cannot be reproduced by hand."""
     cls = _model_class(library, class_name)
     config = cls.load_config(folder) if library == "diffusers" else cls.config_class.from_pretrained(folder)
     model = meta_model(library, class_name, config)
-    shards = sorted(folder.glob("*.safetensors"))
-    if not shards:
-        raise FileNotFoundError(f"no safetensors files in {folder}")
     index = next(iter(folder.glob("*.safetensors.index.json")), None)
     if index is not None:
         named = set(json.loads(index.read_text())["weight_map"].values())
         missing = sorted(n for n in named if not (folder / n).is_file())
         if missing:
             raise FileNotFoundError(f"shard {missing[0]} named in {index.name} is missing")
-    tensors: dict[str, Any] = {}
-    metadata: dict[str, Any] = {}
-    names: list[str] = []
-    for shard in shards:
-        # A quantized tensor's parts may sit in different shards: merge everything, then unflatten once.
-        with safe_open(str(shard), framework="pt") as fh:
-            meta = dict(fh.metadata() or {})
-        names.extend(json.loads(meta.pop("tensor_names", "[]")))
+    try:
+        state = convert_checkpoint_keys(model, read_checkpoint(folder))
+    except ValueError as exc:
+        raise NotApplicable(str(exc)) from None
+    return load_into(model, state)
+
+
+# The manual path. The card's "load the weights by hand" snippet is these three functions' source, verbatim
+# (publisher/stages/card.py reads it with inspect), so each imports what it needs.
+
+
+def read_checkpoint(folder):
+    """Every tensor of the safetensors files in ``folder``; torchao tensors rebuilt from their saved parts."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+    from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
+
+    shards = sorted(Path(folder).glob("*.safetensors"))
+    if not shards:
+        raise FileNotFoundError(f"no safetensors files in {folder}")
+    tensors, metadata, names = {}, {}, []
+    for shard in shards:  # a quantized tensor's parts may sit in different shards: merge, then rebuild once
+        with safe_open(str(shard), framework="pt") as f:
+            meta = dict(f.metadata() or {})
+        names += json.loads(meta.pop("tensor_names", "[]"))
         metadata.update(meta)
         tensors.update(load_file(str(shard)))
-    if names:
-        # diffusers writes the whole model's tensor_names into every shard; torchao's unflatten fails on a repeat
-        metadata["tensor_names"] = json.dumps(list(dict.fromkeys(names)))
-        state, leftover = unflatten_tensor_state_dict(tensors, metadata)
-        state.update(leftover)
-    else:
-        state = tensors
+    # torchao's helper splits every name it is given on its last dot; plain tensors need no rebuilding, and a
+    # parameter at the model's top level (scale_shift_table) has no dot: give it only the torchao tensors.
+    # diffusers writes the whole model's tensor_names into every shard: each name once.
+    rebuilt = [n for n in dict.fromkeys(names) if json.loads(metadata[n]).get("_type") not in ("Tensor", None)]
+    if not rebuilt:
+        return tensors
+    state, plain = unflatten_tensor_state_dict(tensors, {**metadata, "tensor_names": json.dumps(rebuilt)})
+    state.update(plain)
+    return state
+
+
+def convert_checkpoint_keys(model, state):
+    """transformers >= 5 renames and merges some checkpoint keys while loading (MoE: one tensor per expert in the
+    files, one fused parameter per layer in the model). Apply the model's own rules; ValueError if one cannot be."""
+    import re
+
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:  # transformers 4, or diffusers only: the checkpoint keys are the model's keys
+        return state
+    if not isinstance(model, PreTrainedModel):
+        return state
+    conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    expected = model.state_dict()
+    out: dict = {}
+    merged: dict = {}  # target key -> (converter, {source pattern: [tensors in expert order]})
+    for key in sorted(state, key=lambda k: [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", k)]):
+        target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, expected)
+        if pattern is None:
+            out[target] = state[key]
+            continue
+        converter = next(c for c in converters if pattern in c.source_patterns)
+        merged.setdefault(target, (converter, {}))[1].setdefault(pattern, []).append(state[key])
+    for target, (converter, parts) in merged.items():
+        for op in converter.operations:
+            if type(op).__name__ not in ("MergeModulelist", "Concatenate"):
+                raise ValueError(f"transformers converts {target} with {type(op).__name__}, which is not reproduced by hand")
+            try:
+                parts = op.convert(parts, source_patterns=converter.source_patterns, target_patterns=converter.target_patterns)
+            except (RuntimeError, NotImplementedError, TypeError) as exc:  # e.g. torchao tensors cannot be stacked
+                raise ValueError(f"merging the saved parts of {target} failed ({type(exc).__name__})") from None
+        out[target] = next(iter(parts.values()))
+    return out
+
+
+def checkpoint_key_targets(model: Any, keys: list[str]) -> dict[str, str]:
+    """Checkpoint key -> the model key it loads into, for the keys transformers renames or merges (empty for
+    everything else): what ``convert_checkpoint_keys`` does, without reading a tensor (block-by-block loading)."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:
+        return {}
+    if not isinstance(model, PreTrainedModel):
+        return {}
+    conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    expected = model.state_dict()
+    out = {}
+    for key in keys:
+        target, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, expected)
+        if target != key:
+            out[key] = target
+    return out
+
+
+def load_into(model, state):
+    """``load_state_dict(assign=True)`` into the meta-device model; strict, except that a weight tied to another
+    (lm_head = embed_tokens) is saved once and tied again here."""
     result = model.load_state_dict(state, strict=False, assign=True)
-    # Tied weights (e.g. lm_head = embed_tokens) are saved once; strict=True is applied to the rest.
-    tied = set()
     if hasattr(model, "tie_weights"):
         model.tie_weights()
-        tied = {k for k in result.missing_keys if not model.get_parameter(k).is_meta}
-    missing = [k for k in result.missing_keys if k not in tied]
+    still_meta = {n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta}
+    missing = [k for k in result.missing_keys if k in still_meta]
     if missing or result.unexpected_keys:
         raise RuntimeError(f"state dict mismatch: missing {missing[:3]}, unexpected {result.unexpected_keys[:3]}")
-    meta_left = [n for n, p in model.named_parameters() if p.is_meta]
-    if meta_left:
-        raise RuntimeError(f"parameters left on the meta device: {meta_left[:3]}")
+    if still_meta:
+        raise RuntimeError(f"parameters left on the meta device: {sorted(still_meta)[:3]}")
     return model
 
 
@@ -194,10 +277,61 @@ def inspect_model(model: Any) -> dict[str, Any]:
     return {"linear_classes": classes, "digests": digests}
 
 
-def run_forward(model: Any, library: str, inputs_file: str, output_file: str, device: str = "cpu") -> None:
-    from safetensors.torch import load_file, save_file
+def save_call(kwargs: dict[str, Any], path: Any) -> None:
+    """Write one recorded call (keyword arguments) as safetensors: every tensor under its own key, and the
+    structure with every other value (None, numbers, strings, tuples, lists, dicts) as JSON in the header.
+    No pickle: another interpreter replays exactly that call with ``load_call``. TypeError for other values."""
+    import torch
+    from safetensors.torch import save_file
 
-    inputs = {k: v.to(device) for k, v in load_file(inputs_file).items()}
+    tensors: dict[str, Any] = {}
+
+    def encode(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            key = f"t{len(tensors)}"
+            tensors[key] = v.detach().cpu().contiguous()
+            return {"tensor": key}
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return {"value": v}
+        if isinstance(v, (tuple, list)):
+            return {type(v).__name__: [encode(x) for x in v]}
+        if isinstance(v, dict) and all(isinstance(k, str) for k in v):
+            return {"dict": {k: encode(x) for k, x in v.items()}}
+        raise TypeError(f"a {type(v).__name__} cannot be saved for another process")
+
+    spec = {k: encode(v) for k, v in kwargs.items()}
+    save_file(tensors, str(path), metadata={"call": json.dumps(spec)})
+
+
+def load_call(path: Any, device: str = "cpu") -> dict[str, Any]:
+    """The keyword arguments ``save_call`` wrote, tensors on ``device``."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(path))
+    with safe_open(str(path), framework="pt") as fh:
+        spec = json.loads((fh.metadata() or {}).get("call", "null") or "null")
+    if spec is None:  # an older inputs file: plain keyword tensors
+        return {k: v.to(device) for k, v in tensors.items()}
+
+    def decode(node: dict[str, Any]) -> Any:
+        (kind, v), = node.items()
+        if kind == "tensor":
+            return tensors[v].to(device)
+        if kind == "value":
+            return v
+        if kind == "dict":
+            return {k: decode(x) for k, x in v.items()}
+        items = [decode(x) for x in v]
+        return tuple(items) if kind == "tuple" else items
+
+    return {k: decode(node) for k, node in spec.items()}
+
+
+def run_forward(model: Any, library: str, inputs_file: str, output_file: str, device: str = "cpu") -> None:
+    from safetensors.torch import save_file
+
+    inputs = load_call(inputs_file, device)
     first = forward(model, library, inputs)
     save_file({"output": first.detach().contiguous().cpu()}, output_file)
 
@@ -219,6 +353,10 @@ def main(request_file: str) -> int:
             run_forward(model, req["library"], req["inputs"], req["output"], device)
             result["output"] = req["output"]
         result["ok"] = True
+    except NotApplicable as exc:
+        result["ok"] = False
+        result["not_applicable"] = True
+        result["error"] = str(exc).splitlines()[0][:500]
     except Exception as exc:  # reported to the parent, which decides; this process only loads and reports
         result["ok"] = False
         result["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]

@@ -92,18 +92,17 @@ def test_tensor_check_passes_and_catches_damage(streamed: Any, tmp_path: Path, s
 
 @pytest.mark.parametrize("budget", [0, 256 * 1024 * 1024])
 @pytest.mark.parametrize("sub,lib,cls", [COMPONENTS[0], COMPONENTS[2]])
-def test_block_forward_equals_a_full_reload(streamed: Any, tiny_flux_dir: Path, tiny_llama_dir: Path,
+def test_block_forward_equals_a_full_reload(streamed: Any, tiny_flux_dir: Path, tiny_llama_dir: Path, tmp_path: Path,
                                             sub: str, lib: str, cls: str, budget: int) -> None:
     import torch
 
-    from publisher.loadpath import forward, load_component
+    from publisher.loadpath import forward, load_call, load_component
     from publisher.streaming.shards import LocalShards
-    from publisher.verify.inputs import build_inputs
     from publisher.verify.streaming import block_forward
 
     out, _ = streamed(sub, lib, cls, "int8wo")
     config = json.loads((out / "config.json").read_text())
-    inputs = build_inputs(lib, cls, config)
+    inputs = load_call(_recorded_inputs(tiny_flux_dir, tiny_llama_dir, sub, lib, cls, tmp_path))
     full = forward(load_component(lib, cls, out), lib, inputs)
     bf = block_forward(LocalShards(out), lib, cls, config, inputs, budget=budget)
     assert torch.equal(bf.output, full)
@@ -115,6 +114,16 @@ def test_block_forward_equals_a_full_reload(streamed: Any, tiny_flux_dir: Path, 
     src = _src(tiny_flux_dir, tiny_llama_dir, sub)
     base = block_forward(LocalShards(src), lib, cls, json.loads((src / "config.json").read_text()), inputs, budget=budget)
     assert torch.equal(base.output, forward(load_component(lib, cls, src), lib, inputs))
+
+
+def _recorded_inputs(flux: Path, llama: Path, sub: str, lib: str, cls: str, work: Path) -> Path:
+    """The verification inputs of one component, derived as a publish derives them (verify/capture.py)."""
+    from publisher.verify.capture import for_components
+
+    folder, pipeline = (flux, "FluxPipeline") if lib == "diffusers" else (llama, None)
+    found = for_components(folder, pipeline, {sub: (lib, cls)}, work)[sub]
+    assert found.file is not None, found.reason
+    return found.file
 
 
 def _verify_results(data: dict[str, Any]) -> list[dict[str, Any]]:
@@ -296,18 +305,17 @@ def test_option_conflicts_are_usage_errors(cli: Any, tiny_flux_dir: Path, args: 
 
 
 @pytest.mark.parametrize("optional", [True, False])
-def test_block_forward_failure_counts_unless_the_recipe_runs_on_a_gpu(streamed: Any, tmp_path: Path,
-                                                                       monkeypatch: pytest.MonkeyPatch, optional: bool) -> None:
+def test_block_forward_failure_counts_unless_the_recipe_runs_on_a_gpu(streamed: Any, tmp_path: Path, tiny_flux_dir: Path,
+                                                                       tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                       optional: bool) -> None:
     """A CPU without a GPU recipe's kernel costs the forward check (said in the detail); any other failure fails."""
     from publisher.streaming.shards import LocalShards
     from publisher.verify import streaming as verify_stream
-    from publisher.verify.inputs import build_inputs, save_inputs
     from publisher.verify.report import Expected
     from publisher.verify.streaming import streaming_check
 
     out, res = streamed(*COMPONENTS[0], "int8wo")
-    inputs = save_inputs(build_inputs("diffusers", COMPONENTS[0][2], json.loads((out / "config.json").read_text())),
-                         tmp_path / "inputs.safetensors")
+    inputs = _recorded_inputs(tiny_flux_dir, tiny_llama_dir, *COMPONENTS[0], tmp_path)
     exp = Expected("transformer", "diffusers", COMPONENTS[0][2], inputs, None, dict(res.digests), res.quantized)
 
     def no_kernel(*a: Any, **k: Any) -> Any:

@@ -103,7 +103,11 @@ def environment() -> Any:
     return env
 
 
-def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str, inputs: CardInputs) -> str:
+def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str | None, inputs: CardInputs,
+           folder: Path | None = None) -> str:
+    """The card. ``target``: the repo id a push would use (None: none chosen; the snippets then load ``folder``)."""
+    from publisher.stages.card_usage import manual_functions, usage
+
     recipe = artifacts.recipe
     data = card_data(plan, artifacts)
     _, licence_note = licence_fields(plan)
@@ -111,11 +115,18 @@ def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str, 
     current = next((r.versions for r in report.results if r.env == "current" and r.versions), {})
     first = artifacts.components[0]
     template = environment().from_string(template_path().read_text(encoding="utf-8"))
-    causal = plan.kind == "transformers" and first.class_name.endswith("ForCausalLM")
+    causal = plan.kind == "transformers" and first.class_name.endswith(("ForCausalLM", "LMHeadModel"))
+    manual = [r for r in report.results if r.path == "manual" and r.component == first.name and r.env == "current"]
     text = template.render(
         card_data=data.to_yaml(),
         title=f"{(plan.source.repo_id or plan.source.local_dir.name).split('/')[-1]} (torchao {recipe.name})",  # type: ignore[union-attr]
-        repo_id=target,
+        repo_id=target or str(folder or artifacts.folder),
+        target_chosen=target is not None,
+        usage=usage(plan.pipeline_class, int(inputs.sample["size"]), int(inputs.sample["steps"])) if plan.kind == "pipeline" else None,
+        manual_code=manual_functions(first.library),
+        manual_not_applicable=next((r.detail for r in manual if not r.applicable), None),
+        layers=artifacts.layers,
+        weights_only=report.weights_only(),
         base={
             "repo_id": plan.source.repo_id,
             "sha": plan.source.sha,
@@ -135,6 +146,7 @@ def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str, 
         report=report,
         versions=current,
         licence_note=licence_note,
+        artifact_notes=artifacts.notes,
         licence_files=licence_files(plan),
         auto_class="AutoModelForCausalLM" if causal else "AutoModel",
         causal=causal,
@@ -147,7 +159,7 @@ def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str, 
 
 def write_cards(plan: Plan, done: dict[str, tuple[Artifacts, VerifyReport]], samples: dict[str, Any],
                 benchmarks: dict[str, Any], *, command: str, sample: dict[str, Any], endpoint: str,
-                only: str | None = None) -> list[Path]:
+                only: str | None = None, folders: dict[str, Path] | None = None) -> list[Path]:
     """Cards are written once every recipe is done, so each can link to its sibling variants. ``only``: rewrite
     one recipe's card and report (after a later check). Returns the files written."""
     from publisher import recipes as recipe_registry
@@ -157,7 +169,8 @@ def write_cards(plan: Plan, done: dict[str, tuple[Artifacts, VerifyReport]], sam
         for name, (artifacts, report) in done.items():
             quality = ", ".join(f"{q.component} {q.rel_error:.4f}" for q in report.quality) or "n/a"
             variants.append({
-                "recipe": name, "repo_id": plan.targets[name], "url": f"{endpoint}/{plan.targets[name]}",
+                "recipe": name, "repo_id": plan.targets[name] or "(none chosen)",
+                "url": f"{endpoint}/{plan.targets[name]}" if plan.targets[name] else "",
                 "size": sum(artifacts.files().values()), "runs_on": recipe_registry.get(name).run.describe(), "quality": quality,
             })
     default_prompt = "a photo of a cat" if plan.kind == "pipeline" else "The capital of France is"
@@ -175,7 +188,8 @@ def write_cards(plan: Plan, done: dict[str, tuple[Artifacts, VerifyReport]], sam
             sample_image=samples[name].image if name in samples else None,
             psnr=samples[name].psnr if name in samples else None,
         )
-        (artifacts.folder / "README.md").write_text(render(plan, artifacts, report, plan.targets[name], inputs), encoding="utf-8")
+        text = render(plan, artifacts, report, plan.targets[name], inputs, (folders or {}).get(name))
+        (artifacts.folder / "README.md").write_text(text, encoding="utf-8")
         written += [artifacts.folder / "README.md", report.write(artifacts.folder)]
     return written
 

@@ -91,11 +91,12 @@ def latency_ms(model: Any, library: str, inputs: dict[str, Any], device: str, it
 
 def _measure(folder: Path, library: str, class_name: str, inputs_file: Path, device: str, iters: int, compile: bool) -> dict[str, Any]:
     import torch
-    from safetensors.torch import load_file
+
+    from publisher.loadpath import load_call
 
     with gpu_memory(device) as mem:
         model = load_component(library, class_name, folder, device=device)
-    inputs = {k: v.to(device) for k, v in load_file(str(inputs_file)).items()}
+    inputs = load_call(inputs_file, device)
     reset_peak(device)
     forward(model, library, inputs)
     row: dict[str, Any] = {

@@ -24,6 +24,8 @@ from publisher.stages.source import Source
 log = logging.getLogger(__name__)
 
 DENOISERS = ("transformer", "unet", "prior", "decoder")
+NO_TARGET = ("no repo id was chosen: there is no --repo-id and no token to ask the Hub whose the default "
+             "<user>/<base>-torchao-<recipe> would be; pass --repo-id NAMESPACE/NAME or set HF_TOKEN")
 _TARGET_RE = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}$")
 
 
@@ -60,7 +62,7 @@ class Plan:
     components: tuple[Component, ...]
     recipes: tuple[Recipe, ...]
     exclude: tuple[str, ...]
-    targets: dict[str, str]  # recipe name -> target repo id
+    targets: dict[str, str | None]  # recipe name -> target repo id (None: none chosen, --no-push without a token)
     base_files: tuple[str, ...]  # what the snapshot stage downloads
     library_name: str
     pipeline_tag: str | None
@@ -95,10 +97,11 @@ def check_target_id(repo_id: str) -> str:
     return repo_id
 
 
-def target_ids(source: Source, recipes: list[Recipe], repo_id: str | None, user: str | None) -> dict[str, str]:
-    """Default target: <token user>/<base name>-torchao-<recipe>. With several recipes an explicit
-    --repo-id gets "-<recipe>" appended unless it contains "{recipe}"."""
-    out: dict[str, str] = {}
+def target_ids(source: Source, recipes: list[Recipe], repo_id: str | None, user: str | None) -> dict[str, str | None]:
+    """Default target: <token user>/<base name>-torchao-<recipe>; None when there is neither a --repo-id nor a token
+    to ask whose it would be (only possible with --no-push). With several recipes an explicit --repo-id gets
+    "-<recipe>" appended unless it contains "{recipe}"."""
+    out: dict[str, str | None] = {}
     base_name = (source.repo_id or str(source.local_dir)).rstrip("/").split("/")[-1]
     for recipe in recipes:
         if repo_id:
@@ -108,8 +111,11 @@ def target_ids(source: Source, recipes: list[Recipe], repo_id: str | None, user:
                 rid = f"{repo_id}-{recipe.name}"
             else:
                 rid = repo_id
+        elif user:
+            rid = f"{user}/{base_name}-torchao-{recipe.name}"
         else:
-            rid = f"{user or 'your-username'}/{base_name}-torchao-{recipe.name}"
+            out[recipe.name] = None
+            continue
         out[recipe.name] = check_target_id(rid)
     return out
 
@@ -200,7 +206,7 @@ def build_plan(
     *,
     components: list[str] | None,
     exclude: list[str],
-    targets: dict[str, str],
+    targets: dict[str, str | None],
     token: str | None,
     trust_remote_code: bool = False,
     options: dict[str, Any] | None = None,

@@ -22,6 +22,7 @@ from publisher.stages.leftovers import MARKER, make_partial, remove_partial
 from publisher.stages.plan import Component, Plan
 
 if TYPE_CHECKING:
+    from publisher.stages.coverage import LayerReport
     from publisher.stages.fetch import RemoteWeights
     from publisher.stages.push_pr import ShardUploader
     from publisher.stages.resume import ComponentCache
@@ -60,6 +61,8 @@ class Artifacts:
     models: dict[str, Any] = field(default_factory=dict, repr=False)  # in-memory quantized models, for verify
     device: str = "cpu"  # where the weights were quantized
     uploader: ShardUploader | None = None  # shards already pre-uploaded and deleted (--low-disk push)
+    layers: dict[str, LayerReport] = field(default_factory=dict)  # component name -> what was quantized, left alone, why
+    notes: list[str] = field(default_factory=list)  # for the card (e.g. a component published unquantized on request)
 
     def files(self) -> dict[str, int]:
         """Every file of the repo: those on disk and those already uploaded."""
@@ -171,6 +174,19 @@ def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, d
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return Artifacts(recipe=recipe, folder=partial, components=done, models=models, device=device, uploader=uploader)
+
+
+def report_layers(artifacts: Artifacts, base_dir: Path, allow_unquantized: bool) -> None:
+    """What each component's quantization covered (coverage.py); QuantizeError for a component with no quantized
+    layer unless ``allow_unquantized`` (then the card says so)."""
+    from publisher.stages.coverage import layer_report, require_quantized
+
+    for c in artifacts.components:
+        artifacts.layers[c.name] = layer_report(c.library, c.class_name, base_dir / c.name if c.name else base_dir,
+                                                c.quantized, c.skipped, c.excluded)
+        note = require_quantized(c.label, c.class_name, artifacts.recipe.name, artifacts.layers[c.name], allow_unquantized)
+        if note:
+            artifacts.notes.append(note)
 
 
 def _streaming_reason(comp: Component, src: Path, recipe: Recipe, device: str, remote: RemoteWeights | None) -> str | None:

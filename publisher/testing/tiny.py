@@ -50,7 +50,7 @@ to test tooling. Derivatives must carry this license and its notice.
 
 
 @contextmanager
-def _seeded(seed: int) -> Iterator[None]:
+def seeded(seed: int) -> Iterator[None]:
     """Seed torch's global RNG (model constructors use it) without disturbing the caller's RNG state."""
     import torch
 
@@ -95,7 +95,7 @@ def _prepare(path: Path | str) -> Path:
 # ----------------------------------------------------------------------------------------------- FLUX
 
 
-def _clip_tokenizer() -> Any:
+def clip_tokenizer() -> Any:
     """A CLIP BPE tokenizer over all 256 byte-level symbols (no prompt hits unk) plus a few whole words.
 
     transformers 5 builds it from in-memory `vocab` (dict) and `merges` (list of *tuples*: strings fail
@@ -117,7 +117,7 @@ def _clip_tokenizer() -> Any:
     return CLIPTokenizer(vocab=vocab, merges=merges, model_max_length=CLIP_MAX_LENGTH)
 
 
-def _t5_tokenizer() -> Any:
+def t5_tokenizer() -> Any:
     """A T5 (Unigram) tokenizer: pad=0, eos=1, unk=2 as in T5; no <extra_id_*> sentinels."""
     from transformers import T5Tokenizer
 
@@ -144,8 +144,8 @@ def build_tiny_flux(
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
     path = _prepare(path)
-    clip_tok, t5_tok = _clip_tokenizer(), _t5_tokenizer()
-    with _seeded(seed):
+    clip_tok, t5_tok = clip_tokenizer(), t5_tokenizer()
+    with seeded(seed):
         transformer = FluxTransformer2DModel(**tiny_pipeline_transformer(latent_channels))
         text_encoder = CLIPTextModel(
             CLIPTextConfig(
@@ -253,7 +253,7 @@ image = pipe("a cat", num_inference_steps=2, height=64, width=64, guidance_scale
 # ---------------------------------------------------------------------------------------------- Llama
 
 
-def _llama_tokenizer(vocab_size: int) -> Any:
+def llama_tokenizer(vocab_size: int) -> Any:
     """A byte-level BPE tokenizer (any text encodes and round-trips), Llama-2 style specials, bos prepended.
 
     Padded with `<|reserved_special_token_N|>` (as Llama 3 does) to exactly `vocab_size`, so every id the
@@ -299,7 +299,7 @@ def build_tiny_llama(path: Path | str, *, seed: int = 0) -> Path:
 
     path = _prepare(path)
     vocab_size = 384  # a multiple of 128, like Llama's padded vocabularies
-    tok = _llama_tokenizer(vocab_size)
+    tok = llama_tokenizer(vocab_size)
     config = LlamaConfig(
         vocab_size=vocab_size,
         hidden_size=128,
@@ -313,7 +313,7 @@ def build_tiny_llama(path: Path | str, *, seed: int = 0) -> Path:
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
     )
-    with _seeded(seed):
+    with seeded(seed):
         model = LlamaForCausalLM(config)
     model.to(torch.bfloat16).eval()
     model.generation_config = GenerationConfig(

@@ -18,10 +18,9 @@ from typing import TYPE_CHECKING, Any
 
 from publisher import loadpath
 from publisher.errors import VerificationError
-from publisher.jsonfile import read_object
 from publisher.stages.quantize import Artifacts
-from publisher.verify.inputs import build_inputs, save_inputs
-from publisher.verify.report import PATHS, Expected, Mode, PathResult, Quality, VerifyReport
+from publisher.verify.inputs import token_inputs
+from publisher.verify.report import PATHS, Expected, ForwardInputs, Mode, PathResult, Quality, VerifyReport
 
 if TYPE_CHECKING:
     from publisher.streaming.shards import ShardSource
@@ -32,14 +31,36 @@ WORKER = Path(loadpath.__file__).resolve()
 GiB = 1024**3
 
 
-def record_expected(artifacts: Artifacts, work: Path, device: str = "cpu") -> tuple[list[Expected], list[str]]:
+def default_inputs(artifacts: Artifacts, work: Path) -> dict[str, ForwardInputs]:
+    """Forward inputs when the caller prepared none (verify/capture.py does, from the base pipeline): token ids for
+    transformers models, from their signature and config; nothing for diffusers models, which need their pipeline."""
+    from publisher.loadpath import save_call
+
+    out: dict[str, ForwardInputs] = {}
+    for comp in artifacts.components:
+        if comp.library != "transformers":
+            out[comp.name] = ForwardInputs(None, "", "no pipeline run recorded this component's call")
+            continue
+        folder = artifacts.folder / comp.name if comp.name else artifacts.folder
+        inputs, how = token_inputs(comp.class_name, json.loads((folder / "config.json").read_text()))
+        if inputs is None:
+            out[comp.name] = ForwardInputs(None, "", how)
+            continue
+        path = work / f"inputs-{comp.label}.safetensors"
+        save_call(inputs, path)
+        out[comp.name] = ForwardInputs(path, how)
+    return out
+
+
+def record_expected(artifacts: Artifacts, work: Path, device: str = "cpu",
+                    inputs: dict[str, ForwardInputs] | None = None) -> tuple[list[Expected], list[str]]:
     """Inputs, outputs and digests of every in-memory quantized component; then the models are freed."""
     expected: list[Expected] = []
     notes: list[str] = []
+    inputs = inputs if inputs is not None else default_inputs(artifacts, work)
     for comp in artifacts.components:
-        folder = artifacts.folder / comp.name if comp.name else artifacts.folder
-        inputs = build_inputs(comp.library, comp.class_name, read_object(folder / "config.json"))
-        inputs_file = save_inputs(inputs, work / f"inputs-{comp.label}.safetensors")
+        spec = inputs.get(comp.name)
+        inputs_file = spec.file if spec is not None else None
         model = artifacts.models.get(comp.name)
         if model is None:
             # Streamed (or resumed): held one tensor at a time. The engine recorded each tensor's digest
@@ -49,10 +70,10 @@ def record_expected(artifacts: Artifacts, work: Path, device: str = "cpu") -> tu
                                       comp.quantized, reference, needs_reference=True))
             continue
         output = None
-        if inputs is not None:
+        if inputs_file is not None:
             model.to(device)
             try:
-                output = loadpath.forward(model, comp.library, {k: v.to(device) for k, v in inputs.items()}).detach().cpu().clone()
+                output = loadpath.forward(model, comp.library, loadpath.load_call(inputs_file, device)).detach().cpu().clone()
             except (RuntimeError, NotImplementedError) as exc:
                 if not (device == "cpu" and artifacts.recipe.run.cuda):
                     raise VerificationError(f"the quantized {comp.label} cannot run a forward pass on {device}: {exc}") from exc
@@ -97,16 +118,19 @@ def verify(
     token: str | None = None,
     device: str = "cpu",
     mode: Mode = "auto",
+    inputs: dict[str, ForwardInputs] | None = None,
 ) -> VerifyReport:
     """Run every load path on the saved folder and compare with the in-memory model.
 
-    ``base_sources``: component name -> shard source of its bf16 base (quality); default: ``base_dir``."""
+    ``base_sources``: component name -> shard source of its bf16 base (quality); default: ``base_dir``.
+    ``inputs``: component name -> the inputs of its forward check (verify/capture.py); default: ``default_inputs``."""
     from publisher.streaming.shards import LocalShards
     from publisher.verify import streaming as vs
 
     work.mkdir(parents=True, exist_ok=True)
     mode, why = choose_mode(mode, artifacts, device)
-    expected, notes = record_expected(artifacts, work, device)
+    inputs = inputs if inputs is not None else default_inputs(artifacts, work)
+    expected, notes = record_expected(artifacts, work, device, inputs)
     report = VerifyReport(
         recipe=artifacts.recipe.name,
         location=str(artifacts.folder),
@@ -115,7 +139,11 @@ def verify(
         tensor_class=artifacts.recipe.tensor_class,
         notes=notes,
         mode=mode,
+        forward={c.label: inputs.get(c.name) or ForwardInputs(None, "", "no forward inputs") for c in artifacts.components},
     )
+    for e in expected:  # a forward that could not run on this CPU (GPU recipe) is weights only too
+        if e.inputs is None and report.forward[e.component or "model"].file is not None:
+            report.forward[e.component or "model"] = ForwardInputs(None, "", "its forward pass cannot run on this CPU")
     if base_sources is None and base_dir is not None:
         base_sources = {e.component: LocalShards(base_dir / e.component if e.component else base_dir) for e in expected}
     report.results = []
@@ -158,7 +186,9 @@ def verify(
         if envs:
             report.notes.append("--verify-env runs the whole-component reloads only (full verification).")
     if base_sources:
-        report.quality = quality_against_base(expected, base_sources)
+        saved: dict[str, ShardSource] = {e.component: LocalShards(artifacts.folder / e.component if e.component else artifacts.folder)
+                 for e in expected if artifacts.uploader is None or not artifacts.uploader.checked.get(e.component)}
+        report.quality = quality_against_base(expected, base_sources, saved)
     report.passed = bool(report.results) and not report.failures()
     report.expected = expected
     report.device = device
@@ -167,11 +197,9 @@ def verify(
 
 def _block_reference(exp: Expected, source: ShardSource) -> None:
     """A streamed component's expected output: one forward with its saved tensors loaded block by block."""
-    from safetensors.torch import load_file
-
     from publisher.verify import streaming as vs
 
-    bf = vs.block_forward(source, exp.library, exp.class_name, vs.load_config(source), load_file(str(exp.inputs)))
+    bf = vs.block_forward(source, exp.library, exp.class_name, vs.load_config(source), loadpath.load_call(exp.inputs))
     exp.output = bf.output
     exp.needs_reference = False
     exp.reference = "the block-by-block forward of the in-memory-equal tensors"
@@ -256,6 +284,7 @@ def compare(exp: Expected, data: dict[str, Any], path: str, env_name: str, pytho
     res = PathResult(exp.component, path, env_name, data.get("versions", {}), False)
     if not data.get("ok"):
         res.detail = data.get("error", "unknown error")
+        res.applicable = not data.get("not_applicable")
         return res
     classes: dict[str, str] = data["linear_classes"]
     torchao_like = {c for c in classes.values() if c not in ("Parameter", "Tensor")}
@@ -293,11 +322,16 @@ def compare(exp: Expected, data: dict[str, Any], path: str, env_name: str, pytho
     return res
 
 
-def quality_against_base(expected: list[Expected], base_sources: dict[str, ShardSource]) -> list[Quality]:
-    """Relative error and cosine similarity of each component's output against the bf16 base, whose forward
-    runs block by block from its shards (one block in memory: never more than the quantized side needs)."""
+def quality_against_base(expected: list[Expected], base_sources: dict[str, ShardSource],
+                         saved: dict[str, ShardSource] | None = None) -> list[Quality]:
+    """Relative error and cosine similarity of each component's output against the unquantized base, whose forward
+    runs block by block from its shards (one block in memory: never more than the quantized side needs).
+
+    The base runs in the dtypes the quantized component was loaded in (bfloat16, and float32 where the library
+    keeps a module in float32), whatever dtype it is stored in: a float32 or float16 base is cast as it is read,
+    so the figures measure quantization alone. ``saved``: component -> its quantized files, whose header dtypes
+    say which tensors stayed float32."""
     import torch
-    from safetensors.torch import load_file
 
     from publisher.verify import streaming as vs
 
@@ -307,10 +341,11 @@ def quality_against_base(expected: list[Expected], base_sources: dict[str, Shard
         if exp.output is None or exp.inputs is None or source is None:
             continue
         try:
+            cast = _loaded_dtypes(saved.get(exp.component) if saved else None)
             ref = vs.block_forward(source, exp.library, exp.class_name, vs.load_config(source),
-                                   load_file(str(exp.inputs))).output.float()
-        except (OSError, KeyError, ValueError, RuntimeError) as exc:
-            log.warning("quality of %s not measured: the bf16 base forward failed (%s)", exp.component or "model", exc)
+                                   loadpath.load_call(exp.inputs), cast=cast).output.float()
+        except (OSError, KeyError, ValueError, RuntimeError, TypeError) as exc:
+            log.warning("quality of %s not measured: the base forward failed (%s)", exp.component or "model", exc)
             continue
         gc.collect()
         q = exp.output.float()
@@ -318,3 +353,26 @@ def quality_against_base(expected: list[Expected], base_sources: dict[str, Shard
         cos = float(torch.nn.functional.cosine_similarity(q.flatten(), ref.flatten(), dim=0))
         out.append(Quality(exp.component or "model", rel, cos))
     return out
+
+
+def _loaded_dtypes(saved: ShardSource | None) -> Any:
+    """``cast(name, tensor)`` for the base forward: floating tensors to the dtype the quantized component holds them
+    in (read from its saved headers; bfloat16 for quantized weights and anything not found)."""
+    import torch
+
+    from publisher.streaming.shards import build_index
+
+    dtypes: dict[str, Any] = {}
+    if saved is not None:
+        index = build_index(saved)
+        names = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+        for name, keys in index.parts.items():
+            if keys == [name] and index.entries[name][1].dtype in names:
+                dtypes[name] = names[index.entries[name][1].dtype]
+
+    def cast(name: str, t: Any) -> Any:
+        if type(t) is not torch.Tensor or not t.is_floating_point():
+            return t
+        return t.to(dtypes.get(name, torch.bfloat16))
+
+    return cast

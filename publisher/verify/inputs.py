@@ -1,56 +1,46 @@
-"""Fixed, seeded inputs for one forward pass of a component (used by verification and quality checks).
+"""Seeded inputs for one forward pass of a transformers model, from its forward signature and config.
 
-Small on purpose: verification compares bits, not images; a handful of tokens exercises every layer.
+Used for causal LMs and for text encoders that a pipeline run did not record (verify/capture.py records
+pipeline calls). No per-family table: token ids within the vocabulary, as many as fit the position table.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
+SEQ_LEN = 8
 
-def build_inputs(library: str, class_name: str, config: dict[str, Any], seed: int = 0) -> dict[str, Any] | None:
-    """Keyword arguments for ``model(**inputs)``, or None when we have no builder for the class
-    (verification then compares weights only, and says so)."""
+
+def _vocab_size(config: dict[str, Any]) -> int:
+    for source in (config, config.get("text_config") or {}):
+        if isinstance(source.get("vocab_size"), int) and source["vocab_size"] > 0:
+            return int(source["vocab_size"])
+    return 0
+
+
+def token_inputs(class_name: str, config: dict[str, Any], seed: int = 0) -> tuple[dict[str, Any] | None, str]:
+    """(keyword arguments for ``model(**inputs)``, how they were made) or (None, why there are none)."""
     import torch
+    import transformers
 
+    cls = getattr(transformers, class_name, None)
+    if cls is None:
+        return None, f"transformers has no class {class_name}"
+    params = inspect.signature(cls.forward).parameters
+    if "input_ids" not in params:
+        return None, f"{class_name}.forward takes no input_ids"
+    required = [n for n, p in params.items() if n not in ("self", "input_ids") and p.default is inspect.Parameter.empty
+                and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)]
+    if required:
+        return None, f"{class_name}.forward requires {', '.join(required)}, which its config does not determine"
+    vocab = _vocab_size(config)
+    if not vocab:
+        return None, f"the config of {class_name} has no vocab_size"
+    positions = [v for k, v in config.items() if k in ("max_position_embeddings", "n_positions") and isinstance(v, int)]
+    length = max(1, min([SEQ_LEN, *positions]))
     gen = torch.Generator().manual_seed(seed)
-    bf16 = torch.bfloat16
-    if library == "transformers":
-        vocab = int(config.get("vocab_size") or config.get("text_config", {}).get("vocab_size") or 0)
-        if not vocab:
-            return None
-        ids = torch.randint(0, vocab, (1, 8), generator=gen)
-        return {"input_ids": ids}
-    if class_name == "FluxTransformer2DModel":
-        img, txt = 16, 8
-        inputs = {
-            "hidden_states": torch.randn(1, img, config["in_channels"], generator=gen).to(bf16),
-            "encoder_hidden_states": torch.randn(1, txt, config["joint_attention_dim"], generator=gen).to(bf16),
-            "pooled_projections": torch.randn(1, config["pooled_projection_dim"], generator=gen).to(bf16),
-            "timestep": torch.tensor([0.5], dtype=bf16),
-            "img_ids": torch.zeros(img, 3),
-            "txt_ids": torch.zeros(txt, 3),
-        }
-        inputs["img_ids"][:, 1] = torch.arange(img) // 4
-        inputs["img_ids"][:, 2] = torch.arange(img) % 4
-        if config.get("guidance_embeds"):
-            inputs["guidance"] = torch.tensor([3.5], dtype=torch.float32)
-        return inputs
-    if class_name in ("UNet2DConditionModel",):
-        size = 8
-        return {
-            "sample": torch.randn(1, config["in_channels"], size, size, generator=gen).to(bf16),
-            "timestep": torch.tensor([10]),
-            "encoder_hidden_states": torch.randn(1, 8, config["cross_attention_dim"], generator=gen).to(bf16),
-        }
-    return None
-
-
-def save_inputs(inputs: dict[str, Any] | None, path: Any) -> Any:
-    """Write the inputs as safetensors (workers load them without any pickle); the path, or None."""
-    if inputs is None:
-        return None
-    from safetensors.torch import save_file
-
-    save_file({k: v.contiguous() for k, v in inputs.items()}, str(path))
-    return path
+    inputs = {"input_ids": torch.randint(0, vocab, (1, length), generator=gen)}
+    if config.get("is_encoder_decoder") and "decoder_input_ids" in params:
+        inputs["decoder_input_ids"] = torch.randint(0, vocab, (1, length), generator=gen)
+    return inputs, f"{length} seeded token ids (from {class_name}'s forward signature and config)"

@@ -31,6 +31,7 @@ class PathResult:
     quantized_layers: int = 0
     tensors_checked: int = 0
     forward_checked: bool = False
+    applicable: bool = True  # False: this path does not apply to the model (detail says why); not a failure
 
 
 @dataclass
@@ -52,11 +53,13 @@ class VerifyReport:
     device: str = "cpu"
     mode: Mode = "full"  # "full": whole reloads in fresh processes; "streaming": tensor by tensor + block by block
     notes: list[str] = field(default_factory=list)
+    forward: dict[str, ForwardInputs] = field(default_factory=dict)  # component label -> the inputs of its forward check
     expected: list[Expected] = field(default_factory=list, repr=False)  # kept for the post-push check, not serialised
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(replace(self, expected=[]))
+        data = asdict(replace(self, expected=[], forward={}))
         data.pop("expected")
+        data["forward"] = {c: f.to_dict() for c, f in self.forward.items()}
         return data
 
     def write(self, folder: Path) -> Path:
@@ -65,7 +68,11 @@ class VerifyReport:
         return path
 
     def failures(self) -> list[PathResult]:
-        return [r for r in self.results if not r.ok]
+        return [r for r in self.results if not r.ok and r.applicable]
+
+    def weights_only(self) -> dict[str, str]:
+        """Components whose outputs were not compared (no forward pass), with why."""
+        return {c: f.reason or "no forward inputs" for c, f in self.forward.items() if f.file is None}
 
     def summary(self) -> str:
         bad = self.failures()
@@ -73,6 +80,18 @@ class VerifyReport:
             return f"{len(self.results)} load checks passed"
         first = bad[0]
         return f"{first.component or 'model'} via the {first.path} path ({first.env}): {first.detail}"
+
+
+@dataclass
+class ForwardInputs:
+    """The inputs of one component's forward check: a saved call (loadpath.save_call), or none and why."""
+
+    file: Path | None
+    how: str  # what the inputs are, for the card and --json
+    reason: str | None = None  # why there is no forward check (weights only)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"inputs": self.how if self.file else None, "weights_only": self.file is None, "reason": self.reason}
 
 
 @dataclass

@@ -20,9 +20,11 @@ Peak memory: one block (bf16 for the base forward) plus activations, whatever th
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from publisher import loadpath
 from publisher.streaming.engine import trim_memory
 from publisher.streaming.shards import CheckpointIndex, ShardSource, TensorReader, build_index
 from publisher.verify.report import Expected, PathResult
@@ -137,9 +139,14 @@ def _own_state(module: Any, whole: bool) -> list[tuple[Any, str, str, bool]]:
 class BlockLoader:
     """Forward pre/post hooks that load a block's saved weights just in time and drop them after."""
 
-    def __init__(self, model: Any, reader: TensorReader, budget: int) -> None:
+    def __init__(self, model: Any, reader: TensorReader, budget: int, cast: Callable[[str, Any], Any] | None = None) -> None:
         self.reader = reader
+        self.cast = cast or (lambda name, t: t)
         self.names = set(reader.index.parts)
+        self.model = model
+        self.converted: dict[str, list[str]] = {}  # model key -> checkpoint keys transformers merges into it (MoE)
+        for key, target in loadpath.checkpoint_key_targets(model, list(self.names)).items():
+            self.converted.setdefault(target, []).append(key)
         self.aliases = self._aliases(model)
         self.blocks = blocks(model, budget)
         self.loaded = 0
@@ -164,6 +171,12 @@ class BlockLoader:
                 return other
         raise KeyError(f"{key} is not in the saved files ({self.reader.source.where})")
 
+    def _read(self, key: str) -> Any:
+        if key not in self.converted:
+            return self.reader.read(self._source_name(key))
+        parts = {k: self.reader.read(k) for k in self.converted[key]}
+        return loadpath.convert_checkpoint_keys(self.model, parts)[key]  # the manual path's own conversion
+
     def attach(self) -> None:
         for prefix, module, whole in self.blocks:
             self._handles.append(module.register_forward_pre_hook(self._loader(prefix, module, whole)))
@@ -177,7 +190,7 @@ class BlockLoader:
     def _loader(self, prefix: str, module: Any, whole: bool) -> Any:
         def hook(mod: Any, args: Any) -> None:
             items = _own_state(module, whole)
-            state = {suffix: self.reader.read(self._source_name(prefix + suffix)) for _, _, suffix, _ in items}
+            state = {suffix: self.cast(prefix + suffix, self._read(prefix + suffix)) for _, _, suffix, _ in items}
             size = sum(_nbytes(t) for t in state.values())
             self.peak_block_bytes = max(self.peak_block_bytes, size)
             self._saved[id(module)] = [(owner, attr, (owner._parameters if is_p else owner._buffers)[attr], is_p)
@@ -220,14 +233,16 @@ class BlockForward:
 
 
 def block_forward(source: ShardSource, library: str, class_name: str, config: dict[str, Any], inputs: dict[str, Any],
-                  budget: int = BLOCK_BUDGET, index: CheckpointIndex | None = None) -> BlockForward:
-    """One forward pass with at most one block's weights in memory."""
+                  budget: int = BLOCK_BUDGET, index: CheckpointIndex | None = None,
+                  cast: Callable[[str, Any], Any] | None = None) -> BlockForward:
+    """One forward pass with at most one block's weights in memory. ``cast(name, tensor)``: applied to each tensor
+    as it is read (the quality figures run a float32 or float16 base in the dtypes the quantized side was loaded in)."""
     from publisher.loadpath import forward
 
     model = meta_model(library, class_name, config)
     index = index or build_index(source)
     with TensorReader(source, index) as reader:
-        loader = BlockLoader(model, reader, budget)
+        loader = BlockLoader(model, reader, budget, cast)
         with _bar(len(loader.blocks), f"forward block by block {source.where}", "block") as bar:
             loader.bar = bar
             loader.attach()
@@ -276,11 +291,9 @@ def streaming_check(exp: Expected, source: ShardSource, tensor_class: str, env: 
             res.detail = tc.detail
             return res
         if exp.inputs is not None:
-            from safetensors.torch import load_file
-
             config = load_config(source)
             try:
-                bf = block_forward(source, exp.library, exp.class_name, config, load_file(str(exp.inputs)), index=index)
+                bf = block_forward(source, exp.library, exp.class_name, config, loadpath.load_call(exp.inputs), index=index)
             except (RuntimeError, NotImplementedError) as exc:
                 if not forward_optional:
                     raise

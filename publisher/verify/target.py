@@ -20,12 +20,13 @@ from publisher import hub
 from publisher import recipes as recipe_registry
 from publisher.errors import QuantizeError, SourceError
 from publisher.fp8cpu import cpu_quantization_context
-from publisher.jsonfile import read_object
+from publisher.jsonfile import parse_object, read_object
+from publisher.loadpath import load_call
 from publisher.localfiles import allowed_roots, plain_name
 from publisher.stages.push import STATE_FILE
+from publisher.verify import capture
 from publisher.verify.full import check_location, compare, run_worker
-from publisher.verify.inputs import build_inputs, save_inputs
-from publisher.verify.report import PATHS, Expected, VerifyReport
+from publisher.verify.report import PATHS, Expected, ForwardInputs, VerifyReport
 
 log = logging.getLogger(__name__)
 
@@ -92,9 +93,10 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), token:
     device = recipe_registry.run_device(recipe, recipe_registry.cuda_capability()) if recipe else "cpu"
     report = VerifyReport(recipe=recipe.name if recipe else "unknown", location=target, passed=False,
                           tensor_class=tensor_class or "torchao tensor")
+    report.forward = _forward_inputs(target, comps, work, token, revision)
     for comp in comps:
-        inputs = build_inputs(comp.library, comp.class_name, comp.config)
-        inputs_file = save_inputs(inputs, work / f"inputs-{comp.name or 'model'}.safetensors")
+        inputs_file = report.forward[comp.name or "model"].file
+        inputs = load_call(inputs_file) if inputs_file else None
         exp = _reference_from_base(comp, state, recipe, work, inputs, inputs_file, token, device) if (requantize and state and recipe) else None
         if exp is None:
             # No reachable base: the library path in this environment is the reference; every other path must agree.
@@ -114,6 +116,24 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), token:
     report.device = device
     report.passed = bool(report.results) and not report.failures()
     return report
+
+
+def _forward_inputs(target: str, comps: list[TargetComponent], work: Path, token: str | None,
+                    revision: str | None) -> dict[str, ForwardInputs]:
+    """The inputs of each component's forward check, derived from the target itself (its pipeline's own call, or
+    token ids): a Hub target is fetched without the quantized components' weights, which the pipeline run never
+    reads (the denoiser is built on the meta device)."""
+    folder = Path(target)
+    if not folder.is_dir():
+        from huggingface_hub import snapshot_download
+
+        skip = [f"{c.name}/*.safetensors" if c.name else "*.safetensors" for c in comps]
+        folder = Path(snapshot_download(target, revision=revision, token=token, ignore_patterns=skip))
+    index_text = _read(str(folder), "model_index.json", token, revision)
+    pipeline_class = parse_object(index_text.encode(), f"{target}: model_index.json").get("_class_name") if index_text else None
+    found = capture.for_components(folder, pipeline_class if isinstance(pipeline_class, str) else None,
+                                   {c.name: (c.library, c.class_name) for c in comps}, work / "inputs")
+    return {c.name or "model": found.get(c.name) or ForwardInputs(None, "", "no forward inputs") for c in comps}
 
 
 def _reference_from_base(comp: TargetComponent, state: dict[str, Any], recipe: Any, work: Path, inputs: Any,
@@ -154,7 +174,7 @@ def _reference_from_base(comp: TargetComponent, state: dict[str, Any], recipe: A
     output = None
     if inputs is not None:
         model.to(device)
-        output = forward(model, comp.library, {k: v.to(device) for k, v in inputs.items()}).detach().cpu().clone()
+        output = forward(model, comp.library, load_call(inputs_file, device)).detach().cpu().clone()
     quantized = [n for n, c in info["linear_classes"].items() if c == recipe.tensor_class]
     del model
     gc.collect()
