@@ -20,7 +20,7 @@ from publisher import hub
 from publisher import recipes as recipe_registry
 from publisher.errors import QuantizeError, SourceError
 from publisher.fp8cpu import cpu_quantization_context
-from publisher.jsonfile import parse_object, read_object
+from publisher.jsonfile import read_object
 from publisher.loadpath import load_call
 from publisher.localfiles import allowed_roots, plain_name
 from publisher.stages.push import STATE_FILE
@@ -130,7 +130,7 @@ def _forward_inputs(target: str, comps: list[TargetComponent], work: Path, token
         skip = [f"{c.name}/*.safetensors" if c.name else "*.safetensors" for c in comps]
         folder = Path(snapshot_download(target, revision=revision, token=token, ignore_patterns=skip))
     index_text = _read(str(folder), "model_index.json", token, revision)
-    pipeline_class = parse_object(index_text.encode(), f"{target}: model_index.json").get("_class_name") if index_text else None
+    pipeline_class = index_text.get("_class_name") if index_text else None
     found = capture.for_components(folder, pipeline_class if isinstance(pipeline_class, str) else None,
                                    {c.name: (c.library, c.class_name) for c in comps}, work / "inputs")
     return {c.name or "model": found.get(c.name) or ForwardInputs(None, "", "no forward inputs") for c in comps}
