@@ -43,6 +43,22 @@ def split_list(value: str | None) -> list[str]:
     return [part for part in re.split(r"[\s,]+", value or "") if part]
 
 
+def parse_matrix(value: str | None) -> list[str]:
+    """verify-matrix: environments separated by spaces or newlines; a comma joins packages into one environment
+    (``transformers==4.57.6,diffusers==0.39.0``). Each is ``default``, ``none`` or a version spec; the CLI parses
+    the specs, this only refuses what cannot be one."""
+    items = [item.strip(",") for item in re.split(r"\s+", value or "") if item.strip(",")]
+    for item in items:
+        if item in ("default", "none"):
+            continue
+        if item.startswith("-") or "/" in item or "\\" in item or not re.search(r"(==|>=|<=|~=|!=|<|>)", item):
+            raise InputError(f"input verify-matrix: {item!r} is not an environment; give default, none, or version specs "
+                             "like diffusers==0.39.0")
+    if "none" in items and len(items) > 1:
+        raise InputError("input verify-matrix: none cannot be combined with other environments")
+    return items
+
+
 def secret_values(env: Mapping[str, str]) -> list[str]:
     """The token values to mask and to keep out of everything the action writes."""
     return [s for s in (env.get("HFAO_TOKEN", "").strip(), env.get("HF_TOKEN", "").strip()) if s]
@@ -104,6 +120,7 @@ def build_request(env: Mapping[str, str]) -> Request:
     if not push:
         args.append("--no-push")
     keep_output = parse_bool("keep-output", env.get("HFAO_KEEP_OUTPUT"), False)
+    args += [f"--compat={item}" for item in parse_matrix(env.get("HFAO_VERIFY_MATRIX"))]
     extra = parse_extra_args(env.get("HFAO_EXTRA_ARGS"))
     if "--no-push" in extra:
         push = False

@@ -33,8 +33,15 @@ revision_option = click.option(
     "--revision", default=None, metavar="REV",
     help="Branch, tag or commit sha of the Hub repo given as argument (default: main).")
 verify_env_option = click.option(
-    "--verify-env", "verify_envs", multiple=True, metavar="PYTHON",
-    help="Also run the load checks with this Python interpreter (another venv). Repeatable.")
+    "--verify-env", "verify_envs", multiple=True, metavar="PYTHON|SPEC",
+    help="Also run the load checks, which must pass, in this environment: a Python interpreter, or a version spec "
+         "(diffusers==0.39.0, torchao==0.17.*, transformers==4.57.6,diffusers==0.39.0) that is built as this "
+         "environment with those packages replaced and cached. Repeatable.")
+compat_option = click.option(
+    "--compat", "compat", multiple=True, metavar="ENV", envvar="HF_AO_PUBLISH_COMPAT", show_envvar=True,
+    help="Environments measured for the Compatibility table (pass, fail or silently wrong; they never stop a "
+         "publish): default (the recipe's matrix, docs/compatibility.md), none, or a version spec. Repeatable; "
+         "default: default.")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 debug_option = click.option(
     "--debug", is_flag=True, help="Show tracebacks, and the library warnings hidden as harmless.")
@@ -153,6 +160,7 @@ def recipes_cmd(as_json: bool) -> None:
 @click.option("--trust-remote-code", is_flag=True, help="Allow bases that need remote code (review it first).")
 @click.option("--keep-going", is_flag=True, help="With several recipes, publish those that succeed even if one fails.")
 @verify_env_option
+@compat_option
 @click.option("--sample-prompt", default=None, help="Prompt used in the card's usage snippet.")
 @click.option("--sample-steps", type=click.IntRange(1, 200), default=28, show_default=True, help="Denoising steps in the card's snippet.")
 @click.option("--sample-size", type=click.IntRange(16, 4096), default=1024, show_default=True, help="Image size in the card's snippet.")
@@ -173,7 +181,7 @@ def recipes_cmd(as_json: bool) -> None:
 def publish_cmd(model_id: str, quant: tuple[str, ...], components: str | None, exclude: tuple[str, ...], repo_id: str | None,
                 revision: str | None, private: bool, token: str | None, output_dir: Path | None, no_push: bool,
                 create_pr: bool, trust_remote_code: bool, keep_going: bool, verify_envs: tuple[str, ...],
-                sample_prompt: str | None, sample_steps: int, sample_size: int, allow_unquantized: bool, benchmark: bool, engine: Engine, low_disk: bool | None,
+                compat: tuple[str, ...], sample_prompt: str | None, sample_steps: int, sample_size: int, allow_unquantized: bool, benchmark: bool, engine: Engine, low_disk: bool | None,
                 verify_mode: Mode, as_json: bool, debug: bool, quiet: bool) -> None:
     """Quantize MODEL_ID (Hub repo id or local folder), verify, card and push it.
 
@@ -184,6 +192,9 @@ def publish_cmd(model_id: str, quant: tuple[str, ...], components: str | None, e
     """
     if verify_envs and verify_mode == "streaming":
         raise click.UsageError("--verify-env reloads whole components in another interpreter; use --verify-mode full or auto with it")
+    if verify_mode == "streaming" and set(compat) - {"default", "none"}:
+        raise click.UsageError("--compat environments reload whole components in another interpreter; "
+                               "use --verify-mode full or auto with them")
     if low_disk and (sample_prompt or benchmark):
         raise click.UsageError("--sample-prompt and --benchmark run the whole bf16 base, which --low-disk does not download; drop one of them")
     if low_disk and verify_envs and not no_push:
@@ -209,6 +220,7 @@ def publish_cmd(model_id: str, quant: tuple[str, ...], components: str | None, e
         trust_remote_code=trust_remote_code,
         keep_going=keep_going,
         verify_envs=verify_envs,
+        compat=compat,
         sample_prompt=sample_prompt,
         sample_steps=sample_steps,
         sample_size=sample_size,
@@ -236,49 +248,52 @@ def publish_cmd(model_id: str, quant: tuple[str, ...], components: str | None, e
 @revision_option
 @token_option
 @verify_env_option
+@compat_option
 @click.option("--no-requantize", is_flag=True,
               help="Do not re-quantize the recorded base; only compare load paths with each other.")
 @json_option
 @debug_option
 @quiet_option
-def verify_cmd(target: str, revision: str | None, token: str | None, verify_envs: tuple[str, ...], no_requantize: bool,
-               as_json: bool, debug: bool, quiet: bool) -> None:
+def verify_cmd(target: str, revision: str | None, token: str | None, verify_envs: tuple[str, ...], compat: tuple[str, ...],
+               no_requantize: bool, as_json: bool, debug: bool, quiet: bool) -> None:
     """Check that a torchao-quantized repo (Hub id or folder) reloads along every load path.
 
     \b
     Example:
       hf-ao-publish verify alice/FLUX.1-dev-torchao-int8wo
+      hf-ao-publish verify alice/FLUX.1-dev-torchao-int8wo --verify-env diffusers==0.39.0 --compat none
     """
     _start(debug, quiet)
     import tempfile
 
+    from publisher.verify.claims import text_table
     from publisher.verify.target import verify_target
 
     with tempfile.TemporaryDirectory(prefix="hf-ao-verify-") as work:
-        report = _run_mapped(debug, verify_target, target, Path(work), envs=verify_envs, token=token,
+        report = _run_mapped(debug, verify_target, target, Path(work), envs=verify_envs, compat=compat, token=token,
                              revision=revision, requantize=not no_requantize)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:
-        click.echo(f"{'component':<16} {'path':<8} {'environment':<40} {'result':<6} {'layers':>6}  detail")
-        for r in report.results:
-            env = f"{r.env} (torch {r.versions.get('torch', '?')}, torchao {r.versions.get('torchao', '?')})"
-            click.echo(f"{(r.component or 'model'):<16} {r.path:<8} {env[:40]:<40} {'pass' if r.ok else 'FAIL':<6} "
-                       f"{r.quantized_layers:>6}  {r.detail}")
+        click.echo(text_table(report))
     if not report.passed:
         raise _Failure(f"verification of {target} failed: {report.summary()}", 1)
-    click.echo(f"{target}: all {len(report.results)} load checks passed", err=True)
+    measured = f"; other environments: {report.compat_counts()}" if report.compat else ""
+    click.echo(f"{target}: all {len(report.results)} load checks passed{measured}", err=True)
 
 
 def _command_line(ctx: click.Context) -> str:
     """The command that made the repo, rebuilt from the parsed options (defaults left out) for the
-    card: reproducible, and the token (or any secret) is never part of it."""
+    card: reproducible, and the token (or any secret) is never part of it. Values read from an environment
+    variable (HF_AO_PUBLISH_COMPAT) were not typed, so they are left out too."""
     parts = ["hf-ao-publish"]
     skip = {"token", "debug", "quiet", "as_json", "output_dir"}
     for param in ctx.command.params:
         name = param.name or ""
         value = ctx.params.get(name)
         if name in skip or value in (None, False, ()) or value == param.default:
+            continue
+        if ctx.get_parameter_source(name) == click.core.ParameterSource.ENVIRONMENT:
             continue
         if isinstance(param, click.Argument):
             parts.append(str(value))

@@ -68,3 +68,7 @@ class RunFailed(PublishError, Generic[R]):
         self.cause = cause
         self.results = results
         self.exit_code = getattr(cause, "exit_code", 1)
+
+
+class EnvBuildError(PublishError):
+    """A verification environment given as a version spec (--verify-env diffusers==0.39.0) cannot be built."""

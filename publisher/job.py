@@ -29,7 +29,7 @@ from publisher.stages import quantize as quantize_stage
 from publisher.stages import source as source_stage
 from publisher.stages.quantize import Artifacts, QuantizedComponent, finalize, partial_folder, prepare_output, quantize_recipe
 from publisher.stages.resume import ComponentCache, default_root
-from publisher.verify import capture, published
+from publisher.verify import capture, matrix, published
 from publisher.verify.full import verify
 from publisher.verify.report import ForwardInputs, Mode, VerifyReport, require_passed
 
@@ -55,7 +55,8 @@ class PublishRequest:
     create_pr: bool = False
     trust_remote_code: bool = False
     keep_going: bool = False
-    verify_envs: tuple[str, ...] = ()
+    verify_envs: tuple[str, ...] = ()  # interpreters or version specs: must pass, like this environment
+    compat: tuple[str, ...] = ()  # the card's compatibility matrix: "default" (also when empty), "none", or specs
     sample_prompt: str | None = None
     sample_steps: int = 28
     sample_size: int = 1024
@@ -167,6 +168,8 @@ def make_plan(req: PublishRequest, token: str | None) -> planning.Plan:
     recipes = planning.parse_recipes(req.quant)
     for recipe in recipes:
         recipe_registry.check_can_quantize(recipe)
+    matrix.check_verify_envs(req.verify_envs)
+    matrix.check_choices(req.compat)
     if req.repo_id:
         planning.check_target_id(req.repo_id.replace("{recipe}", "x"))
     if req.push and not token:
@@ -236,6 +239,8 @@ class _Run:
     work: Path
     capability: tuple[int, int] | None
     remote: fetch.RemoteWeights | None = None  # --low-disk: quantized components' weights read by HTTP range
+    gating_envs: list[matrix.Env] = field(default_factory=list)  # --verify-env
+    compat_envs: dict[str, list[matrix.Env] | None] = field(default_factory=dict)  # recipe -> its matrix (None: none)
     done: dict[str, tuple[Artifacts, VerifyReport]] = field(default_factory=dict)
     samples: dict[str, Any] = field(default_factory=dict)
     finals: dict[str, Path] = field(default_factory=dict)
@@ -266,6 +271,11 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
         raise ResourceError("the base does not fit on disk, so shards would be uploaded and deleted as they are made, "
                             "but --verify-env needs them whole on disk; drop --verify-env or free disk space")
     remote = fetch.RemoteWeights(plan, token) if estimate.low_disk else None
+    # Environments are built before the download: a spec that cannot be built stops the run while it is cheap.
+    gating = matrix.verify_envs(req.verify_envs)
+    measured: dict[str, list[matrix.Env] | None] = {} if (estimate.low_disk and req.push) or req.verify_mode == "streaming" else {
+        r.name: matrix.matrix_envs(req.compat, r.name, {c.library for c in plan.quantized}, skip=[e.record.name for e in gating])
+        for r in todo}
     out_root = Path(tempfile.mkdtemp(prefix="hf-ao-publish-")) if auto_dir else req.output_dir
     assert out_root is not None
     started = time.monotonic()
@@ -274,7 +284,7 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
         outcome.seconds["download"] = round(time.monotonic() - started, 3)
     work_dir = tempfile.TemporaryDirectory(prefix="hf-ao-verify-")
     run = _Run(req, plan, token, states, out_root, base_dir, Path(work_dir.name), recipe_registry.cuda_capability(),
-               remote)
+               remote, gating, measured)
     try:
         with _timed(outcomes[0], "inputs"):  # one derivation for every recipe: the same base, the same call
             run.inputs = capture.prepare(plan, base_dir, run.work / "inputs")
@@ -375,12 +385,16 @@ def _build_stages(run: _Run, recipe: Recipe, outcome: Outcome, folder: Path, upl
     quantize_stage.report_layers(artifacts, run.base_dir, req.allow_unquantized)  # nothing quantized is an error unless accepted
     outcome.components = [_component_json(c, artifacts.layers[c.name].to_dict()) for c in artifacts.components]
     with _timed(outcome, "verify"):
-        report = verify(artifacts, run.work / recipe.name, envs=req.verify_envs, base_sources=fetch.base_sources(plan, run.base_dir, run.remote),
+        report = verify(artifacts, run.work / recipe.name, envs=[e.pair for e in run.gating_envs],
+                        base_sources=fetch.base_sources(plan, run.base_dir, run.remote),
                         token=run.token, device=run_on, mode="streaming" if uploader is not None else req.verify_mode,
                         inputs=run.inputs)
     outcome.report = report
     outcome.verified = report.passed
     require_passed(report)
+    with _timed(outcome, "compat"):
+        matrix.measure(report, str(artifacts.folder), None, run.work / recipe.name, run.compat_envs.get(recipe.name, []),
+                       run.gating_envs, token=run.token, device=run_on)
     building = artifacts.folder  # the .partial folder until finalize()
     (building / ".gitattributes").write_text(GITATTRIBUTES)
     state = dict(run.states[recipe.name], verified=report.passed)

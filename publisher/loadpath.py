@@ -6,11 +6,12 @@ package imports it too (one way to load a component, one digest of a tensor, eve
 safetensors, and the library loaders run with their default ``weights_only=True``.
 
 Load paths:
-- ``library``: ``<Class>.from_pretrained(folder_or_repo, subfolder=...)`` (torch >= 2.6 route).
+- ``library``: ``<Class>.from_pretrained(folder_or_repo, subfolder=...)`` (the diffusers / transformers loaders).
 - ``manual``: meta-device model (``accelerate.init_empty_weights`` + ``from_config``), every shard read
   with ``safetensors.torch.load_file``, torchao tensors rebuilt with
   ``torchao.prototype.safetensors.safetensors_support.unflatten_tensor_state_dict`` from the header
-  metadata, then ``load_state_dict(strict=True, assign=True)`` (the documented torch <= 2.6 route).
+  metadata, then ``load_state_dict(strict=True, assign=True)``: the route without the library loaders, for
+  diffusers or transformers versions whose loaders cannot read torchao tensors (see publisher/compat.py).
 """
 
 from __future__ import annotations
@@ -266,15 +267,16 @@ def digest_header(dtype: Any, shape: Any) -> Any:
     return h
 
 
-def inspect_model(model: Any) -> dict[str, Any]:
+def linear_classes(model: Any) -> dict[str, str]:
+    """The class of every Linear weight (read without touching the data: it works on a half-loaded model)."""
     import torch
 
-    classes = {}
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear):
-            classes[name] = type(module.weight).__name__
+    return {name: type(module.weight).__name__ for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+
+
+def inspect_model(model: Any) -> dict[str, Any]:
     digests = {name: tensor_digest(t) for name, t in model.state_dict().items()}
-    return {"linear_classes": classes, "digests": digests}
+    return {"linear_classes": linear_classes(model), "digests": digests}
 
 
 def save_call(kwargs: dict[str, Any], path: Any) -> None:
@@ -345,6 +347,10 @@ def main(request_file: str) -> int:
         if req.get("threads"):
             torch.set_num_threads(int(req["threads"]))
         model = _load_library(req) if req["path"] == "library" else _load_manual(req)
+        # Loaded without an error: what a user would now hold. Recorded before anything else can fail, so a
+        # load that "works" but leaves layers unquantized is told apart from one that raises.
+        result["loaded"] = True
+        result["linear_classes"] = linear_classes(model)
         model.eval()
         device = req.get("device") or "cpu"
         model.to(device)

@@ -2,7 +2,8 @@
 
 It feeds the CLI choices and `hf-ao-publish recipes` (text and --json, both from ``Recipe.to_dict``),
 the hardware check, the model card and the test parametrisation. A recipe is data (which torchao
-config, what hardware it needs to quantize and to run, which library versions can read its output);
+config, what hardware it needs to quantize and to run); which library versions read its output is measured
+on every publish (the compatibility matrix beside it, publisher/compat.py), never stated here;
 `build_config` turns it into a torchao ``AOBaseConfig``.
 The config is written as Python source once (``imports`` + ``expression``) so the card shows
 exactly the code that built it; a unit test checks the two agree.
@@ -10,7 +11,7 @@ exactly the code that built it; a unit test checks the two agree.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from publisher.errors import HardwareError, UsageError
@@ -50,8 +51,6 @@ class Recipe:
     run: Needs
     speedup: str  # where it runs with real speed-ups (card's hardware table)
     bits: int  # bits per stored weight value (for size estimates)
-    # Minimum versions known to read the published format; the card states these.
-    min_read_versions: dict[str, str] = field(default_factory=dict)
     notes: tuple[str, ...] = ()
     # True when publisher/fp8cpu.py can produce the exact tensors torchao builds on a GPU, on a CPU.
     cpu_producible: bool = False
@@ -86,21 +85,8 @@ class Recipe:
             "run_on": self.run.to_dict(),
             "speedup": self.speedup,
             "notes": list(self.notes),
-            "min_read_versions": dict(self.min_read_versions),
         }
 
-
-# Lower bounds shared by every recipe (from shared/reference/torchao-facts.md): diffusers reads
-# torchao safetensors from 0.39; torchao 0.18 deleted version-1 configs and AQT tensors, so the
-# version-2 tensors we write need a torchao of the same generation; torch >= 2.6 is the
-# weights_only loading path.
-_COMMON_READ = {
-    "torch": "2.6",
-    "torchao": "0.18.0",
-    "diffusers": "0.39.0",
-    "transformers": "5.0.0",
-    "safetensors": "0.4",
-}
 
 _REGISTRY: dict[str, Recipe] = {}
 
@@ -120,7 +106,6 @@ _register(Recipe(
     run=Needs(),
     speedup="any CUDA GPU (memory-bound layers); runs on CPU",
     bits=8,
-    min_read_versions=dict(_COMMON_READ),
 ))
 _register(Recipe(
     name="int8dq",
@@ -132,7 +117,6 @@ _register(Recipe(
     run=Needs(),
     speedup="any CUDA GPU (int8 matmul kernels); runs on CPU",
     bits=8,
-    min_read_versions=dict(_COMMON_READ),
 ))
 _register(Recipe(
     name="float8wo",
@@ -144,7 +128,6 @@ _register(Recipe(
     run=Needs(),
     speedup="memory savings on any GPU; no FP8 compute speed-up below compute capability 8.9",
     bits=8,
-    min_read_versions=dict(_COMMON_READ),
 ))
 _register(Recipe(
     name="float8dq",
@@ -156,7 +139,6 @@ _register(Recipe(
     run=Needs(cuda=True, min_cc=(8, 9)),
     speedup="CUDA compute capability >= 8.9 (Ada, Hopper, Blackwell) via torch._scaled_mm",
     bits=8,
-    min_read_versions=dict(_COMMON_READ),
     notes=("Per-row scaling wants bfloat16 weights.",),
     cpu_producible=True,
 ))
@@ -170,7 +152,6 @@ _register(Recipe(
     run=Needs(cuda=True, min_cc=(8, 9)),
     speedup="CUDA compute capability >= 8.9 (Ada, Hopper, Blackwell) via torch._scaled_mm",
     bits=8,
-    min_read_versions=dict(_COMMON_READ),
     cpu_producible=True,
 ))
 _register(Recipe(
@@ -186,7 +167,6 @@ _register(Recipe(
     run=Needs(cuda=True, min_cc=(8, 0)),
     speedup="CUDA compute capability >= 8.0 (tinygemm kernels), bfloat16 only",
     bits=4,
-    min_read_versions=dict(_COMMON_READ),
     notes=("Linear layers whose in_features is not a multiple of 128 are left unquantized.",),
 ))
 

@@ -34,6 +34,12 @@ os.environ["HF_HOME"] = str(_SESSION_DIR / "hf_home")
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
+# Every publish would otherwise build and run the default compatibility matrix (a few environments from PyPI, two
+# reloads each); the tests that measure it ask for it (tests/test_verify_matrix.py). Built environments are kept
+# across test sessions (keyed by spec and by this environment), outside the throw-away HF_HOME.
+os.environ["HF_AO_PUBLISH_COMPAT"] = "none"
+os.environ.setdefault("HF_AO_PUBLISH_ENVS", str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+                                                 / "hf-ao-publish-tests" / "envs"))
 
 TOKENS = {"tok_alice": "alice", "tok_bob": "bob", "tok_bfl": "bfl", "tok_meta": "meta"}
 ORGS = {"acme": ["alice"]}

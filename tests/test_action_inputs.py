@@ -10,6 +10,7 @@ from action.inputs import (
     InputError,
     build_request,
     parse_bool,
+    parse_matrix,
     secret_values,
     split_list,
 )
@@ -59,6 +60,16 @@ def test_request_flags() -> None:
     assert not req.push and req.keep_output
 
 
+def test_verify_matrix() -> None:
+    assert build_request(_env()).args == ["publish", "bfl/tiny-flux", "--quant=int8wo"]  # empty: the CLI's default
+    req = build_request(_env(VERIFY_MATRIX="default\ndiffusers==0.39.0  transformers==4.57.6,diffusers==0.39.0,\n",
+                             EXTRA_ARGS="--keep-going"))
+    assert req.args == ["publish", "bfl/tiny-flux", "--quant=int8wo", "--compat=default", "--compat=diffusers==0.39.0",
+                        "--compat=transformers==4.57.6,diffusers==0.39.0", "--keep-going"]
+    assert build_request(_env(VERIFY_MATRIX=" none ")).args[-1] == "--compat=none"
+    assert parse_matrix("torchao==0.17.* diffusers>=0.38,<0.40") == ["torchao==0.17.*", "diffusers>=0.38,<0.40"]
+
+
 @pytest.mark.parametrize("env, message", [
     (_env(MODEL=""), "model is required"),
     (_env(MODEL="--help"), "not an option"),
@@ -70,6 +81,10 @@ def test_request_flags() -> None:
     (_env(EXTRA_ARGS="--output-dir /x"), "must not contain --output-dir"),
     (_env(EXTRA_ARGS="--json"), "must not contain --json"),
     (_env(EXTRA_ARGS="--sample-prompt 'unclosed"), "cannot be parsed"),
+    (_env(VERIFY_MATRIX="none default"), "verify-matrix: none cannot be combined"),
+    (_env(VERIFY_MATRIX="diffusers"), "verify-matrix: 'diffusers' is not an environment"),
+    (_env(VERIFY_MATRIX="/usr/bin/python3"), "verify-matrix: '/usr/bin/python3' is not an environment"),
+    (_env(VERIFY_MATRIX="--debug"), "verify-matrix: '--debug' is not an environment"),
 ])
 def test_request_rejects(env: dict[str, str], message: str) -> None:
     with pytest.raises(InputError, match=re.escape(message)) as info:

@@ -191,7 +191,7 @@ def test_verify_help() -> None:
     result = invoke("verify", "--help")
     assert result.exit_code == 0
     assert result.stdout.startswith("Usage: hf-ao-publish verify [OPTIONS] TARGET")
-    for option in ("--revision", "--token", "--verify-env", "--no-requantize", "--json", "--debug", "--quiet"):
+    for option in ("--revision", "--token", "--verify-env", "--compat", "--no-requantize", "--json", "--debug", "--quiet"):
         assert option in result.stdout
 
 
@@ -235,6 +235,61 @@ def test_verify_token(fake_verify: dict[str, Any]) -> None:
 def test_verify_verify_env(fake_verify: dict[str, Any]) -> None:
     assert invoke("verify", "alice/x", "--verify-env", "/venv-a/bin/python", "--verify-env", "/venv-b/bin/python").exit_code == 0
     assert fake_verify["envs"] == ("/venv-a/bin/python", "/venv-b/bin/python")
+
+
+def test_verify_verify_env_takes_specs(fake_verify: dict[str, Any]) -> None:
+    spec = "transformers==4.57.6,diffusers==0.39.0"
+    assert invoke("verify", "alice/x", "--verify-env", spec, "--verify-env", "torchao==0.17.*").exit_code == 0
+    assert fake_verify["envs"] == (spec, "torchao==0.17.*")
+    assert "PYTHON|SPEC" in invoke("verify", "--help").stdout
+
+
+def test_verify_compat(fake_verify: dict[str, Any]) -> None:
+    assert invoke("verify", "alice/x", env={"HF_AO_PUBLISH_COMPAT": None}).exit_code == 0  # type: ignore[dict-item]
+    assert fake_verify["compat"] == ()  # the default matrix
+    assert invoke("verify", "alice/x").exit_code == 0 and fake_verify["compat"] == ("none",)  # the suite's HF_AO_PUBLISH_COMPAT
+    assert invoke("verify", "alice/x", "--compat", "default", "--compat", "diffusers==0.39.0").exit_code == 0
+    assert fake_verify["compat"] == ("default", "diffusers==0.39.0")
+    assert "HF_AO_PUBLISH_COMPAT" in invoke("verify", "--help").stdout
+
+
+def test_verify_prints_three_outcomes_and_measured_failures_do_not_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    import publisher.verify.target as target_module
+    from publisher.verify.report import EnvRecord
+
+    def verify_target(target: str, work: Path, **kwargs: Any) -> VerifyReport:
+        versions = {"torch": "2.13.0", "torchao": "0.18.0", "diffusers": "0.42.1", "safetensors": "0.8.0"}
+        current = [PathResult("transformer", p, "current", versions, True, quantized_layers=30) for p in ("library", "manual")]
+        silent = PathResult("transformer", "library", "diffusers==0.38.0", {**versions, "diffusers": "0.38.0"}, False,
+                            detail="loads without an error, but 0 of 30 planned layers are Int8Tensor", silent=True)
+        failed = PathResult("transformer", "manual", "torchao==0.17.0", {**versions, "torchao": "0.17.0"}, False,
+                            detail="ValueError: reduce_range")
+        envs = [EnvRecord("current", "current", True), EnvRecord("diffusers==0.38.0", "spec", False),
+                EnvRecord("torchao==0.17.0", "spec", False)]
+        return VerifyReport("int8wo", target, True, results=current, compat=[silent, failed], environments=envs)
+
+    monkeypatch.setattr(target_module, "verify_target", verify_target)
+    result = invoke("verify", "alice/x")
+    assert result.exit_code == 0, result.output  # the matrix is measured; only this environment and --verify-env decide
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["component", "path", "environment", "result", "layers", "detail"]
+    assert lines[1].split()[:4] == ["transformer", "library", "current", "pass"]
+    assert "diffusers==0.38.0 (measured)" in lines[3] and "SILENTLY WRONG" in lines[3] and "0 of 30" in lines[3]
+    assert "torchao==0.17.0 (measured)" in lines[4] and " FAIL " in lines[4] and "reduce_range" in lines[4]
+    assert "alice/x: all 2 load checks passed; other environments: 1 fail, 1 silently wrong" in result.stderr
+    data = json.loads(invoke("verify", "alice/x", "--json").stdout)
+    assert [r["outcome"] for r in data["compat"]] == ["silently wrong", "fail"]
+    assert [r["outcome"] for r in data["results"]] == ["pass", "pass"]
+
+
+def test_verify_compat_and_verify_env_values_are_checked_before_any_work() -> None:
+    for args, message in ((["--compat", "none", "--compat", "default"], "--compat none cannot be combined"),
+                          (["--compat", "diffusers"], "--compat 'diffusers' is not an environment"),
+                          (["--compat", "diffusers==0.39.0,diffusers==0.40.0"], "diffusers is named twice"),
+                          (["--verify-env", "/no/such/python"], "is neither a Python interpreter")):
+        result = invoke("verify", "alice/does-not-exist", *args)  # no Hub request: the repo would not be found
+        assert result.exit_code == 2, result.output
+        assert message in result.stderr and "not found" not in result.stderr
 
 
 def test_verify_no_requantize(fake_verify: dict[str, Any]) -> None:
@@ -419,6 +474,24 @@ def test_publish_verify_env(fake_run: list[PublishRequest]) -> None:
     assert fake_run[-1].verify_mode == "full"  # whole reloads in the other interpreters
     result = publish("--verify-env", "/venv-a/bin/python", "--verify-mode", "streaming")
     assert result.exit_code == 2 and "--verify-env reloads whole components" in result.stderr
+
+
+def test_publish_compat(fake_run: list[PublishRequest]) -> None:
+    assert publish(env={"HF_AO_PUBLISH_COMPAT": None}).exit_code == 0  # type: ignore[dict-item]
+    assert fake_run[-1].compat == ()  # the default matrix
+    assert publish().exit_code == 0 and fake_run[-1].compat == ("none",)  # the suite's HF_AO_PUBLISH_COMPAT
+    assert "--compat" not in fake_run[-1].command  # not typed: not in the card's command line
+    assert publish("--compat", "default", "--compat", "diffusers==0.40.0").exit_code == 0
+    assert fake_run[-1].compat == ("default", "diffusers==0.40.0")
+    assert "--compat default --compat diffusers==0.40.0" in fake_run[-1].command
+    result = publish("--compat", "diffusers==0.40.0", "--verify-mode", "streaming")
+    assert result.exit_code == 2 and "--compat environments reload whole components" in result.stderr
+    assert publish("--compat", "none", "--verify-mode", "streaming").exit_code == 0
+
+
+def test_publish_verify_env_takes_specs(fake_run: list[PublishRequest]) -> None:
+    assert publish("--verify-env", "diffusers==0.39.0").exit_code == 0
+    assert fake_run[-1].verify_envs == ("diffusers==0.39.0",)
 
 
 def test_publish_sample_prompt(fake_run: list[PublishRequest]) -> None:

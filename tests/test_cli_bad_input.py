@@ -50,6 +50,16 @@ CASES = [
     ("namespace not writable", ["{llama}", "--quant", "int8wo", "--repo-id", "bob/x"], "tok_alice", 1, "cannot write to the namespace 'bob'"),
     ("target id malformed", ["{llama}", "--quant", "int8wo", "--repo-id", "no-namespace"], "tok_alice", 2, "--repo-id 'no-namespace' is not a valid Hub repo id"),
     ("components on a transformers model", ["{llama}", "--quant", "int8wo", "--components", "model"], "tok_alice", 2, "applies to diffusers pipelines"),
+    ("verify-env not an interpreter", ["{llama}", "--quant", "int8wo", "--verify-env", "/no/such/python"], "tok_alice", 2,
+     "--verify-env '/no/such/python' is neither a Python interpreter (no executable file there) nor a version spec"),
+    ("verify-env spec names a package twice", ["{llama}", "--quant", "int8wo", "--verify-env", "transformers==5.0.0,transformers==5.1.0"],
+     "tok_alice", 2, "transformers is named twice"),
+    ("verify-env spec cannot be built", ["{llama}", "--quant", "int8wo", "--verify-env", "transformers==999.0.0"], "tok_alice", 1,
+     "cannot build the verification environment transformers==999.0.0: pip install failed: "),
+    ("compat none with more", ["{llama}", "--quant", "int8wo", "--compat", "none", "--compat", "transformers==5.0.0"], "tok_alice", 2,
+     "--compat none cannot be combined with other --compat values"),
+    ("compat not an environment", ["{llama}", "--quant", "int8wo", "--compat", "transformers"], "tok_alice", 2,
+     "--compat 'transformers' is not an environment; give default, none, or a spec like diffusers==0.39.0"),
 ]
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from publisher import __version__
 from publisher.stages.plan import Plan
 from publisher.stages.quantize import Artifacts
+from publisher.verify import claims
 from publisher.verify.report import VerifyReport
 
 TEMPLATE_NAME = "modelcard.md.j2"
@@ -117,6 +118,7 @@ def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str |
     template = environment().from_string(template_path().read_text(encoding="utf-8"))
     causal = plan.kind == "transformers" and first.class_name.endswith(("ForCausalLM", "LMHeadModel"))
     manual = [r for r in report.results if r.path == "manual" and r.component == first.name and r.env == "current"]
+    compat = claims.summarise(report, {c.library for c in artifacts.components})
     text = template.render(
         card_data=data.to_yaml(),
         title=f"{(plan.source.repo_id or plan.source.local_dir.name).split('/')[-1]} (torchao {recipe.name})",  # type: ignore[union-attr]
@@ -152,6 +154,10 @@ def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str |
         causal=causal,
         inputs=inputs,
         tool_version=__version__,
+        compat=compat,
+        compat_table=claims.table(compat),
+        compat_warnings=claims.warnings(compat),
+        compat_manual=claims.manual_text(compat),
     )
     # Template blocks leave runs of blank lines; collapse them (no fenced block holds two blank lines).
     return re.sub(r"\n{3,}", "\n\n", text)

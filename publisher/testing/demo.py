@@ -30,6 +30,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=Path("demo-output"))
     parser.add_argument("--recipe", default="int8wo")
+    # The compatibility matrix builds environments from PyPI; the demo stays offline unless asked
+    # (`--compat default`: the card then gets the measured Compatibility table).
+    parser.add_argument("--compat", default="none")
     args = parser.parse_args(argv)
 
     work = args.workdir.resolve()
@@ -60,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
 
         out_dir = work / "published"
         cmd = ["hf-ao-publish", "black-forest-labs/FLUX.1-tiny", "--quant", args.recipe, "--output-dir", str(out_dir),
-               "--sample-steps", "2", "--sample-size", "64", "--json"]
+               "--sample-steps", "2", "--sample-size", "64", "--compat", args.compat, "--json"]
         exe = shutil.which("hf-ao-publish") or str(Path(sys.executable).with_name("hf-ao-publish"))
         print(f"[demo] $ {' '.join(cmd)}", file=sys.stderr)
         env = {**os.environ, "HF_TOKEN": "demo-token-you"}

@@ -13,6 +13,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -112,7 +113,7 @@ def verify(
     artifacts: Artifacts,
     work: Path,
     *,
-    envs: tuple[str, ...] = (),
+    envs: Sequence[str | tuple[str, str]] = (),
     base_dir: Path | None = None,
     base_sources: dict[str, ShardSource] | None = None,
     token: str | None = None,
@@ -225,13 +226,14 @@ def _adopt_reference(exp: Expected, where: str, work: Path, token: str | None, t
 
 
 def check_location(expected: list[Expected], where: str, revision: str | None, work: Path, *,
-                   envs: tuple[str, ...] = (), token: str | None = None, tensor_class: str | None,
+                   envs: Sequence[str | tuple[str, str]] = (), token: str | None = None, tensor_class: str | None,
                    paths: tuple[str, ...] = PATHS, device: str = "cpu", skip_reference: bool = False) -> list[PathResult]:
-    """Each load path, in each interpreter, on ``where`` (a folder or a Hub repo id), against ``expected``."""
+    """Each load path, in each interpreter, on ``where`` (a folder or a Hub repo id), against ``expected``.
+    ``envs``: interpreter paths, or (name, interpreter) pairs (an environment built from a spec)."""
     import torch
 
     results: list[PathResult] = []
-    interpreters = [("current", sys.executable)] + [(env, env) for env in envs]
+    interpreters = [("current", sys.executable)] + [env if isinstance(env, tuple) else (env, env) for env in envs]
     for exp in expected:
         for i, (env_name, python) in enumerate(interpreters):
             for path in paths:
@@ -282,21 +284,30 @@ def compare(exp: Expected, data: dict[str, Any], path: str, env_name: str, pytho
     from safetensors.torch import load_file
 
     res = PathResult(exp.component, path, env_name, data.get("versions", {}), False)
-    if not data.get("ok"):
+    classes: dict[str, str] | None = data.get("linear_classes")
+    if classes is None:  # the load itself raised
         res.detail = data.get("error", "unknown error")
         res.applicable = not data.get("not_applicable")
         return res
-    classes: dict[str, str] = data["linear_classes"]
+    # From here on the load returned without an error: anything wrong is "silently wrong" (res.silent)
     torchao_like = {c for c in classes.values() if c not in ("Parameter", "Tensor")}
     res.quantized_layers = sum(1 for c in classes.values() if (c == tensor_class if tensor_class else c in torchao_like))
     wanted = tensor_class or "a torchao tensor"
     wrong = [n for n in exp.quantized if (classes.get(n) != tensor_class if tensor_class else classes.get(n) not in torchao_like)]
+    then = f"; then {data.get('error', 'unknown error')}" if not data.get("ok") else ""
     if wrong:
-        res.detail = f"layer {wrong[0]} reloaded as {classes.get(wrong[0])}, expected {wanted}"
+        res.silent = True
+        res.detail = (f"loads without an error, but {len(exp.quantized) - len(wrong)} of {len(exp.quantized)} planned layers "
+                      f"are {wanted} (layer {wrong[0]} is {classes.get(wrong[0])}){then}")
         return res
     if res.quantized_layers != len(exp.quantized):
-        res.detail = f"{res.quantized_layers} quantized layers after reload, {len(exp.quantized)} expected"
+        res.silent = True
+        res.detail = f"{res.quantized_layers} quantized layers after reload, {len(exp.quantized)} expected{then}"
         return res
+    if not data.get("ok"):  # every layer as planned, then an error (moving it, or its forward): the user sees it
+        res.detail = data.get("error", "unknown error")
+        return res
+    res.silent = True  # only the checks below remain, and each is a silent difference
     got = data["digests"]
     res.tensors_checked = len(got)
     for name, digest in exp.digests.items():

@@ -16,6 +16,10 @@ from publisher.errors import VerificationError
 PATHS = ("library", "manual")
 MODES = ("auto", "full", "streaming")
 Mode = Literal["auto", "full", "streaming"]
+# pass: bit-identical, every planned layer of the recipe's class; fail: an error; silently wrong: loads without
+# an error, but layers are not quantized or tensors / outputs differ (the dangerous one)
+Outcome = Literal["pass", "fail", "silently wrong"]
+OUTCOMES: tuple[Outcome, ...] = ("pass", "fail", "silently wrong")
 REPORT_NAME = "verification.json"
 
 
@@ -32,6 +36,23 @@ class PathResult:
     tensors_checked: int = 0
     forward_checked: bool = False
     applicable: bool = True  # False: this path does not apply to the model (detail says why); not a failure
+    silent: bool = False  # not ok although the load raised nothing (see Outcome)
+
+    @property
+    def outcome(self) -> Outcome:
+        return "pass" if self.ok else "silently wrong" if self.silent else "fail"
+
+
+@dataclass
+class EnvRecord:
+    """One environment of the compatibility matrix, as it was measured."""
+
+    name: str  # "current", the spec (diffusers==0.38.0) or the interpreter's path
+    kind: Literal["current", "spec", "interpreter"]
+    gating: bool  # True: must pass for a publish (this environment, --verify-env); False: measured for the card
+    packages: dict[str, str] = field(default_factory=dict)  # what a spec's layer holds, exact versions
+    why: str = ""  # why the default matrix runs it
+    build_seconds: float | None = None  # None: not built by this run (reused, or not a spec)
 
 
 @dataclass
@@ -54,12 +75,18 @@ class VerifyReport:
     mode: Mode = "full"  # "full": whole reloads in fresh processes; "streaming": tensor by tensor + block by block
     notes: list[str] = field(default_factory=list)
     forward: dict[str, ForwardInputs] = field(default_factory=dict)  # component label -> the inputs of its forward check
+    compat: list[PathResult] = field(default_factory=list)  # the matrix's results (publisher/verify/matrix.py)
+    environments: list[EnvRecord] = field(default_factory=list)  # every environment measured, gating ones first
+    compat_note: str = ""  # why no matrix ran ("--compat none", streaming verification), when none did
     expected: list[Expected] = field(default_factory=list, repr=False)  # kept for the post-push check, not serialised
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(replace(self, expected=[], forward={}))
         data.pop("expected")
         data["forward"] = {c: f.to_dict() for c, f in self.forward.items()}
+        for key in ("results", "compat"):
+            for item, result in zip(data[key], getattr(self, key)):
+                item["outcome"] = result.outcome
         return data
 
     def write(self, folder: Path) -> Path:
@@ -79,7 +106,12 @@ class VerifyReport:
         if not bad:
             return f"{len(self.results)} load checks passed"
         first = bad[0]
-        return f"{first.component or 'model'} via the {first.path} path ({first.env}): {first.detail}"
+        loud = "silently wrong: " if first.outcome == "silently wrong" else ""
+        return f"{first.component or 'model'} via the {first.path} path ({first.env}): {loud}{first.detail}"
+
+    def compat_counts(self) -> str:
+        """``3 pass, 2 fail, 1 silently wrong`` over the compatibility matrix's loads."""
+        return ", ".join(f"{n} {o}" for o in OUTCOMES if (n := sum(1 for r in self.compat if r.outcome == o)))
 
 
 @dataclass

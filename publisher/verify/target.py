@@ -24,7 +24,7 @@ from publisher.jsonfile import read_object
 from publisher.loadpath import load_call
 from publisher.localfiles import allowed_roots, plain_name
 from publisher.stages.push import STATE_FILE
-from publisher.verify import capture
+from publisher.verify import capture, matrix
 from publisher.verify.full import check_location, compare, run_worker
 from publisher.verify.report import PATHS, Expected, ForwardInputs, VerifyReport
 
@@ -80,10 +80,13 @@ def quantized_components(target: str, token: str | None, revision: str | None) -
     return found
 
 
-def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), token: str | None = None,
-                  revision: str | None = None, requantize: bool = True) -> VerifyReport:
+def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), compat: tuple[str, ...] = (),
+                  token: str | None = None, revision: str | None = None, requantize: bool = True) -> VerifyReport:
+    """``envs`` (--verify-env) must pass like this environment; ``compat`` (default: the recipe's matrix) is measured."""
     import torch
 
+    matrix.check_verify_envs(envs)
+    matrix.check_choices(compat)
     if not Path(target).is_dir():
         revision = hub.call(hub.client(token).model_info, target, revision=revision, what=f"reading {target}").sha
     comps = quantized_components(target, token, revision)
@@ -94,6 +97,10 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), token:
     report = VerifyReport(recipe=recipe.name if recipe else "unknown", location=target, passed=False,
                           tensor_class=tensor_class or "torchao tensor")
     report.forward = _forward_inputs(target, comps, work, token, revision)
+    # built before any load: a spec that cannot be built stops here
+    gating = matrix.verify_envs(envs)
+    measured = matrix.matrix_envs(compat, recipe.name if recipe else None, {c.library for c in comps},
+                                  skip=[e.record.name for e in gating])
     for comp in comps:
         inputs_file = report.forward[comp.name or "model"].file
         inputs = load_call(inputs_file) if inputs_file else None
@@ -111,10 +118,12 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), token:
             quantized = [n for n, c in data["linear_classes"].items() if c not in ("Parameter", "Tensor")]
             exp = Expected(comp.name, comp.library, comp.class_name, inputs_file, output, data["digests"], quantized, "the library path")
         report.expected_layers[comp.name or "model"] = len(exp.quantized)
-        report.results += check_location([exp], target, revision, work, envs=envs, token=token, tensor_class=tensor_class,
-                                         paths=PATHS, device=device)
+        report.expected.append(exp)
+        report.results += check_location([exp], target, revision, work, envs=[e.pair for e in gating], token=token,
+                                         tensor_class=tensor_class, paths=PATHS, device=device)
     report.device = device
     report.passed = bool(report.results) and not report.failures()
+    matrix.measure(report, target, revision, work, measured, gating, token=token, device=device)
     return report
 
 

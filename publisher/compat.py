@@ -1,0 +1,61 @@
+"""The default compatibility matrix: the environments every publish measures, beside the recipe registry.
+
+Each entry is this environment with one package replaced (a version spec, built by publisher/verify/envs.py).
+The card's "Compatibility" table and every minimum version it states come only from loads run in these
+environments (and this one), never from this file: an entry says why it is worth running, not what it gives.
+
+What the entries were chosen for (measured on tiny FLUX and Llama repos made by this tool, see
+docs/compatibility.md):
+- the oldest versions a card could claim: diffusers 0.39.0 and transformers 5.0.0 (loaded bit-identically);
+  torchao 0.18.0 wrote these tensors, so the release before it is run to show where the format starts;
+- the library path's known silent misloads: diffusers 0.38.0 loads a quantized transformer without its
+  torchao weights, with only a warning; torchao 0.15.0 does the same to int8 weights;
+- transformers 4.57.6, whose loader cannot read these tensors while the manual path can: it is what the
+  manual path on the card is for.
+
+To add an environment for every publish, add an entry here; for one run, pass ``--compat SPEC``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+INT8 = ("int8wo", "int8dq")
+
+
+@dataclass(frozen=True)
+class MatrixEnv:
+    spec: str  # one package, pinned exactly: publisher.verify.envs.parse_spec reads it
+    why: str  # shown in the log and the card
+    libraries: tuple[str, ...] = ("diffusers", "transformers")  # run when a quantized component uses one of these
+    recipes: tuple[str, ...] | None = None  # None: every recipe
+
+    @property
+    def package(self) -> str:
+        return self.spec.split("==")[0]
+
+    @property
+    def version(self) -> str:
+        return self.spec.split("==")[1]
+
+
+DEFAULT_MATRIX: tuple[MatrixEnv, ...] = (
+    MatrixEnv("torchao==0.18.0", "the torchao release that writes these tensors"),  # skipped while it is this environment's
+    MatrixEnv("torchao==0.17.0", "the torchao release before the one that writes these tensors"),
+    MatrixEnv("torchao==0.15.0", "known to load int8 weights unquantized on the library path, without an error", recipes=INT8),
+    MatrixEnv("diffusers==0.39.0", "the oldest diffusers whose loader reads torchao safetensors", libraries=("diffusers",)),
+    MatrixEnv("diffusers==0.38.0", "known to load a quantized model without its torchao weights, with only a warning",
+              libraries=("diffusers",)),
+    MatrixEnv("transformers==5.0.0", "the oldest transformers whose loader reads torchao safetensors", libraries=("transformers",)),
+    MatrixEnv("transformers==4.57.6", "the last transformers 4: its loader cannot read these tensors; the manual path can",
+              libraries=("transformers",)),
+)
+
+
+def default_matrix(recipe: str | None, libraries: set[str], installed: dict[str, str]) -> list[MatrixEnv]:
+    """The entries for ``recipe`` (None: not known, as for a repo another tool made) when the quantized components
+    load with ``libraries``; an entry that pins a package to the version installed here is this environment,
+    which is always checked, so it is left out."""
+    return [e for e in DEFAULT_MATRIX
+            if (e.recipes is None or recipe in e.recipes) and libraries & set(e.libraries)
+            and installed.get(e.package) != e.version]

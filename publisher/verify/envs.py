@@ -1,0 +1,265 @@
+"""Verification environments built from version specs: this environment with only the named packages replaced.
+
+``--verify-env diffusers==0.38.0`` (and the compatibility matrix, publisher/compat.py) need an interpreter in
+which the named packages have other versions and everything else is what this tool runs with. Building one:
+
+- a venv without pip (a fraction of a second), whose own site-packages comes first on ``sys.path``, and a
+  ``.pth`` file that appends this environment's site-packages after it (``site.addsitedir``, so their own
+  ``.pth`` files work too): the layer sees every package installed here and shadows only what it holds;
+- ``python -m pip install SPEC`` run *in* the layer: pip sees this environment's packages as installed, so it
+  installs the named packages and only those dependencies this environment cannot satisfy (transformers 4.57
+  brings huggingface_hub < 1.0, diffusers 0.38 brings nothing). torch is pinned to this environment's
+  version unless the spec names it, so no multi-GB torch download happens by accident;
+- the exact versions the layer holds are read back and recorded.
+
+Entries are cached under ``$HF_AO_PUBLISH_ENVS`` (default ``$HF_HOME/hf-ao-publish/envs``), keyed by the spec
+and by this environment (interpreter, site-packages folders, every installed version), and reused across
+runs. An entry is built in a temporary folder and renamed into place with its record written last, so a
+half-built one is never used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata as md
+import json
+import logging
+import os
+import re
+import shutil
+import site
+import subprocess
+import sys
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+from publisher.errors import EnvBuildError, UsageError
+
+log = logging.getLogger(__name__)
+
+RECORD = "hf-ao-publish-env.json"
+PTH = "zz-hf-ao-publish-layer.pth"  # processed after the layer's own .pth files (alphabetical order)
+PIP_TIMEOUT_S = 1800
+_NAME = re.compile(r"^\s*[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+@dataclass(frozen=True)
+class EnvSpec:
+    """A parsed spec: ``text`` is its normal form (sorted, canonical names), the cache key and the name shown."""
+
+    text: str
+    requirements: tuple[str, ...]
+    names: tuple[str, ...]  # canonical package names, in the order of ``requirements``
+
+
+@dataclass
+class BuiltEnv:
+    spec: str
+    python: str
+    path: Path
+    packages: dict[str, str]  # every distribution the layer holds: name -> exact version
+    seconds: float  # how long the build took (the original build's, when reused)
+    reused: bool
+
+
+def canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def is_spec(value: str) -> bool:
+    """A version spec (``pkg==1.2``, ``a==1,b>=2``) rather than the path of an interpreter."""
+    return "/" not in value and "\\" not in value and any(op in value for op in ("==", ">=", "<=", "~=", "!=", "<", ">"))
+
+
+def parse_spec(text: str, option: str = "--verify-env") -> EnvSpec:
+    """``diffusers==0.39.0``, ``torchao==0.17.*``, ``transformers==4.57.6,diffusers==0.39.0``; every package
+    needs a version constraint, each package once. ``option`` names the option in an error."""
+    from packaging.requirements import InvalidRequirement, Requirement
+
+    # split on the commas that start a new package (a comma inside "pkg>=1,<2" is followed by an operator)
+    parts = [p.strip() for p in re.split(r",(?=\s*[A-Za-z])", text) if p.strip()]
+
+    def bad(part: str, why: str) -> UsageError:
+        where = f"{option} {text!r}" + (f" ({part!r})" if part != text.strip() else "")
+        return UsageError(f"{where}: {why}")
+
+    reqs: dict[str, str] = {}
+    for part in parts:
+        try:
+            req = Requirement(part)
+        except InvalidRequirement:
+            raise bad(part, "not a version spec; write it like diffusers==0.39.0") from None
+        if req.url or req.marker:
+            raise bad(part, "only a package name and versions are allowed, like diffusers==0.39.0")
+        if not str(req.specifier):
+            raise bad(part, f"{req.name} has no version; pin one, like {req.name}==1.2.3")
+        name = canonical(req.name)
+        if name in reqs:
+            raise bad(part, f"{req.name} is named twice; name each package once")
+        extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
+        reqs[name] = f"{name}{extras}{req.specifier}"
+    if not reqs:
+        raise UsageError(f"{option}: empty spec; give a version spec like diffusers==0.39.0")
+    names = tuple(sorted(reqs))
+    return EnvSpec(",".join(reqs[n] for n in names), tuple(reqs[n] for n in names), names)
+
+
+def envs_root() -> Path:
+    from huggingface_hub import constants
+
+    return Path(os.environ.get("HF_AO_PUBLISH_ENVS") or Path(constants.HF_HOME) / "hf-ao-publish" / "envs")
+
+
+def parent_site_dirs() -> list[str]:
+    """This environment's site-packages folders, in order (a venv's, then the system's when it includes them)."""
+    dirs = list(site.getsitepackages())
+    if site.ENABLE_USER_SITE and site.getusersitepackages():
+        dirs.append(site.getusersitepackages())
+    return [d for d in dict.fromkeys(dirs) if Path(d).is_dir()]
+
+
+def installed_versions(paths: Iterable[str] | None = None) -> dict[str, str]:
+    """name -> version of every distribution on ``paths`` (default: this interpreter's path); first one wins."""
+    out: dict[str, str] = {}
+    for dist in (md.distributions(path=list(paths)) if paths is not None else md.distributions()):
+        name = dist.metadata["Name"]
+        if name:
+            out.setdefault(canonical(name), dist.version)
+    return out
+
+
+def cache_key(spec: EnvSpec) -> str:
+    """The spec and everything about this environment a layer depends on: it is rebuilt when either changes."""
+    parent = {
+        "spec": spec.text,
+        "python": sys.version,
+        "executable": sys.executable,
+        "site": parent_site_dirs(),
+        "installed": sorted(installed_versions(parent_site_dirs()).items()),
+    }
+    return hashlib.sha256(json.dumps(parent, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _folder_name(spec: EnvSpec, key: str) -> str:
+    return f"{re.sub(r'[^A-Za-z0-9.]+', '-', spec.text).strip('-')[:60]}-{key}"
+
+
+def layer_python(folder: Path) -> Path:
+    return folder / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
+
+
+def build(spec: EnvSpec, root: Path | None = None) -> BuiltEnv:
+    """The environment for ``spec``: reused from the cache when built before, else built now."""
+    root = root or envs_root()
+    key = cache_key(spec)
+    final = root / _folder_name(spec, key)
+    cached = _load(final, spec)
+    if cached is not None:
+        log.info("verification environment %s: reusing %s", spec.text, final)
+        return cached
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = root / f".building-{final.name}-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    started = time.monotonic()
+    log.info("building verification environment %s (this environment with only %s replaced) in %s",
+             spec.text, ", ".join(spec.names), final)
+    try:
+        packages = _build_into(tmp, spec)
+        seconds = round(time.monotonic() - started, 1)
+        record = {"spec": spec.text, "packages": packages, "seconds": seconds, "parent": sys.prefix,
+                  "python": sys.version.split()[0], "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        (tmp / RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+        try:
+            tmp.rename(final)
+        except OSError:  # another run built the same entry meanwhile: use theirs
+            if _load(final, spec) is None:
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
+            return _load(final, spec) or _never()
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("verification environment %s built in %.1f s: %s", spec.text, seconds,
+             ", ".join(f"{k} {v}" for k, v in sorted(packages.items())))
+    return BuiltEnv(spec.text, str(layer_python(final)), final, packages, seconds, reused=False)
+
+
+def _never() -> BuiltEnv:
+    raise EnvBuildError("internal: a verification environment vanished while it was being reused")
+
+
+def _load(folder: Path, spec: EnvSpec) -> BuiltEnv | None:
+    record_file = folder / RECORD
+    if not record_file.is_file() or not layer_python(folder).exists():
+        return None
+    try:
+        record = json.loads(record_file.read_text())
+    except (OSError, ValueError):
+        return None
+    if record.get("spec") != spec.text:
+        return None
+    return BuiltEnv(spec.text, str(layer_python(folder)), folder, dict(record.get("packages") or {}),
+                    float(record.get("seconds") or 0.0), reused=True)
+
+
+def _build_into(folder: Path, spec: EnvSpec) -> dict[str, str]:
+    import venv
+
+    try:
+        import pip  # noqa: F401 - the layer runs this environment's pip
+    except ImportError:
+        raise EnvBuildError(f"cannot build the verification environment {spec.text}: this environment has no pip "
+                            "(python -m pip); install pip, or pass the path of a Python interpreter to --verify-env") from None
+    venv.EnvBuilder(with_pip=False, symlinks=os.name != "nt", clear=True).create(folder)
+    python = layer_python(folder)
+    own_site = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], spec, "inspect").strip()
+    lines = [f"import site; site.addsitedir({d!r})" for d in parent_site_dirs()]
+    Path(own_site, PTH).write_text("\n".join(lines) + "\n")
+    constraints = folder / "constraints.txt"
+    current = installed_versions()
+    pins = [f"torch=={current['torch']}"] if "torch" in current and "torch" not in spec.names else []
+    constraints.write_text("".join(f"{p}\n" for p in pins))
+    _run([str(python), "-m", "pip", "install", "--no-input", "--disable-pip-version-check", "--no-warn-script-location",
+          "--no-warn-conflicts", "-c", str(constraints), *spec.requirements], spec, "pip install")
+    packages = installed_versions([own_site])
+    missing = [n for n in spec.names if n not in packages]
+    if missing:  # pip found this environment's version good enough ("==0.18.*" with 0.18.0 here): nothing replaced
+        raise EnvBuildError(f"the verification environment {spec.text} is this environment for {', '.join(missing)} "
+                            f"(already {', '.join(f'{n} {current.get(n)}' for n in missing)}); "
+                            "pin another version, or leave it out: this environment is always checked")
+    _check_shadowing(python, own_site, spec)
+    return packages
+
+
+def _check_shadowing(python: Path, own_site: str, spec: EnvSpec) -> None:
+    """A package this environment installs in editable mode (a meta-path finder) would win over the layer's copy."""
+    code = ("import importlib.util, json, sys\nout = {}\nfor n in sys.argv[1:]:\n"
+            "    s = importlib.util.find_spec(n)\n    out[n] = s.origin if s and s.origin else None\nprint(json.dumps(out))")
+    found = json.loads(_run([str(python), "-c", code, *(n.replace("-", "_") for n in spec.names)], spec, "inspect"))
+    root = str(Path(own_site).resolve())
+    for module, origin in found.items():
+        if origin and not str(Path(origin).resolve()).startswith(root):
+            raise EnvBuildError(f"the verification environment {spec.text}: {module} still imports from {origin} "
+                                "(an editable install in this environment shadows it); uninstall that, or pass an interpreter")
+
+
+def _run(cmd: list[str], spec: EnvSpec, what: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONHOME", "PIP_TARGET", "PIP_PREFIX", "PIP_USER")}
+    env["PIP_NO_INPUT"] = "1"
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=PIP_TIMEOUT_S)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise EnvBuildError(f"cannot build the verification environment {spec.text}: {what} failed ({exc})") from None
+    if proc.returncode != 0:
+        raise EnvBuildError(f"cannot build the verification environment {spec.text}: {what} failed: {_pip_reason(proc.stderr)}; "
+                            "check the spec and access to the package index (PyPI)")
+    return proc.stdout
+
+
+def _pip_reason(stderr: str) -> str:
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("ERROR:")]
+    line = (errors[0] if errors else (lines[-1] if lines else "no output"))
+    return line.removeprefix("ERROR: ")[:300]

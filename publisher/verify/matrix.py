@@ -1,0 +1,149 @@
+"""The compatibility matrix: the verified folder (or any torchao repo) loaded in other environments.
+
+Two kinds of environment, built from the same values (an interpreter's path, or a version spec such as
+``diffusers==0.39.0`` that publisher/verify/envs.py builds):
+- ``--verify-env``: gating, like this environment: a publish fails unless every load there passes;
+- ``--compat`` (default: the recipe's matrix in publisher/compat.py): measured for the card's
+  "Compatibility" table; a failure there is a fact to publish, not a reason to stop.
+
+Each load ends in one of three outcomes (report.Outcome): pass, fail, or silently wrong. Environments are
+built before anything is downloaded, so a spec that cannot be built stops the run while it is cheap.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from publisher import compat
+from publisher.errors import UsageError
+from publisher.verify import envs as env_builder
+from publisher.verify.full import compare, run_worker
+from publisher.verify.report import PATHS, EnvRecord, PathResult, VerifyReport
+
+log = logging.getLogger(__name__)
+
+DEFAULT = "default"
+NONE = "none"
+
+
+@dataclass
+class Env:
+    record: EnvRecord
+    python: str
+
+    @property
+    def pair(self) -> tuple[str, str]:
+        return self.record.name, self.python
+
+
+def current_record() -> EnvRecord:
+    return EnvRecord("current", "current", gating=True)
+
+
+def check_choices(compat_values: Sequence[str]) -> tuple[bool, list[str]]:
+    """--compat values -> (run the default matrix, extra specs). No value means ``default``."""
+    values = [v.strip() for v in compat_values if v.strip()] or [DEFAULT]
+    if NONE in values and len(values) > 1:
+        raise UsageError("--compat none cannot be combined with other --compat values; give either none or environments")
+    specs = []
+    for value in values:
+        if value in (DEFAULT, NONE):
+            continue
+        if not env_builder.is_spec(value):
+            raise UsageError(f"--compat {value!r} is not an environment; give default, none, or a spec like diffusers==0.39.0")
+        specs.append(env_builder.parse_spec(value, "--compat").text)
+    return DEFAULT in values, specs
+
+
+def check_verify_envs(values: Sequence[str]) -> None:
+    """Fail on a malformed --verify-env before any work: a spec must parse, an interpreter must exist."""
+    for value in values:
+        if env_builder.is_spec(value):
+            env_builder.parse_spec(value)
+        elif not Path(value).is_file() or not os.access(value, os.X_OK):
+            raise UsageError(f"--verify-env {value!r} is neither a Python interpreter (no executable file there) "
+                             "nor a version spec like diffusers==0.39.0")
+
+
+def verify_envs(values: Sequence[str]) -> list[Env]:
+    """The gating environments of --verify-env, built when given as specs."""
+    check_verify_envs(values)
+    out = []
+    for value in values:
+        if env_builder.is_spec(value):
+            out.append(_built(env_builder.parse_spec(value).text, gating=True, why="--verify-env"))
+        else:
+            out.append(Env(EnvRecord(value, "interpreter", gating=True, why="--verify-env"), value))
+    return out
+
+
+def matrix_envs(compat_values: Sequence[str], recipe: str | None, libraries: set[str],
+                skip: Sequence[str] = ()) -> list[Env] | None:
+    """The measured environments for one recipe whose quantized components load with ``libraries`` (None:
+    --compat none); ``skip``: names already run as gating environments."""
+    use_default, specs = check_choices(compat_values)
+    if not use_default and not specs:
+        return None
+    installed = env_builder.installed_versions()
+    wanted: dict[str, str] = {}
+    if use_default:
+        for entry in compat.default_matrix(recipe, libraries, installed):
+            wanted[env_builder.parse_spec(entry.spec).text] = entry.why
+    for spec in specs:
+        wanted.setdefault(spec, "--compat")
+    return [_built(spec, gating=False, why=why) for spec, why in wanted.items() if spec not in skip]
+
+
+def _built(spec: str, *, gating: bool, why: str) -> Env:
+    built = env_builder.build(env_builder.parse_spec(spec))
+    record = EnvRecord(spec, "spec", gating=gating, packages=dict(built.packages), why=why,
+                       build_seconds=None if built.reused else built.seconds)
+    return Env(record, built.python)
+
+
+def libraries_of(components: Sequence[tuple[str, str]]) -> set[str]:
+    """(name, library) of the quantized components -> their libraries."""
+    return {library for _, library in components}
+
+
+def measure(report: VerifyReport, where: str, revision: str | None, work: Path, matrix: Sequence[Env] | None,
+            gating: Sequence[Env], *, token: str | None = None, device: str = "cpu") -> None:
+    """Run every load path of every expected component in each matrix environment (None: --compat none); the
+    results go to ``report.compat`` (never to ``report.results``: they do not decide the publish)."""
+    report.environments = [current_record(), *(e.record for e in gating), *(e.record for e in matrix or [])]
+    if report.mode == "streaming":
+        report.compat_note = ("verified streaming: a whole reload does not fit in memory, and other environments "
+                              "need whole reloads")
+        report.environments = [current_record()]
+        return
+    if not matrix:
+        report.compat_note = "--compat none" if matrix is None else "the default matrix has no other environment for this repo"
+        return
+    import torch
+
+    started = time.monotonic()
+    log.info("compatibility matrix: %d environments x %d components x %d load paths", len(matrix), len(report.expected), len(PATHS))
+    for env in matrix:
+        for exp in report.expected:
+            for path in PATHS:
+                data = run_worker(exp, path, env.python, where, revision, work, token, torch.get_num_threads(), tag="compat",
+                                  device=device)
+                result = compare(exp, data, path, env.record.name, env.python, report.tensor_class or None)
+                report.compat.append(result)
+                _log(result)
+    log.info("compatibility matrix measured in %.0f s", time.monotonic() - started)
+
+
+def _log(r: PathResult) -> None:
+    what = f"{r.component or 'model'} via the {r.path} path with {r.env}"
+    if r.outcome == "silently wrong":
+        log.warning("SILENTLY WRONG: %s: %s", what, r.detail)
+    elif r.outcome == "fail":
+        log.warning("compatibility: %s fails: %s", what, r.detail)
+    else:
+        log.info("compatibility: %s passes", what)
