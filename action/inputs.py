@@ -12,6 +12,7 @@ import re
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from action.workflow import StepFailed
 
@@ -139,7 +140,7 @@ def _run_on(env: Mapping[str, str], push: bool, keep_output: bool, model: str) -
                          "where nobody can read it")
     if keep_output:
         raise InputError("run-on: hf-jobs leaves no repo folder on the runner; drop keep-output")
-    if model.startswith((".", "/")) or "/" not in model or model.count("/") > 1:
+    if model.startswith((".", "/", "~")) or Path(model).exists():  # the step runs in the workspace
         raise InputError(f"run-on: hf-jobs needs a Hub repo id as model (a job cannot read {model!r} from the "
                          "workspace); upload the folder to the Hub first")
     return flavor

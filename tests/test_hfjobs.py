@@ -11,6 +11,7 @@ import json
 import logging
 import subprocess
 import sys
+import time
 import tomllib
 import zipfile
 from io import BytesIO
@@ -209,3 +210,16 @@ def test_result_round_trip_through_log_lines(capsys: pytest.CaptureFixture[str])
 def test_bootstrap_imports_nothing_of_ours() -> None:
     source = (ROOT / "publisher" / "hfjobs" / "bootstrap.py").read_text()
     assert "publisher" not in "".join(line for line in source.splitlines() if line.startswith(("import", "from")))
+
+
+def test_sigterm_is_handled_like_ctrl_c_while_jobs_run() -> None:
+    import os
+    import signal
+
+    from publisher.hfjobs.follow import terminate_as_interrupt
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(KeyboardInterrupt), terminate_as_interrupt():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)  # the handler interrupts this
+    assert signal.getsignal(signal.SIGTERM) is before

@@ -14,9 +14,12 @@ import json
 import logging
 import queue
 import re
+import signal
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +37,24 @@ RECONNECTS = 5  # consecutive failures to read a log before giving up (the job k
 REREADS = 2  # a finished job's log without bootstrap.py's exit line is read again this many times
 STATUS_EVERY_S = 20.0  # a quiet job's stage is checked (and a change reported) this often
 CANCEL_WAIT_S = 20.0
+
+
+@contextmanager
+def terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM (a CI runner cancelling the step, `kill`) is handled like Ctrl-C while jobs run: they are
+    cancelled rather than left running, billed, until their timeout."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def stage_name(stage: Any) -> str:

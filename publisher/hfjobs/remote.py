@@ -22,13 +22,15 @@ from publisher import hub
 from publisher.errors import RunFailed, TargetError, UsageError
 from publisher.flavors import Flavor
 from publisher.hfjobs import bootstrap, hardware, package, preflight
-from publisher.hfjobs.follow import Follower, JobFailed, RemoteOutcome, stage_name
+from publisher.hfjobs.follow import Follower, JobFailed, RemoteOutcome, stage_name, terminate_as_interrupt
 from publisher.job import PublishRequest, make_plan, resolve_token
 from publisher.stages.plan import parse_recipes
 from publisher.stages.source import is_local
 
 if TYPE_CHECKING:
     from huggingface_hub import HfApi
+
+    from publisher.stages.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +110,16 @@ def publish(request: JobsRequest) -> list[RemoteOutcome]:
     shipped = package.ship(namespace, token)
     outcomes: list[RemoteOutcome] = []
     follower = Follower(outcomes, namespace, token, keep_going=req.keep_going)
+    with terminate_as_interrupt():
+        return _start_and_follow(follower, plan, request, flavor, shipped)
+
+
+def _start_and_follow(follower: Follower, plan: Plan, request: JobsRequest, flavor: Flavor,
+                      shipped: package.ShippedWheel) -> list[RemoteOutcome]:
+    """One job per recipe, then follow them all. Whatever stops this between two submissions cancels the jobs
+    already started: none runs on, billed, without someone following it."""
+    req, outcomes = request.publish, follower.outcomes
+    api, namespace, token = follower.api, follower.namespace, follower.token
     try:
         for recipe in plan.recipes:
             target = plan.targets[recipe.name]
@@ -148,7 +160,8 @@ def attach(job_ids: list[str], token: str | None, keep_going: bool = True) -> li
                              "follow it with `hf jobs logs` instead")
         outcomes.append(RemoteOutcome(labels["recipe"], _target(info), info.id, info.url, str(info.flavor or ""),
                                       stage_name(info.status.stage)))
-    return _settled(Follower(outcomes, namespace, token, keep_going=keep_going).run(), keep_going)
+    with terminate_as_interrupt():
+        return _settled(Follower(outcomes, namespace, token, keep_going=keep_going).run(), keep_going)
 
 
 def _target(info: object) -> str:
