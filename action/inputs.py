@@ -12,11 +12,13 @@ import re
 import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from action.workflow import StepFailed
 
 # Options the action sets itself, or that would leak the token or break the JSON result it parses.
-FORBIDDEN_EXTRA = ("--token", "--json", "--output-dir", "--help", "-h", "--version")
+FORBIDDEN_EXTRA = ("--token", "--json", "--output-dir", "--help", "-h", "--version", "--on-hf-jobs", "--attach")
+RUN_ON = ("runner", "hf-jobs")  # input run-on: this runner, or Hugging Face Jobs (flavor: input hf-jobs-flavor)
 
 
 class InputError(StepFailed):
@@ -73,6 +75,7 @@ class Request:
     push: bool
     keep_output: bool
     token: str | None = field(default=None, repr=False)  # kept out of repr: it may end up in a log
+    remote: bool = False  # run-on: hf-jobs: the job's folders stay in the job (no --output-dir here)
 
 
 def parse_extra_args(value: str | None) -> list[str]:
@@ -126,6 +129,35 @@ def build_request(env: Mapping[str, str]) -> Request:
         push = False
     args += extra
     token = env.get("HFAO_TOKEN", "").strip() or env.get("HF_TOKEN", "").strip() or None
-    if push and not token:
-        raise InputError("input hf-token is required to push (pass a write token from a secret), or set push: 'false'")
-    return Request(model=model, args=args, push=push, keep_output=keep_output, token=token)
+    remote = _run_on(env, push, keep_output, model)
+    if remote:
+        args.append(f"--on-hf-jobs={remote}")
+    if (push or remote) and not token:
+        raise InputError("input hf-token is required to push (pass a write token from a secret), or set push: 'false'"
+                         if not remote else "input hf-token is required with run-on: hf-jobs (the job is started "
+                         "and billed with it, and receives it as a job secret)")
+    return Request(model=model, args=args, push=push, keep_output=keep_output, token=token, remote=bool(remote))
+
+
+def _run_on(env: Mapping[str, str], push: bool, keep_output: bool, model: str) -> str:
+    """The Jobs flavor when run-on is hf-jobs (checked against what a job can do), else ''."""
+    run_on = (env.get("HFAO_RUN_ON") or "runner").strip().lower()
+    flavor = (env.get("HFAO_HF_JOBS_FLAVOR") or "").strip()
+    if run_on not in RUN_ON:
+        raise InputError(f"input run-on must be one of {', '.join(RUN_ON)}, got {run_on!r}")
+    if run_on == "runner":
+        if flavor:
+            raise InputError("input hf-jobs-flavor is only used with run-on: hf-jobs; set run-on or drop the flavor")
+        return ""
+    if not re.fullmatch(r"[a-z0-9][a-z0-9-]{1,40}", flavor):
+        raise InputError(f"input hf-jobs-flavor must name a Jobs flavor such as l4x1 or a10g-small, got {flavor!r} "
+                         "(`hf-ao-publish recipes` lists them per recipe)")
+    if not push:
+        raise InputError("run-on: hf-jobs publishes from the job; push: 'false' would leave the repo folder in the job, "
+                         "where nobody can read it")
+    if keep_output:
+        raise InputError("run-on: hf-jobs leaves no repo folder on the runner; drop keep-output")
+    if model.startswith((".", "/", "~")) or Path(model).exists():  # the step runs in the workspace
+        raise InputError(f"run-on: hf-jobs needs a Hub repo id as model (a job cannot read {model!r} from the "
+                         "workspace); upload the folder to the Hub first")
+    return flavor

@@ -154,7 +154,8 @@ def run(env: Mapping[str, str]) -> int:
     temp_root.mkdir(parents=True, exist_ok=True)
     out_dir = Path(tempfile.mkdtemp(prefix="hf-ao-publish-out-", dir=str(temp_root)))
     cli = cli_command(env.get("HFAO_PYTHON") or sys.executable)
-    argv = cli + req.args + ["--json", f"--output-dir={out_dir}"]
+    # run-on: hf-jobs: the repo folder is made (and removed) in the job; nothing is written on the runner
+    argv = cli + req.args + ["--json", *([] if req.remote else [f"--output-dir={out_dir}"])]
     show = "+ " + shlex.join(["hf-ao-publish", *argv[len(cli):]])
     try:
         with group(f"{TITLE} {' '.join(split_list(env.get('HFAO_QUANT')))}"):

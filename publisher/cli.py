@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import textwrap
 from pathlib import Path
@@ -20,6 +21,9 @@ from publisher import __version__
 from publisher import recipes as recipe_registry
 
 if TYPE_CHECKING:  # types only: the job and its stages are imported when a command runs
+    from collections.abc import Sequence
+
+    from publisher.flavors import Flavor
     from publisher.job import Engine
     from publisher.verify.report import Mode
 
@@ -101,20 +105,25 @@ def _run_mapped(debug: bool, fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise _Failure(message, code) from None
 
 
-def recipes_text(width: int = RECIPES_WIDTH) -> str:
-    """The registry as text: one block per recipe, every line at most ``width`` columns."""
+def recipes_text(width: int = RECIPES_WIDTH, flavors: Sequence[Flavor] | None = None, source: str = "builtin") -> str:
+    """The registry as text: one block per recipe, every line at most ``width`` columns. ``flavors``: the
+    Hugging Face Jobs hardware (the Hub's list, from ``source``; default: the built-in table)."""
     label_width = 11
     indent = " " * (2 + label_width + 2)
-    lines = ["Recipes for --quant (hf-ao-publish MODEL_ID --quant RECIPE):"]
+    where = "the Hub's hardware list" if source == "hub" else "the built-in table (the Hub's list was not reachable)"
+    lines = ["Recipes for --quant (hf-ao-publish MODEL_ID --quant RECIPE):",
+             *textwrap.wrap(f"hf jobs: the smallest Hugging Face Jobs flavors for --on-hf-jobs, from {where}.", width)]
     for recipe in recipe_registry.all_recipes():
-        data = recipe.to_dict()
+        data = recipe.to_dict(flavors)
         lines += ["", *textwrap.wrap(f"{recipe.name}  {recipe.summary}", width, subsequent_indent="    ")]
         facts = [("quantize on", data["quantize_on"]["text"]), ("run on", data["run_on"]["text"]),
                  ("speed-ups", data["speedup"]), ("config", recipe.expression),
-                 *(("note", note) for note in data["notes"])]
+                 ("hf jobs", recipe.hf_jobs_text(flavors)), *(("note", note) for note in data["notes"])]
         for label, text in facts:
-            lines += textwrap.wrap(text, width, initial_indent=f"  {label:<{label_width}}  ",
-                                   subsequent_indent=indent, break_on_hyphens=False)
+            if label == "hf jobs":  # keep "l4x1 (L4, CC 8.9)" on one line: protect the spaces inside parentheses
+                text = re.sub(r"\S+ \([^)]*\)", lambda m: m.group(0).replace(" ", "\0"), text)
+            lines += [line.replace("\0", " ") for line in textwrap.wrap(
+                text, width, initial_indent=f"  {label:<{label_width}}  ", subsequent_indent=indent, break_on_hyphens=False)]
     return "\n".join(lines)
 
 
@@ -136,16 +145,19 @@ def recipes_cmd(as_json: bool) -> None:
 
     Example: hf-ao-publish recipes
     """
+    from publisher.hfjobs import hardware
+
+    flavors, source = hardware.available()
     if as_json:
-        click.echo(json.dumps([r.to_dict() for r in recipe_registry.all_recipes()], indent=2))
+        click.echo(json.dumps([r.to_dict(flavors) for r in recipe_registry.all_recipes()], indent=2))
     else:
-        click.echo(recipes_text())
+        click.echo(recipes_text(flavors=flavors, source=source))
 
 
 @main.command("publish")
-@click.argument("model_id")
-@click.option("--quant", "quant", multiple=True, required=True, metavar="RECIPE",
-              help=f"Recipe ({', '.join(recipe_registry.names())}); repeat or comma-separate for several.")
+@click.argument("model_id", required=False, metavar="MODEL_ID")  # required unless --attach (checked below)
+@click.option("--quant", "quant", multiple=True, metavar="RECIPE",
+              help=f"Recipe ({', '.join(recipe_registry.names())}); repeat or comma-separate for several.  [required]")
 @click.option("--components", default=None, metavar="A,B", help="Pipeline components to quantize (default: the denoiser).")
 @click.option("--exclude", multiple=True, metavar="MODULE", help="Module to keep unquantized (repeatable).")
 @click.option("--repo-id", default=None, metavar="NAMESPACE/NAME",
@@ -175,21 +187,48 @@ def recipes_cmd(as_json: bool) -> None:
 @click.option("--verify-mode", type=click.Choice(["auto", "full", "streaming"]), default="auto", show_default=True,
               help="full: reload each component whole in fresh processes; streaming: tensor by tensor and block by "
                    "block (bounded memory); auto: full when it fits in memory.")
+@click.option("--on-hf-jobs", "on_hf_jobs", default=None, metavar="FLAVOR",
+              help="Run the publish on Hugging Face Jobs on this hardware (e.g. l4x1), one job per recipe, billed to "
+                   "the token's account; the checks run here first. See `hf-ao-publish recipes` for flavors.")
+@click.option("--hf-jobs-timeout", default="2h", show_default=True, metavar="DURATION",
+              help="With --on-hf-jobs: stop a job after this long (e.g. 90m, 3h).")
+@click.option("--attach", "attach", multiple=True, metavar="JOB_ID",
+              help="Follow jobs started by --on-hf-jobs again (after a lost connection) instead of publishing. Repeatable.")
 @json_option
 @debug_option
 @quiet_option
-def publish_cmd(model_id: str, quant: tuple[str, ...], components: str | None, exclude: tuple[str, ...], repo_id: str | None,
+def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | None, exclude: tuple[str, ...], repo_id: str | None,
                 revision: str | None, private: bool, token: str | None, output_dir: Path | None, no_push: bool,
                 create_pr: bool, trust_remote_code: bool, keep_going: bool, verify_envs: tuple[str, ...],
-                compat: tuple[str, ...], sample_prompt: str | None, sample_steps: int, sample_size: int, allow_unquantized: bool, benchmark: bool, engine: Engine, low_disk: bool | None,
-                verify_mode: Mode, as_json: bool, debug: bool, quiet: bool) -> None:
+                compat: tuple[str, ...], sample_prompt: str | None, sample_steps: int, sample_size: int,
+                allow_unquantized: bool, benchmark: bool, engine: Engine, low_disk: bool | None,
+                verify_mode: Mode, on_hf_jobs: str | None, hf_jobs_timeout: str, attach: tuple[str, ...], as_json: bool,
+                debug: bool, quiet: bool) -> None:
     """Quantize MODEL_ID (Hub repo id or local folder), verify, card and push it.
 
     \b
     Example:
       hf-ao-publish black-forest-labs/FLUX.1-dev --quant int8wo
       hf-ao-publish ./my-llama --quant int8wo,float8wo --no-push --output-dir out
+      hf-ao-publish black-forest-labs/FLUX.1-dev --quant int4wo --on-hf-jobs l4x1
     """
+    ctx = click.get_current_context()
+    if attach:
+        if model_id or quant or on_hf_jobs:
+            raise click.UsageError("--attach follows jobs that are already running; give it without MODEL_ID, --quant "
+                                   "and --on-hf-jobs")
+        _start(debug, quiet)
+        from publisher.hfjobs import remote
+
+        _report(_run_failed_json(as_json, debug, remote.attach, list(attach), token, keep_going), as_json, keep_going)
+        return
+    _require(ctx, "model_id", model_id)
+    _require(ctx, "quant", quant)
+    assert model_id is not None
+    if on_hf_jobs is not None:
+        _check_remote_options(ctx, hf_jobs_timeout)
+    elif ctx.get_parameter_source("hf_jobs_timeout") is not click.core.ParameterSource.DEFAULT:
+        raise click.UsageError("--hf-jobs-timeout applies to --on-hf-jobs; add --on-hf-jobs FLAVOR or drop it")
     if verify_envs and verify_mode == "streaming":
         raise click.UsageError("--verify-env reloads whole components in another interpreter; use --verify-mode full or auto with it")
     if verify_mode == "streaming" and set(compat) - {"default", "none"}:
@@ -229,10 +268,21 @@ def publish_cmd(model_id: str, quant: tuple[str, ...], components: str | None, e
         verify_mode="full" if verify_envs and verify_mode == "auto" else verify_mode,
         benchmark=benchmark,
         allow_unquantized=allow_unquantized,
-        command=_command_line(click.get_current_context()),
+        command=_command_line(ctx),
     )
+    if on_hf_jobs is not None:
+        from publisher.hfjobs import remote
+
+        jobs = remote.JobsRequest(req, on_hf_jobs, hf_jobs_timeout, tuple(_command_args(ctx, _NOT_FOR_JOBS)))
+        _report(_run_failed_json(as_json, debug, remote.publish, jobs), as_json, keep_going)
+        return
+    _report(_run_failed_json(as_json, debug, run, req), as_json, keep_going)
+
+
+def _run_failed_json(as_json: bool, debug: bool, fn: Any, *args: Any) -> Any:
+    """_run_mapped, and with --json the results of a run that stopped (what each recipe had come to)."""
     try:
-        outcomes = _run_mapped(debug, run, req)
+        return _run_mapped(debug, fn, *args)
     except _Failure as failure:
         from publisher.errors import RunFailed
 
@@ -240,7 +290,30 @@ def publish_cmd(model_id: str, quant: tuple[str, ...], components: str | None, e
         if as_json and isinstance(stopped, RunFailed) and stopped.results:
             _print_json(stopped.results)  # what each recipe had come to, for machines
         raise
-    _report(outcomes, as_json, keep_going)
+
+
+def _require(ctx: click.Context, name: str, value: Any) -> None:
+    """MODEL_ID and --quant are required unless --attach: click's own message when one is missing."""
+    if not value:
+        param = next(p for p in ctx.command.params if p.name == name)
+        raise click.MissingParameter(ctx=ctx, param=param)
+
+
+# Options a job's command does not repeat: the job gets its own --quant/--repo-id/--revision/--json, and the
+# token only as a secret; local folders and interpreters do not exist there.
+_NOT_FOR_JOBS = {"model_id", "quant", "repo_id", "revision", "token", "as_json", "output_dir", "on_hf_jobs",
+                 "hf_jobs_timeout", "attach", "keep_going"}
+_LOCAL_ONLY = {"output_dir": "--output-dir", "no_push": "--no-push", "verify_envs": "--verify-env"}
+
+
+def _check_remote_options(ctx: click.Context, timeout: str) -> None:
+    for name, flag in _LOCAL_ONLY.items():
+        if ctx.params.get(name):
+            raise click.UsageError(f"{flag} needs this machine's disk or interpreters, which a job on Hugging Face Jobs "
+                                   f"does not have; drop {flag} or --on-hf-jobs")
+    if not re.fullmatch(r"\d+(\.\d+)?[smhd]?", timeout.strip()):
+        raise click.BadParameter(f"{timeout!r} is not a duration such as 45m, 2h or 5400", ctx=ctx,
+                                 param_hint="'--hf-jobs-timeout'")
 
 
 @main.command("verify")
@@ -286,8 +359,13 @@ def _command_line(ctx: click.Context) -> str:
     """The command that made the repo, rebuilt from the parsed options (defaults left out) for the
     card: reproducible, and the token (or any secret) is never part of it. Values read from an environment
     variable (HF_AO_PUBLISH_COMPAT) were not typed, so they are left out too."""
-    parts = ["hf-ao-publish"]
-    skip = {"token", "debug", "quiet", "as_json", "output_dir"}
+    skip = {"token", "debug", "quiet", "as_json", "output_dir", "hf_jobs_timeout", "attach"}
+    return shlex.join(["hf-ao-publish", *_command_args(ctx, skip)])
+
+
+def _command_args(ctx: click.Context, skip: set[str]) -> list[str]:
+    """The parsed arguments and options, defaults and ``skip`` left out, as an argv list."""
+    parts: list[str] = []
     for param in ctx.command.params:
         name = param.name or ""
         value = ctx.params.get(name)
@@ -304,7 +382,7 @@ def _command_line(ctx: click.Context) -> str:
                 parts += [param.opts[0], str(item)]
         else:
             parts += [param.opts[0], str(value)]
-    return shlex.join(parts)
+    return parts
 
 
 def _print_json(outcomes: list[Any]) -> None:

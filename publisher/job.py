@@ -163,10 +163,11 @@ def _changes(previous: dict[str, Any] | None, state: dict[str, Any]) -> str:
     return "Changed since the previous publication: " + (", ".join(changed) or "unknown") + "."
 
 
-def make_plan(req: PublishRequest, token: str | None) -> planning.Plan:
-    """Everything that can fail cheaply fails here, before any weight is downloaded."""
+def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = True) -> planning.Plan:
+    """Everything that can fail cheaply fails here, before any weight is downloaded. ``check_hardware=False``
+    when the job runs elsewhere (Hugging Face Jobs: the flavor is checked instead of this machine)."""
     recipes = planning.parse_recipes(req.quant)
-    for recipe in recipes:
+    for recipe in recipes if check_hardware else ():
         recipe_registry.check_can_quantize(recipe)
     matrix.check_verify_envs(req.verify_envs)
     matrix.check_choices(req.compat)

@@ -11,10 +11,13 @@ exactly the code that built it; a unit test checks the two agree.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from publisher import flavors as flavor_table
 from publisher.errors import HardwareError, UsageError
+from publisher.flavors import Flavor
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,13 @@ class Needs:
         if self.packages:
             text += " and " + ", ".join(self.packages)
         return text
+
+    def fits(self, flavor: Flavor) -> bool:
+        """True when a Jobs flavor offers this (a CPU flavor fits only what needs no GPU)."""
+        if not self.cuda:
+            return True
+        cc = flavor.capability
+        return cc is not None and (self.min_cc is None or cc >= self.min_cc)
 
     def to_dict(self) -> dict[str, Any]:
         return {"cpu": not self.cuda, "gpu_min_cc": ".".join(map(str, self.min_cc)) if self.min_cc else None,
@@ -73,8 +83,31 @@ class Recipe:
                     "without one, hf-ao-publish quantizes on the CPU)")
         return self.quantize.describe()
 
-    def to_dict(self) -> dict[str, Any]:
-        """Everything `hf-ao-publish recipes` shows (its text and its --json)."""
+    @property
+    def job_needs(self) -> dict[str, Needs]:
+        """What a Hugging Face Jobs flavor must offer for each step of a publish run there: quantize
+        (FP8 is made on a CPU too), run (the verification's forward) and benchmark (--benchmark measures
+        where verification runs: the GPU for recipes that need one, the CPU otherwise)."""
+        quantize = self.quantize if self.needs_gpu_to_quantize else Needs()
+        return {"quantize": quantize, "run": self.run, "benchmark": self.run}
+
+    def smallest_flavors(self, flavors: Sequence[Flavor] | None = None, count: int = 2) -> dict[str, list[Flavor]]:
+        """Per step (quantize, run, benchmark), the ``count`` smallest fitting flavors (``flavors`` in the
+        order to prefer them, smallest or cheapest first; default: the built-in table)."""
+        table = flavor_table.BUILTIN if flavors is None else flavors
+        return {step: [f for f in table if needs.fits(f)][:count] for step, needs in self.job_needs.items()}
+
+    def hf_jobs_text(self, flavors: Sequence[Flavor] | None = None) -> str:
+        """`quantize: cpu-basic, cpu-upgrade; run, benchmark: l4x1 (L4, CC 8.9), ...` (steps with the same
+        flavors share one entry)."""
+        groups: dict[tuple[str, ...], list[str]] = {}
+        for step, found in self.smallest_flavors(flavors).items():
+            groups.setdefault(tuple(f.describe() for f in found), []).append(step)
+        return "; ".join(f"{', '.join(steps)}: {', '.join(names) or 'no flavor fits'}" for names, steps in groups.items())
+
+    def to_dict(self, flavors: Sequence[Flavor] | None = None) -> dict[str, Any]:
+        """Everything `hf-ao-publish recipes` shows (its text and its --json); ``flavors``: the Jobs
+        hardware to pick from (the Hub's list; default: the built-in table)."""
         return {
             "name": self.name,
             "summary": self.summary,
@@ -85,6 +118,7 @@ class Recipe:
             "run_on": self.run.to_dict(),
             "speedup": self.speedup,
             "notes": list(self.notes),
+            "hf_jobs": {step: [f.name for f in found] for step, found in self.smallest_flavors(flavors).items()},
         }
 
 

@@ -95,3 +95,27 @@ def test_request_rejects(env: dict[str, str], message: str) -> None:
 def test_secret_values() -> None:
     assert secret_values({"HFAO_TOKEN": " tok_a\n", "HF_TOKEN": "tok_b"}) == ["tok_a", "tok_b"]
     assert secret_values({"HFAO_TOKEN": "", "OTHER": "x"}) == []
+
+
+def test_run_on_hf_jobs() -> None:
+    req = build_request(_env(RUN_ON="hf-jobs", HF_JOBS_FLAVOR="l4x1", QUANT="int4wo"))
+    assert req.remote and req.args == ["publish", "bfl/tiny-flux", "--quant=int4wo", "--on-hf-jobs=l4x1"]
+    assert not build_request(_env()).remote and not build_request(_env(RUN_ON="Runner")).remote
+
+
+@pytest.mark.parametrize("env, message", [
+    (_env(RUN_ON="gpu"), "run-on must be one of runner, hf-jobs"),
+    (_env(RUN_ON="hf-jobs"), "hf-jobs-flavor must name a Jobs flavor"),
+    (_env(RUN_ON="hf-jobs", HF_JOBS_FLAVOR="l4x1; rm -rf /"), "hf-jobs-flavor must name a Jobs flavor"),
+    (_env(HF_JOBS_FLAVOR="l4x1"), "hf-jobs-flavor is only used with run-on: hf-jobs"),
+    (_env(RUN_ON="hf-jobs", HF_JOBS_FLAVOR="l4x1", PUSH="false"), "push: 'false' would leave the repo folder in the job"),
+    (_env(RUN_ON="hf-jobs", HF_JOBS_FLAVOR="l4x1", KEEP_OUTPUT="true"), "drop keep-output"),
+    (_env(RUN_ON="hf-jobs", HF_JOBS_FLAVOR="l4x1", MODEL="./my-model"), "needs a Hub repo id as model"),
+    (_env(RUN_ON="hf-jobs", HF_JOBS_FLAVOR="l4x1", TOKEN=""), "hf-token is required with run-on: hf-jobs"),
+    (_env(EXTRA_ARGS="--on-hf-jobs l4x1"), "must not contain --on-hf-jobs"),
+    (_env(EXTRA_ARGS="--attach 123"), "must not contain --attach"),
+])
+def test_run_on_rejects(env: dict[str, str], message: str) -> None:
+    with pytest.raises(InputError, match=re.escape(message)) as info:
+        build_request(env)
+    assert info.value.code == 2

@@ -580,6 +580,70 @@ def test_publish_records_the_command_without_secrets_or_local_paths(fake_run: li
     assert fake_run[-1].command == "hf-ao-publish some/model --quant int8wo --repo-id acme/m --sample-steps 2 --sample-size 64"
 
 
+# ---------------------------------------------------------------- Hugging Face Jobs (the remote run replaced by a recorder)
+
+@pytest.fixture
+def fake_remote(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
+    """Replace remote.publish / remote.attach with recorders returning one finished job per recipe."""
+    from publisher.hfjobs import remote
+    from publisher.hfjobs.follow import RemoteOutcome
+
+    seen: list[Any] = []
+
+    def outcome(recipe: str) -> RemoteOutcome:
+        result = {"recipe": recipe, "repo_id": f"alice/m-{recipe}", "url": f"http://hub/alice/m-{recipe}",
+                  "commit": "c" * 40, "pr_url": None, "verified": True, "pushed": True, "up_to_date": False, "error": None}
+        return RemoteOutcome(recipe, f"alice/m-{recipe}", "j1", "http://hub/jobs/alice/j1", "l4x1", "COMPLETED",
+                             0, result)
+
+    def publish(request: remote.JobsRequest) -> list[RemoteOutcome]:
+        seen.append(request)
+        return [outcome(n) for value in request.publish.quant for n in value.split(",")]
+
+    def attach(job_ids: list[str], token: str | None, keep_going: bool = True) -> list[RemoteOutcome]:
+        seen.append((job_ids, token, keep_going))
+        return [outcome("int8wo")]
+
+    monkeypatch.setattr(remote, "publish", publish)
+    monkeypatch.setattr(remote, "attach", attach)
+    return seen
+
+
+def test_publish_on_hf_jobs(fake_remote: list[Any]) -> None:
+    result = publish("--on-hf-jobs", "l4x1", "--components", "transformer", *SMALL, "--token", SECRET, "--quiet")
+    assert result.exit_code == 0, result.output
+    request = fake_remote[-1]
+    assert request.flavor == "l4x1" and request.publish.model == "some/model" and request.publish.quant == ["int8wo"]
+    # what every job's command repeats: no token, no recipe/target/revision (set per job), no local-only option
+    assert request.options == ("--components", "transformer", "--sample-steps", "2", "--sample-size", "64", "--quiet")
+    assert result.stdout == "http://hub/alice/m-int8wo\n"
+    assert "published alice/m-int8wo: http://hub/alice/m-int8wo" in result.stderr
+    for extra, flag in ((["--no-push"], "--no-push"), (["--output-dir", "out"], "--output-dir"),
+                        (["--verify-env", "/x/python"], "--verify-env")):
+        refused = publish("--on-hf-jobs", "l4x1", *extra)
+        assert refused.exit_code == 2 and f"{flag} needs this machine's disk or interpreters" in refused.stderr
+
+
+def test_publish_hf_jobs_timeout(fake_remote: list[Any]) -> None:
+    assert publish("--on-hf-jobs", "l4x1").exit_code == 0 and fake_remote[-1].timeout == "2h"
+    assert publish("--on-hf-jobs", "l4x1", "--hf-jobs-timeout", "90m").exit_code == 0
+    assert fake_remote[-1].timeout == "90m" and "90m" not in " ".join(fake_remote[-1].options)
+    bad = publish("--on-hf-jobs", "l4x1", "--hf-jobs-timeout", "soon")
+    assert bad.exit_code == 2 and "'soon' is not a duration" in bad.stderr
+    alone = publish("--hf-jobs-timeout", "90m")
+    assert alone.exit_code == 2 and "--hf-jobs-timeout applies to --on-hf-jobs" in alone.stderr
+
+
+def test_publish_attach(fake_remote: list[Any]) -> None:
+    result = invoke("--attach", "j1", "--attach", "j2", "--json", env={"HF_TOKEN": SECRET})
+    assert result.exit_code == 0, result.output
+    assert fake_remote[-1] == (["j1", "j2"], SECRET, False)
+    assert json.loads(result.stdout)["commit"] == "c" * 40
+    both = invoke("some/model", "--quant", "int8wo", "--attach", "j1")
+    assert both.exit_code == 2 and "give it without MODEL_ID, --quant and --on-hf-jobs" in both.stderr
+    assert "Missing argument 'MODEL_ID'" in invoke("publish").stderr  # still required without --attach
+
+
 # ---------------------------------------------------------------- library noise
 
 # Lines a successful run printed before the filter (torch 2.13, torchao 0.18, diffusers 0.42).

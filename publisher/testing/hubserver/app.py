@@ -16,14 +16,17 @@ import time
 from urllib.parse import unquote
 
 from publisher.testing.hubserver.access import URL_TYPES
+from publisher.testing.hubserver.jobs import JobRoutes, JobRunner
 from publisher.testing.hubserver.reads import ReadRoutes
 from publisher.testing.hubserver.storage import REPO_TYPES, HubError
 from publisher.testing.hubserver.wire import Request, Response, error_response, json_response
 from publisher.testing.hubserver.writes import WriteRoutes
 
 
-class HubApp(ReadRoutes, WriteRoutes):
-    """Routing on top of the access rules (access.py) and the read and write endpoints."""
+class HubApp(ReadRoutes, WriteRoutes, JobRoutes):
+    """Routing on top of the access rules (access.py), the read and write endpoints and Jobs (jobs.py)."""
+
+    runner: JobRunner  # set by HubServer (the jobs' processes need a folder)
 
     # ---- routing -----------------------------------------------------------------------------
     def handle(self, req: Request) -> Response:
@@ -58,6 +61,8 @@ class HubApp(ReadRoutes, WriteRoutes):
             return self.create_repo(req)
         if parts == ["repos", "delete"] and m == "DELETE":
             return self.delete_repo(req)
+        if parts and parts[0] == "jobs":
+            return self.route_jobs(req, parts[1:])
         if n == 1 and parts[0] in URL_TYPES and m == "GET":
             return self.list_repos(req, URL_TYPES[parts[0]])
         if n < 3 or parts[0] not in URL_TYPES:

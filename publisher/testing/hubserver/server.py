@@ -24,6 +24,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from publisher.testing.hubserver.access import parse_type_prefixed
 from publisher.testing.hubserver.app import HubApp
+from publisher.testing.hubserver.jobs import JobRunner
 from publisher.testing.hubserver.storage import HubError, Store
 from publisher.testing.hubserver.wire import Request, Response, error_response
 
@@ -139,6 +140,9 @@ class _Handler(BaseHTTPRequestHandler):
             pass
 
     def _write(self, req: Request, resp: Response) -> None:
+        if resp.stream is not None:
+            self._write_stream(resp)
+            return
         start, length = 0, len(resp.body)
         if resp.file is not None:
             start, end = resp.file_range or (0, resp.file.stat().st_size - 1)
@@ -162,6 +166,21 @@ class _Handler(BaseHTTPRequestHandler):
                     break
                 self.wfile.write(data)
                 left -= len(data)
+
+
+    def _write_stream(self, resp: Response) -> None:
+        """A body of unknown length (server-sent events): chunked, each piece sent as soon as it is made."""
+        assert resp.stream is not None
+        self.send_response(resp.status)
+        for key, value in resp.headers.items():
+            self.send_header(key, value)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        for piece in resp.stream:
+            if piece:
+                self.wfile.write(b"%x\r\n%s\r\n" % (len(piece), piece))
+                self.wfile.flush()
+        self.wfile.write(b"0\r\n\r\n")
 
 
 class _HTTPServer(ThreadingHTTPServer):
@@ -196,10 +215,11 @@ class HubServer:
 
     def __init__(self, data_dir: str | os.PathLike[str], tokens: Mapping[str, str] | None = None,
                  orgs: Mapping[str, Any] | None = None, *, port: int = 0,
-                 gated: Mapping[str, Any] | None = None, verbose: bool = False) -> None:
+                 gated: Mapping[str, Any] | None = None, verbose: bool = False, job_python: str | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.store = Store(self.data_dir)
         self.app = HubApp(self.store, tokens, orgs, gated)
+        self.app.runner = JobRunner(self.data_dir / "_jobs", job_python)
         self.port, self.verbose = port, verbose
         self._httpd: _HTTPServer | None = None
         self._thread: threading.Thread | None = None
@@ -235,6 +255,7 @@ class HubServer:
             self._httpd.server_close()
 
     def stop(self) -> None:
+        self.app.runner.stop_all()
         if self._httpd is None:
             return
         if self._thread is not None:
@@ -270,6 +291,11 @@ class HubServer:
 
     def add_token(self, token: str, user: str) -> None:
         self.app.tokens[token] = user
+
+    @property
+    def jobs(self) -> JobRunner:
+        """The Jobs of this Hub: `hub.jobs.get(job_id).process_env`, `hub.jobs.scheduling_s = 5` ..."""
+        return self.app.runner
 
 
 def wait_for_server(url: str, timeout: float = 30.0) -> None:

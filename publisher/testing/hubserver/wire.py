@@ -45,6 +45,7 @@ class Response:
     file: Path | None = None  # streamed by the transport; `file_range` is (start, end inclusive)
     file_range: tuple[int, int] | None = None
     drop: bool = False  # close the connection without answering (fault injection)
+    stream: Iterator[bytes] | None = None  # sent with chunked transfer encoding as it is produced (job logs)
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

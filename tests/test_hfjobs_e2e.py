@@ -1,0 +1,181 @@
+"""`--on-hf-jobs` end to end on the loopback Hub: the jobs are local processes that download the wheel of this
+checkout, pip-install it into their own environment and run its CLI against the same loopback Hub.
+
+Covered: the tiny FLUX pipeline published by two parallel jobs, with the --json result read back from the
+jobs' logs; the token only ever a job secret; reattaching (--attach) through a dropped log stream; a job that
+fails (its exit code and last line become our one-line error); Ctrl-C cancelling a submitted job; the Action
+with run-on: hf-jobs through the runner harness. The refusals that need no job are in test_hfjobs.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from action_harness import assert_secret_absent, run_action
+from huggingface_hub import HfApi
+
+from publisher.hfjobs.bootstrap import EXIT_MARKER
+from publisher.hfjobs.follow import RemoteOutcome, decode_result, take_marker
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = ["--sample-steps", "2", "--sample-size", "64"]
+TOKEN = "tok_alice"
+
+
+def _started(text: str) -> list[str]:
+    """The job ids the command announced, in order."""
+    return re.findall(r"^started job (\w+) for ", text, re.MULTILINE)
+
+
+def _result_in_log(hub: Any, job_id: str) -> dict[str, Any] | None:
+    """What the job itself wrote to its log as its --json result (decoded here independently of the CLI)."""
+    outcome = RemoteOutcome("", "", job_id, "", "")
+    for _, line in hub.jobs.get(job_id).log:
+        take_marker(outcome, line)
+    return decode_result(outcome)
+
+
+def _assert_token_only_a_secret(hub: Any, job_id: str, token: str) -> None:
+    job = hub.jobs.get(job_id)
+    spec = dict(job.spec)
+    assert spec.pop("secrets") == {"HF_TOKEN": token}
+    assert token not in json.dumps(spec)  # not in the command, the environment, the labels
+    assert token not in "\n".join(line for _, line in job.log)
+    assert job.process_env["HF_TOKEN"] == token  # it reached the job as the secret, and only so
+    info = HfApi(token=token).inspect_job(job_id=job_id, namespace="alice")
+    assert token not in json.dumps({"env": info.environment, "cmd": info.command, "secrets": info.secrets})
+
+
+@pytest.mark.slow
+def test_publish_tiny_flux_on_two_parallel_jobs_and_attach_again(cli: Any, hub: Any, flux_repo: str) -> None:
+    started = time.monotonic()
+    result = cli(flux_repo, "--quant", "int8wo,float8wo", "--on-hf-jobs", "cpu-basic", "--json", *SMALL, token=TOKEN)
+    took = time.monotonic() - started
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert [r["recipe"] for r in data["results"]] == ["int8wo", "float8wo"] and data["verified"] is True
+    ids = _started(result.stderr)
+    assert len(ids) == 2
+    api = HfApi(token=TOKEN)
+    for job_id, entry in zip(ids, data["results"]):
+        job = hub.jobs.get(job_id)
+        assert job.stage == "COMPLETED"
+        assert f"started job {job_id} for {entry['recipe']} on cpu-basic: {hub.url}/jobs/alice/{job_id}" in result.stderr
+        assert _result_in_log(hub, job_id) == entry  # the result printed here is the one the job computed
+        assert job.spec["dockerImage"] == "python:3.11" and job.spec["flavor"] == "cpu-basic"
+        assert job.spec["timeoutSeconds"] == 7200 and job.spec["labels"]["recipe"] == entry["recipe"]
+        args = json.loads(job.spec["command"][-1])["args"]
+        assert args[:3] == ["publish", flux_repo, "--quant"] and "--json" in args and "--revision" in args
+        assert entry["pushed"] and entry["verified"] and api.model_info(entry["repo_id"]).sha == entry["commit"]
+        assert "verification.json" in api.list_repo_files(entry["repo_id"])
+        _assert_token_only_a_secret(hub, job_id, TOKEN)
+    # the two logs streamed here, each line prefixed with its recipe
+    assert "[int8wo] hf-ao-publish job: downloading hf_ao_publish-" in result.stderr
+    assert "[float8wo] quantizing transformer (FluxTransformer2DModel) with float8wo" in result.stderr
+    assert TOKEN not in result.output
+    print(f"two parallel loopback jobs: {took:.0f} s")
+
+    # Reattach: the first stream breaks off after 5 lines, huggingface_hub's retry of it is refused with a 503, so
+    # we follow the log again and skip what was shown: every line is shown once, and the result is the same.
+    hub.jobs.cut_logs[ids[0]] = 5
+    again = cli("--attach", ids[0], "--attach", ids[1], "--json", token=TOKEN)
+    assert again.exit_code == 0, again.output
+    assert json.loads(again.stdout) == data
+    assert f"job {ids[0]} (int8wo on cpu-basic): reading its log failed (HTTP 503" in again.stderr
+    shown = [line for line in again.stderr.splitlines() if line.startswith("[int8wo] ")]
+    expected = [f"[int8wo] {line}" for _, line in hub.jobs.get(ids[0]).log
+                if line.strip() and not line.startswith(("##[hf-ao-publish:", "===== Job started"))]
+    assert [line for line in shown if line.strip() != "[int8wo]"] == expected
+
+
+@pytest.mark.slow
+def test_a_failing_job_is_one_error_line(cli: Any, hub: Any, flux_repo: str) -> None:
+    # The job's first step fails: the wheel download is refused (the job exits 1 without a result).
+    hub.set_fault(status=404, match="/hf-ao-publish-jobs/resolve/", count=1)
+    result = cli(flux_repo, "--quant", "int8dq", "--on-hf-jobs", "cpu-basic", "--repo-id", "alice/failing-{recipe}",
+                 "--json", token=TOKEN)
+    assert result.exit_code == 1, result.output
+    (job_id,) = _started(result.stderr)
+    last = result.stderr.splitlines()[-1]
+    assert re.fullmatch(rf"Error: job {job_id} \(int8dq on cpu-basic\) failed with exit code 1: hf-ao-publish job: "
+                        rf"cannot download the tool's wheel: HTTP 404 for \S+ \(full log: \S+/jobs/alice/{job_id}\)", last)
+    assert json.loads(result.stdout)["error"] == last.removeprefix("Error: ")  # --json still says what happened
+    assert not HfApi(token=TOKEN).repo_exists("alice/failing-int8dq")
+
+
+def test_attach_reports_the_cli_error_of_a_failed_job(cli: Any, hub: Any) -> None:
+    # A job whose CLI failed: its "Error: ..." line and exit code 2 become our one-line error.
+    code = (f"import sys\nprint('quantizing transformer', flush=True)\n"
+            f"print('Error: the base repo bfl/gone was deleted', file=sys.stderr, flush=True)\n"
+            f"print('{EXIT_MARKER} 2', flush=True)\nsys.exit(2)")
+    job = HfApi(token=TOKEN).run_job(image="python:3.11", command=["python", "-c", code], flavor="cpu-basic",
+                                     labels={"tool": "hf-ao-publish", "recipe": "int8wo"}, namespace="alice")
+    result = cli("--attach", job.id, token=TOKEN)
+    assert result.exit_code == 1
+    assert result.stderr.splitlines()[-1] == (f"Error: job {job.id} (int8wo on cpu-basic) failed with exit code 2: the "
+                                              f"base repo bfl/gone was deleted (full log: {job.url})")
+    assert "quantizing transformer" in result.stderr
+    other = HfApi(token=TOKEN).run_job(image="python:3.11", command=["python", "-c", "print(1)"], namespace="alice")
+    refused = cli("--attach", other.id, token=TOKEN)
+    assert refused.exit_code == 2 and "was not started by hf-ao-publish --on-hf-jobs" in refused.stderr
+
+
+@pytest.mark.slow
+def test_ctrl_c_cancels_the_submitted_job(hub: Any, flux_repo: str) -> None:
+    hub.jobs.scheduling_s = 300.0  # the job waits for its hardware, as on the real service
+    env = {**os.environ, "HF_TOKEN": TOKEN, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "publisher.cli", flux_repo, "--quant", "int8wo", "--on-hf-jobs", "cpu-basic",
+           "--repo-id", "alice/ctrl-c-{recipe}"]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    lines: queue.Queue[str] = queue.Queue()
+    assert proc.stderr is not None
+    stderr = proc.stderr
+    threading.Thread(target=lambda: [lines.put(line) for line in stderr], daemon=True).start()
+    try:
+        seen = ""
+        deadline = time.monotonic() + 300
+        while "following 1 job(s)" not in seen and time.monotonic() < deadline and proc.poll() is None:
+            try:
+                seen += lines.get(timeout=1)
+            except queue.Empty:
+                continue
+        assert "following 1 job(s)" in seen, seen
+        (job_id,) = _started(seen)
+        assert hub.jobs.get(job_id).stage == "SCHEDULING"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=60) == 130
+        time.sleep(0.5)  # the reader thread drains what is left
+        rest = "".join(iter(lambda: lines.get_nowait() if not lines.empty() else "", ""))
+    finally:
+        hub.jobs.scheduling_s = 0.0
+        if proc.poll() is None:
+            proc.kill()
+    assert f"Ctrl-C: cancelled job {job_id} (int8wo on cpu-basic)" in rest
+    assert rest.splitlines()[-1] == f"Error: interrupted (Ctrl-C): cancelled the running jobs on the Hub ({job_id})"
+    assert hub.jobs.get(job_id).stage == "CANCELED" and hub.jobs.get(job_id).proc is None
+
+
+@pytest.mark.slow
+def test_the_action_runs_on_hf_jobs(hub: Any, flux_repo: str, tmp_path: Path) -> None:
+    run = run_action({"model": flux_repo, "quant": "int8wo", "repo-id": "alice/tiny-flux-action-jobs", "hf-token": TOKEN,
+                      "run-on": "hf-jobs", "hf-jobs-flavor": "cpu-basic", "extra-args": " ".join(SMALL)}, tmp_path)
+    assert run.returncode == 0, run.log[-4000:]
+    assert run.outputs["verified"] == "true" and run.outputs["repo-id"] == "alice/tiny-flux-action-jobs"
+    result = json.loads(run.outputs["result-json"])
+    (job_id,) = _started(run.log)
+    assert result == _result_in_log(hub, job_id) and result["commit"] == run.outputs["commit-sha"]
+    assert run.outputs["output-dir"] == ""  # nothing was made on the runner
+    assert "--output-dir" not in json.loads(hub.jobs.get(job_id).spec["command"][-1])["args"]
+    assert_secret_absent(run, TOKEN)
+    _assert_token_only_a_secret(hub, job_id, TOKEN)
