@@ -136,7 +136,7 @@ def push_staged(folder: Path, report: VerifyReport, uploader: ShardUploader, *, 
     it unless ``create_pr``. Main never holds unchecked bytes; on failure the PR is closed."""
     from huggingface_hub import CommitOperationAdd
 
-    from publisher.stages.push import commit_operations, published_state
+    from publisher.stages.push import PushResult, commit_operations, published_state
 
     api, repo_id = uploader.api, uploader.repo_id
     if not report.passed:
