@@ -34,6 +34,10 @@ class TargetError(PublishError):
     """The target repo or output folder cannot be written."""
 
 
+class IntegrityError(SourceError):
+    """Bytes of the base (or of a target) differ from the hash the Hub reports for that file."""
+
+
 class QuantizeError(PublishError):
     """Quantization or saving failed."""
 
@@ -56,3 +60,4 @@ class RunFailed(PublishError, Generic[R]):
         self.cause = cause
         self.results = results
         self.exit_code = getattr(cause, "exit_code", 1)
+

@@ -139,6 +139,10 @@ def state_for(plan: planning.Plan, recipe: Recipe) -> dict[str, Any]:
         "versions": {n: md.version(n) for n in ("torch", "torchao", "diffusers", "transformers")},
     }
     state["fingerprint"] = hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
+    # The Hub's hash of every base file read, so `verify TARGET` can prove it re-quantized the very same bytes. Not in
+    # the fingerprint: base_sha (a git commit id) already fixes every blob id and, through the LFS pointers, sha256.
+    if plan.base_hashes:
+        state["base_files"] = {f: h.to_json() for f, h in sorted(plan.base_hashes.items())}
     return state
 
 
@@ -150,7 +154,7 @@ def _local_digest(plan: planning.Plan) -> str:
 def _changes(previous: dict[str, Any] | None, state: dict[str, Any]) -> str:
     if not previous:
         return "First publication."
-    changed = [k for k in state if k != "fingerprint" and previous.get(k) != state.get(k)]
+    changed = [k for k in state if k not in ("fingerprint", "base_files") and previous.get(k) != state.get(k)]
     return "Changed since the previous publication: " + (", ".join(changed) or "unknown") + "."
 
 

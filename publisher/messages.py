@@ -56,6 +56,11 @@ def describe(exc: BaseException) -> tuple[str, int] | None:
             return (f"the Hub kept failing ({status}: {exc.server_message or _first_line(exc)}) after "
                     f"{settings()[0]} tries; nothing was changed by the failed request, try again later"), 1
         return f"Hub request failed ({status}): {exc.server_message or _first_line(exc)}", 1
+    if isinstance(exc, OSError) and str(exc).startswith("Consistency check failed"):  # a short body, every try
+        from publisher.hub import settings
+
+        return (f"a download from {_endpoint()} was cut short on each of {settings()[0]} tries ({_first_line(exc)}); "
+                "check the network or proxy, then re-run the same command"), 1
     if isinstance(exc, hf.OfflineModeIsEnabled):
         return "HF_HUB_OFFLINE is set; unset it to reach the Hub, or pass a local folder as MODEL_ID", 1
     if isinstance(exc, hf.HFValidationError):

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from publisher.errors import SourceError, UsageError
+from publisher.integrity import FileHash, hashes_of
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +33,9 @@ class Source:
     sizes: dict[str, int] = field(default_factory=dict)  # every file of the base -> size in bytes
     card_data: dict[str, Any] = field(default_factory=dict)  # YAML front matter of the base README
     endpoint: str | None = None
+    # Hub only: every file's sha256 (LFS) or git blob id as the Hub reports it at the pinned sha; every download
+    # and range read of the base is compared with it before use (publisher.integrity)
+    hashes: dict[str, FileHash] = field(default_factory=dict)
 
     @property
     def files(self) -> list[str]:
@@ -54,15 +58,15 @@ class Source:
         return json.loads(self.read_text(path, token))
 
     def read_text(self, path: str, token: str | None) -> str:
-        """Read a small file of the base (configs, card) at the pinned sha."""
+        """Read a small file of the base (configs, card) at the pinned sha; a Hub file is checked against its hash."""
         if path not in self.sizes:
             raise SourceError(f"{self.display} has no file {path}")
         if self.local_dir is not None:
             return (self.local_dir / path).read_text(encoding="utf-8")
-        from huggingface_hub import hf_hub_download
+        from publisher.downloads import download
 
-        local = hf_hub_download(self.repo_id, path, revision=self.sha, token=token)  # type: ignore[arg-type]
-        return Path(local).read_text(encoding="utf-8")
+        folder = download(self.repo_id, self.sha, [path], self.hashes, token)  # type: ignore[arg-type]
+        return (folder / path).read_text(encoding="utf-8")
 
 
 def is_local(model_id: str) -> bool:
@@ -121,6 +125,7 @@ def resolve(model_id: str, revision: str | None, token: str | None) -> Source:
         sizes=sizes,
         card_data=card,
         endpoint=constants.ENDPOINT,
+        hashes=hashes_of(info.siblings),
     )
 
 

@@ -17,11 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from publisher import hub
 from publisher import recipes as recipe_registry
 from publisher.errors import QuantizeError, SourceError
 from publisher.fp8cpu import cpu_quantization_context
 from publisher.stages.push import STATE_FILE
+from publisher.verify import hashes as hashes_check
 from publisher.verify.full import check_location, compare, run_worker
 from publisher.verify.inputs import build_inputs, save_inputs
 from publisher.verify.report import PATHS, Expected, VerifyReport
@@ -79,10 +79,14 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), token:
                   revision: str | None = None, requantize: bool = True) -> VerifyReport:
     import torch
 
+    where, where_rev = target, revision  # where the load paths read: a Hub target's checked local copy
     if not Path(target).is_dir():
-        revision = hub.call(hub.client(token).model_info, target, revision=revision, what=f"reading {target}").sha
-    comps = quantized_components(target, token, revision)
-    state_text = _read(target, STATE_FILE, token, revision)
+        local, sha, hashes = hashes_check.fetch_target_configs(target, revision, token, STATE_FILE)
+        where, where_rev = str(local), None
+    comps = quantized_components(where, token, where_rev)
+    if not Path(target).is_dir():
+        hashes_check.fetch_target_components(target, sha, hashes, [c.name for c in comps], token)
+    state_text = _read(where, STATE_FILE, token, where_rev)
     state = json.loads(state_text) if state_text else None
     recipe = recipe_registry.get(state["recipe"]) if state and state.get("recipe") in recipe_registry.names() else None
     tensor_class = recipe.tensor_class if recipe else None
@@ -92,11 +96,12 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), token:
     for comp in comps:
         inputs = build_inputs(comp.library, comp.class_name, comp.config)
         inputs_file = save_inputs(inputs, work / f"inputs-{comp.name or 'model'}.safetensors")
-        exp = _reference_from_base(comp, state, recipe, work, inputs, inputs_file, token, device) if (requantize and state and recipe) else None
+        exp = (_reference_from_base(comp, state, recipe, work, inputs, inputs_file, token, device, target)
+               if (requantize and state and recipe) else None)
         if exp is None:
             # No reachable base: the library path in this environment is the reference; every other path must agree.
             probe = Expected(comp.name, comp.library, comp.class_name, inputs_file, None, {}, [], "the library path")
-            data = run_worker(probe, "library", sys.executable, target, revision, work, token, torch.get_num_threads(), "ref", device)
+            data = run_worker(probe, "library", sys.executable, where, where_rev, work, token, torch.get_num_threads(), "ref", device)
             if not data.get("ok"):
                 report.results.append(compare(probe, data, "library", "current", sys.executable, tensor_class))
                 continue
@@ -106,7 +111,7 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), token:
             quantized = [n for n, c in data["linear_classes"].items() if c not in ("Parameter", "Tensor")]
             exp = Expected(comp.name, comp.library, comp.class_name, inputs_file, output, data["digests"], quantized, "the library path")
         report.expected_layers[comp.name or "model"] = len(exp.quantized)
-        report.results += check_location([exp], target, revision, work, envs=envs, token=token, tensor_class=tensor_class,
+        report.results += check_location([exp], where, where_rev, work, envs=envs, token=token, tensor_class=tensor_class,
                                          paths=PATHS, device=device)
     report.device = device
     report.passed = bool(report.results) and not report.failures()
@@ -114,8 +119,9 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), token:
 
 
 def _reference_from_base(comp: TargetComponent, state: dict[str, Any], recipe: Any, work: Path, inputs: Any,
-                         inputs_file: Path | None, token: str | None, device: str) -> Expected | None:
-    """Re-quantize the recorded base component with the recorded recipe, in memory."""
+                         inputs_file: Path | None, token: str | None, device: str, target: str) -> Expected | None:
+    """Re-quantize the recorded base component with the recorded recipe, in memory; a Hub base's files are checked
+    against the hashes the target recorded and the Hub's before they are read."""
     from publisher.loadpath import forward, inspect_model, load_component
 
     base, sha = state.get("base_model"), state.get("base_sha")
@@ -123,10 +129,7 @@ def _reference_from_base(comp: TargetComponent, state: dict[str, Any], recipe: A
         if base and Path(base).is_dir():
             src: Any = Path(base)
         elif base and sha and not str(sha).startswith("local-"):
-            from huggingface_hub import snapshot_download
-
-            pattern = f"{comp.name}/*" if comp.name else "*"
-            src = Path(snapshot_download(base, revision=sha, allow_patterns=[pattern, "model_index.json"], token=token))
+            src = hashes_check.fetch_base_component(base, sha, comp.name, state.get("base_files"), target, token)
         else:
             return None
     except (OSError, ValueError) as exc:
