@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Iterator
@@ -18,9 +19,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from publisher import __version__
+from publisher import __version__, leftovers
 from publisher import recipes as recipe_registry
-from publisher.errors import PublishError, ResourceError, RunFailed, TargetError, VerificationError
+from publisher.errors import Interrupted, PublishError, ResourceError, RunFailed, TargetError, VerificationError
 from publisher.recipes import Recipe
 from publisher.stages import card, fetch, preflight, push_pr
 from publisher.stages import plan as planning
@@ -223,6 +224,10 @@ def run(req: PublishRequest) -> list[Outcome]:
             if outcome.folder is not None and not outcome.folder.exists():
                 outcome.folder = None
         raise RunFailed(exc, outcomes) from exc
+    except KeyboardInterrupt as exc:  # SIGINT / SIGTERM (publisher.signals): the cleanup ran; say what stays
+        stop = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
+        stop.left = leftovers.kept_for_resume(plan, [state_for(plan, r)["fingerprint"] for r in plan.recipes]) + stop.left
+        raise stop from None
 
 
 @dataclass
@@ -267,12 +272,13 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
         raise ResourceError("the base does not fit on disk, so shards would be uploaded and deleted as they are made, "
                             "but --verify-env needs them whole on disk; drop --verify-env or free disk space")
     remote = fetch.RemoteWeights(plan, token) if estimate.low_disk else None
-    out_root = Path(tempfile.mkdtemp(prefix="hf-ao-publish-")) if auto_dir else req.output_dir
-    assert out_root is not None
     started = time.monotonic()
     base_dir = fetch.fetch(plan, token, skip=remote.files if remote is not None else frozenset())
     for outcome in outcomes:
         outcome.seconds["download"] = round(time.monotonic() - started, 3)
+    out_root = Path(tempfile.mkdtemp(prefix="hf-ao-publish-")) if auto_dir else req.output_dir
+    assert out_root is not None
+    existed = out_root.exists()
     work_dir = tempfile.TemporaryDirectory(prefix="hf-ao-verify-")
     run = _Run(req, plan, token, states, out_root, base_dir, Path(work_dir.name), recipe_registry.cuda_capability(),
                remote)
@@ -309,9 +315,11 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
             for outcome in outcomes:
                 if outcome.recipe in run.done:
                     _push_one(run, outcome, previous.get(outcome.recipe))
-    except BaseException:
+    except BaseException as exc:
         for name, created in run.created.items():  # --low-disk push: repos made for recipes never pushed
             push_pr.discard(plan.targets[name], token, created)
+        if isinstance(exc, KeyboardInterrupt):
+            leftovers.discard_unfinished(out_root, run.finals, auto_dir=auto_dir, existed=existed, exc=exc)
         raise
     finally:
         work_dir.cleanup()
