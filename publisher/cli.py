@@ -88,11 +88,16 @@ class _Failure(click.ClickException):
 def _run_mapped(debug: bool, fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Run library code; known errors become one-line messages (tracebacks only with --debug)."""
     from publisher.messages import describe
+    from publisher.signals import handled
 
     try:
-        return fn(*args, **kwargs)
-    except (click.ClickException, click.exceptions.Exit, KeyboardInterrupt):
+        with handled():  # SIGINT / SIGTERM unwind the run (its cleanup runs), then exit 130 / 143 with one line
+            return fn(*args, **kwargs)
+    except (click.ClickException, click.exceptions.Exit):
         raise
+    except KeyboardInterrupt as exc:
+        message, code = describe(exc) or ("interrupted", 130)
+        raise _Failure(message, code) from None
     except Exception as exc:  # mapped below; unknown errors re-raise with their traceback
         if debug:
             raise

@@ -5,6 +5,7 @@ Every message names the thing that failed and the fix, so it can be shown to a u
 
 from __future__ import annotations
 
+import signal
 from typing import Generic, TypeVar
 
 R = TypeVar("R")
@@ -46,6 +47,10 @@ class TargetError(PublishError):
     """The target repo or output folder cannot be written."""
 
 
+class IntegrityError(SourceError):
+    """Bytes of the base (or of a target) differ from the hash the Hub reports for that file."""
+
+
 class QuantizeError(PublishError):
     """Quantization or saving failed."""
 
@@ -72,3 +77,28 @@ class RunFailed(PublishError, Generic[R]):
 
 class EnvBuildError(PublishError):
     """A verification environment given as a version spec (--verify-env diffusers==0.39.0) cannot be built."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGINT or SIGTERM stopped the run. A KeyboardInterrupt, so that ``except Exception`` never swallows it and every
+    ``finally`` / ``except BaseException`` cleanup runs on the way out. Exit code 128 + the signal number (130, 143).
+
+    ``left``: what the run keeps on purpose (e.g. the resume cache), said in the one-line message; ``resume``: how to
+    go on."""
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        self.left: list[str] = []
+        self.resume = "re-run the same command"
+        super().__init__(self.signal_name)
+
+    @property
+    def signal_name(self) -> str:
+        try:
+            return signal.Signals(self.signum).name
+        except ValueError:
+            return f"signal {self.signum}"
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum

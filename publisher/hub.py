@@ -6,8 +6,9 @@ Every Hub call of ours goes through ``client(token)``, which says who is calling
 Retries: transient Hub errors are tried again with exponential backoff.
 
 Transient: 5xx and 429 answers, dropped or refused connections and timeouts (httpx2.TransportError,
-ConnectionError, TimeoutError), and huggingface_hub's "could not locate the file" error when it wraps
-one of those. Permanent: every other 4xx (401, 403, 404, 412 stale parent...) and anything else.
+ConnectionError, TimeoutError), a download whose body ended short of its announced size (huggingface_hub's
+"Consistency check failed"), and huggingface_hub's "could not locate the file" error when it wraps one of
+those. Permanent: every other 4xx (401, 403, 404, 412 stale parent...) and anything else.
 
     call(api.create_repo, repo_id, what="create the repo alice/x")
 
@@ -57,8 +58,15 @@ def status_of(exc: BaseException) -> int | None:
     return status if isinstance(status, int) else None
 
 
+def is_short_body(exc: BaseException) -> bool:
+    """huggingface_hub's download ended cleanly but short of the announced size (a proxy or link cut it)."""
+    return isinstance(exc, OSError) and str(exc).startswith("Consistency check failed")
+
+
 def is_transient(exc: BaseException) -> bool:
     """Worth trying again: the same request may well succeed in a moment."""
+    if is_short_body(exc):
+        return True
     try:
         from huggingface_hub import errors as hf
     except ImportError:  # pragma: no cover - huggingface_hub is a hard dependency

@@ -10,6 +10,7 @@ import hashlib
 import json
 import logging
 import shutil
+import signal
 import tempfile
 import time
 from collections.abc import Iterator
@@ -18,9 +19,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from publisher import __version__
+from publisher import __version__, unfinished
 from publisher import recipes as recipe_registry
-from publisher.errors import PublishError, ResourceError, RunFailed, TargetError, VerificationError
+from publisher.errors import Interrupted, PublishError, ResourceError, RunFailed, TargetError, VerificationError
 from publisher.recipes import Recipe
 from publisher.stages import card, fetch, leftovers, preflight, push_pr
 from publisher.stages import plan as planning
@@ -148,6 +149,10 @@ def state_for(plan: planning.Plan, recipe: Recipe) -> dict[str, Any]:
         "versions": {n: md.version(n) for n in ("torch", "torchao", "diffusers", "transformers")},
     }
     state["fingerprint"] = hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
+    # The Hub's hash of every base file read, so `verify TARGET` can prove it re-quantized the very same bytes. Not in
+    # the fingerprint: base_sha (a git commit id) already fixes every blob id and, through the LFS pointers, sha256.
+    if plan.base_hashes:
+        state["base_files"] = {f: h.to_json() for f, h in sorted(plan.base_hashes.items())}
     return state
 
 
@@ -159,7 +164,7 @@ def _local_digest(plan: planning.Plan) -> str:
 def _changes(previous: dict[str, Any] | None, state: dict[str, Any]) -> str:
     if not previous:
         return "First publication."
-    changed = [k for k in state if k != "fingerprint" and previous.get(k) != state.get(k)]
+    changed = [k for k in state if k not in ("fingerprint", "base_files") and previous.get(k) != state.get(k)]
     return "Changed since the previous publication: " + (", ".join(changed) or "unknown") + "."
 
 
@@ -225,6 +230,10 @@ def run(req: PublishRequest) -> list[Outcome]:
             if outcome.folder is not None and not outcome.folder.exists():
                 outcome.folder = None
         raise RunFailed(exc, outcomes) from exc
+    except KeyboardInterrupt as exc:  # SIGINT / SIGTERM (publisher.signals): the cleanup ran; say what stays
+        stop = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
+        stop.left = unfinished.kept_for_resume(plan, [state_for(plan, r)["fingerprint"] for r in plan.recipes]) + stop.left
+        raise stop from None
 
 
 @dataclass
@@ -277,12 +286,13 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
     measured: dict[str, list[matrix.Env] | None] = {} if (estimate.low_disk and req.push) or req.verify_mode == "streaming" else {
         r.name: matrix.matrix_envs(req.compat, r.name, {c.library for c in plan.quantized}, skip=[e.record.name for e in gating])
         for r in todo}
-    out_root = Path(tempfile.mkdtemp(prefix="hf-ao-publish-")) if auto_dir else req.output_dir
-    assert out_root is not None
     started = time.monotonic()
     base_dir = fetch.fetch(plan, token, skip=remote.files if remote is not None else frozenset())
     for outcome in outcomes:
         outcome.seconds["download"] = round(time.monotonic() - started, 3)
+    out_root = Path(tempfile.mkdtemp(prefix="hf-ao-publish-")) if auto_dir else req.output_dir
+    assert out_root is not None
+    existed = out_root.exists()
     work_dir = tempfile.TemporaryDirectory(prefix="hf-ao-verify-")
     run = _Run(req, plan, token, states, out_root, base_dir, Path(work_dir.name), recipe_registry.cuda_capability(),
                remote, gating, measured)
@@ -321,9 +331,11 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
             for outcome in outcomes:
                 if outcome.recipe in run.done:
                     _push_one(run, outcome, previous.get(outcome.recipe))
-    except BaseException:
+    except BaseException as exc:
         for name, created in run.created.items():  # --low-disk push: repos made for recipes never pushed
             push_pr.discard(str(plan.targets[name]), token, created)
+        if isinstance(exc, KeyboardInterrupt):
+            unfinished.discard_unfinished(out_root, run.finals, auto_dir=auto_dir, existed=existed, exc=exc)
         raise
     finally:
         work_dir.cleanup()

@@ -2,13 +2,20 @@
 
 from __future__ import annotations
 
-from publisher.errors import PublishError, RunFailed
+import signal
+
+from publisher.errors import Interrupted, PublishError, RunFailed
 
 
 def describe(exc: BaseException) -> tuple[str, int] | None:
     """(message, exit code) for an error we know how to explain; None for a real bug."""
     if isinstance(exc, RunFailed):  # a run that stopped: what stopped it is what the user needs to read
         return describe(exc.cause)
+    if isinstance(exc, KeyboardInterrupt):  # SIGINT / SIGTERM: the cleanup ran on the way out (publisher.signals)
+        stop = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
+        left = "; ".join(stop.left) or "nothing to resume from"
+        return (f"interrupted by {stop.signal_name}: stopped the worker processes, removed this run's temporary and "
+                f"unfinished files and any repo it had created; left: {left}; {stop.resume} to resume"), stop.exit_code
     # A full disk (or a file-size limit) is named as such even when a stage wrapped it (QuantizeError) or a
     # library re-raised it as its own type (safetensors' SafetensorError carries "os error 28" in its text).
     if isinstance(exc, PublishError) and "no space left" in str(exc):
@@ -56,6 +63,11 @@ def describe(exc: BaseException) -> tuple[str, int] | None:
             return (f"the Hub kept failing ({status}: {exc.server_message or _first_line(exc)}) after "
                     f"{settings()[0]} tries; nothing was changed by the failed request, try again later"), 1
         return f"Hub request failed ({status}): {exc.server_message or _first_line(exc)}", 1
+    if isinstance(exc, OSError) and str(exc).startswith("Consistency check failed"):  # a short body, every try
+        from publisher.hub import settings
+
+        return (f"a download from {_endpoint()} was cut short on each of {settings()[0]} tries ({_first_line(exc)}); "
+                "check the network or proxy, then re-run the same command"), 1
     if isinstance(exc, hf.OfflineModeIsEnabled):
         return "HF_HUB_OFFLINE is set; unset it to reach the Hub, or pass a local folder as MODEL_ID", 1
     if isinstance(exc, hf.HFValidationError):

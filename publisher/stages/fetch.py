@@ -1,8 +1,12 @@
-"""Stage 2: bring exactly the planned base files onto local disk (nothing for a local folder)."""
+"""Stage 2: bring exactly the planned base files onto local disk (nothing for a local folder).
+
+Every downloaded file is hashed and compared with the sha256 / git blob id the Hub reported at plan time before
+anything reads it (publisher.downloads); under --low-disk the quantized components' shards are read by HTTP
+range through one running hash per shard, compared when the shard was read to its end (``RemoteWeights``).
+"""
 
 from __future__ import annotations
 
-import glob
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -17,11 +21,12 @@ log = logging.getLogger(__name__)
 
 
 def fetch(plan: Plan, token: str | None, skip: frozenset[str] = frozenset()) -> Path:
-    """Download the planned files at the pinned sha into the huggingface_hub cache; return the folder.
+    """Download the planned files at the pinned sha into the huggingface_hub cache, each checked against the Hub's
+    hash before use; return the folder.
 
-    allow_patterns lists exact file names, so a root single-file checkpoint (FLUX.1-dev's 23.8 GB
-    flux1-dev.safetensors) or a second weight format is never downloaded. ``skip``: files left on the
-    Hub (--low-disk: the quantized components' weights, read by HTTP range instead).
+    Exact file names only, so a root single-file checkpoint (FLUX.1-dev's 23.8 GB flux1-dev.safetensors) or a second
+    weight format is never downloaded. ``skip``: files left on the Hub (--low-disk: the quantized components'
+    weights, read by HTTP range instead).
     """
     return _download(plan, [f for f in plan.base_files if f not in skip], token)
 
@@ -30,22 +35,12 @@ def _download(plan: Plan, files: list[str], token: str | None) -> Path:
     source = plan.source
     if source.local_dir is not None:
         return source.local_dir
-    from huggingface_hub import snapshot_download
-
-    from publisher import hub
+    from publisher.downloads import download
 
     total = sum(source.sizes.get(f, 0) for f in files)
-    log.info("downloading %d files (%.1f MB) of %s", len(files), total / 1e6, source.display)
-    # allow_patterns are fnmatch patterns: escape names so "[", "*" or "?" in a file name match only it.
-    folder = hub.call(
-        snapshot_download,
-        source.repo_id,
-        revision=source.sha,
-        allow_patterns=[glob.escape(f) for f in files],
-        token=token,
-        what=f"downloading {source.display}",  # resumes from the cache on a retry
-    )
-    return Path(folder)
+    log.info("downloading %d files (%.1f MB) of %s, each checked against the Hub's sha256", len(files), total / 1e6,
+             source.display)
+    return download(source.repo_id, source.sha, files, plan.base_hashes, token)  # type: ignore[arg-type]
 
 
 def weight_files(plan: Plan, comp: Component) -> list[str]:
@@ -74,7 +69,26 @@ class RemoteWeights:
         return HubShards(src.repo_id, src.sha, comp.name, self.token, listing=self.listing(comp))  # type: ignore[arg-type]
 
     def opener(self, comp: Component) -> Callable[[str], BinaryIO]:
-        return self.source(comp).open
+        """Each shard read by HTTP range through one running hash (the engine reads a shard in file order)."""
+        from publisher.integrity import HashedReader
+
+        shards, src = self.source(comp), self.plan.source
+        prefix = f"{comp.name}/" if comp.name else ""
+
+        def open_hashed(name: str) -> BinaryIO:
+            label = f"{prefix}{name} of {src.repo_id}@{(src.sha or '')[:12]}"
+            return HashedReader(shards.open(name), self.plan.base_hashes[prefix + name], label)  # type: ignore[arg-type,return-value]
+
+        return open_hashed
+
+    @staticmethod
+    def release(shard: object) -> None:
+        """The engine read the whole shard: compare its running hash with the Hub's before anything is committed
+        (a mismatch stops the run; output shards already pre-uploaded belong to no commit)."""
+        from publisher.integrity import HashedReader
+
+        if isinstance(shard, HashedReader):
+            shard.finish(after="nothing was committed")
 
     def download(self, comp: Component) -> Path:
         """For the library path (its loaders read local files): fetch this component's weights after all."""

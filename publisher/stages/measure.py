@@ -150,10 +150,16 @@ def _in_subprocess(request: dict[str, Any]) -> dict[str, Any]:
     import sys
     import tempfile
 
+    from publisher import procs
+
     with tempfile.TemporaryDirectory(prefix="hf-ao-bench-") as tmp:
         req = Path(tmp) / "request.json"
         req.write_text(json.dumps(request))
-        proc = subprocess.run([sys.executable, "-m", "publisher.stages.measure", str(req)], capture_output=True, text=True, timeout=1800)
+        try:  # its own process group, killed with it if we stop waiting (timeout, SIGINT/SIGTERM)
+            proc = procs.run([sys.executable, "-m", "publisher.stages.measure", str(req)], timeout=1800)
+        except subprocess.TimeoutExpired:
+            return {"weights_mb": None, "forward_peak_mb": None, "eager_ms": None, "compiled_ms": None,
+                    "compile_error": None, "error": "measurement process did not finish within 1800 s (stopped)"}
         result = Path(tmp) / "result.json"
         if proc.returncode == 0 and result.exists():
             return json.loads(result.read_text())

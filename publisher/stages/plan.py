@@ -15,6 +15,7 @@ from typing import Any
 
 from publisher import recipes as recipe_registry
 from publisher.errors import SourceError, UsageError
+from publisher.integrity import FileHash
 from publisher.jsonfile import weight_map
 from publisher.localfiles import plain_name
 from publisher.recipes import Recipe
@@ -76,6 +77,12 @@ class Plan:
     @property
     def kept(self) -> list[Component]:
         return [c for c in self.components if not c.quantize]
+
+    @property
+    def base_hashes(self) -> dict[str, FileHash]:
+        """The Hub's sha256 / git blob id of every base file the run reads (empty for a local folder): each download
+        and each range-read shard is compared with it before use, and the state file records it."""
+        return {f: self.source.hashes[f] for f in self.base_files if f in self.source.hashes}
 
 
 def parse_recipes(values: tuple[str, ...] | list[str]) -> list[Recipe]:
@@ -350,4 +357,8 @@ def _base_files(source: Source, kind: str, comps: list[Component], token: str | 
     missing = sorted(f for f in wanted if f not in source.sizes)
     if missing:
         raise SourceError(f"{source.display} is incomplete: {', '.join(missing[:3])} listed but not present")
+    unhashed = sorted(f for f in wanted if source.repo_id and f not in source.hashes)
+    if unhashed:  # refused before any weight is downloaded: nothing could prove its bytes are the base's
+        raise SourceError(f"the Hub reported no sha256 or blob id for {unhashed[0]} of {source.display}, so its download "
+                          "cannot be checked; use a Hub endpoint that reports file metadata (files_metadata)")
     return sorted(wanted)

@@ -231,7 +231,8 @@ def _stream_component(plan: Plan, src: Path, comp: Component, recipe: Recipe, ou
     hook = uploader.for_component(comp.name, dst, digests) if uploader is not None else None
     result = stream_quantize(src, dst, library=comp.library, recipe=recipe, exclude=list(plan.exclude),  # type: ignore[arg-type]
                              class_name=comp.class_name, device=device, progress=log.isEnabledFor(logging.INFO),
-                             fetch_shard=remote.opener(comp) if remote is not None else None, on_tensor=fp8,
+                             fetch_shard=remote.opener(comp) if remote is not None else None,
+                             release_shard=remote.release if remote is not None else None, on_tensor=fp8,
                              digests=digests, on_planned=hook.planned if hook else None,
                              on_output_file=hook.finished if hook else None)
     config = read_object(dst / "config.json")

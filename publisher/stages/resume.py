@@ -85,6 +85,10 @@ class ComponentCache:
         log.info("reusing the quantized %s from an interrupted run (%s)", component or "model", entry)
         return data["summary"]
 
+    def stored(self, components: list[str]) -> list[str]:
+        """Labels of the components that have a finished entry (a re-run reuses them after checking every file)."""
+        return [c or "model" for c in components if (self._entry(c) / MANIFEST).is_file()]
+
     def drop(self, components: list[str]) -> None:
         for component in components:
             shutil.rmtree(self._entry(component), ignore_errors=True)

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from publisher.errors import SourceError, UsageError
+from publisher.integrity import FileHash, hashes_of
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +32,9 @@ class Source:
     sizes: dict[str, int] = field(default_factory=dict)  # every file of the base -> size in bytes
     card_data: dict[str, Any] = field(default_factory=dict)  # YAML front matter of the base README
     endpoint: str | None = None
+    # Hub only: every file's sha256 (LFS) or git blob id as the Hub reports it at the pinned sha; every download
+    # and range read of the base is compared with it before use (publisher.integrity)
+    hashes: dict[str, FileHash] = field(default_factory=dict)
 
     @property
     def files(self) -> list[str]:
@@ -78,9 +82,10 @@ class Source:
             raise SourceError(f"{self.display} has no file {path}")
         if self.local_dir is not None:
             return self.local_dir / path
-        from huggingface_hub import hf_hub_download
+        from publisher.downloads import download
 
-        return Path(hf_hub_download(self.repo_id, path, revision=self.sha, token=token))  # type: ignore[arg-type]
+        # a Hub file is checked against the hash its repo records before anything reads it
+        return download(self.repo_id, self.sha, [path], self.hashes, token) / path  # type: ignore[arg-type]
 
 
 def is_local(model_id: str) -> bool:
@@ -140,6 +145,7 @@ def resolve(model_id: str, revision: str | None, token: str | None) -> Source:
         sizes=sizes,
         card_data=card,
         endpoint=constants.ENDPOINT,
+        hashes=hashes_of(info.siblings),
     )
 
 

@@ -181,7 +181,8 @@ def stream_quantize(
     """Quantize one component folder into ``dst_dir`` exactly as from_pretrained + save_pretrained would.
 
     ``fetch_shard(name)`` makes an input shard available (default: ``src_dir / name``) as a path or an open binary
-    file (e.g. ``sources.HubShards.open``: HTTP range reads); ``release_shard(it)`` is called once it is fully read;
+    file (e.g. ``sources.HubShards.open``: HTTP range reads); ``release_shard(it)`` is called once it is fully read
+    (an open file is still open then: a hash check may read what no tensor used);
     ``on_output_file(path)`` once an output file (config, shard, index) is complete; ``on_tensor(key, value,
     quantized)`` with each weight before and after quantization (e.g. FP8 error bounds); ``on_planned(files)`` once
     the layout is known, with the output file(s) of every saved tensor (state-dict name -> file names); ``digests``
@@ -195,6 +196,7 @@ def stream_quantize(
     from publisher.streaming.engine import execute, peak_rss_bytes, remove_stale_shards
     from publisher.streaming.layout import build_plan
     from publisher.streaming.meta_model import check_transformers_keys
+    from publisher.streaming.shards import RangeIgnored
 
     t_start = time.perf_counter()
     src_dir, dst_dir = Path(src_dir), Path(dst_dir)
@@ -215,6 +217,8 @@ def stream_quantize(
         probe_device = "meta" if device == "cpu" and not recipe.quantize.cuda else device
         with _quantize_context(recipe, device):
             plan = build_plan(comp, keys, device, probe_device, recipe.tensor_class, max_shard_size)
+    except RangeIgnored as exc:  # the server, not the model: the message says what to do
+        raise QuantizeError(str(exc)) from exc
     except (ValueError, TypeError, AttributeError, OSError, ImportError, RuntimeError, AssertionError) as exc:
         raise QuantizeError(f"planning the streaming quantization of {src_dir} with {recipe.name} failed: {exc}; "
                             "use the library path") from exc
@@ -252,6 +256,8 @@ def stream_quantize(
             report(index)
     except EOFError as exc:
         raise QuantizeError(f"{exc}; fetch the shard again") from exc
+    except RangeIgnored as exc:
+        raise QuantizeError(str(exc)) from exc
     except OSError as exc:
         raise QuantizeError(f"streaming {src_dir} into {dst_dir} failed: {exc}") from exc
     return StreamResult(

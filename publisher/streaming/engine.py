@@ -150,7 +150,9 @@ def execute(plan: Plan, dst: Path, *, fetch_shard: Callable[[str], Any],
                 missing = [w.key for w in items if w.key not in header]
                 if missing:
                     raise QuantizeError(f"{name} has no tensor {missing[0]!r} although the index lists it; re-download the shard")
-                items.sort(key=lambda w: header[w.key].begin)  # sequential reads
+                # File order: sequential reads, and one running hash of a remote shard covers its header, every
+                # tensor and the bytes between them (integrity.HashedReader) while one tensor is held at a time.
+                items.sort(key=lambda w: header[w.key].begin)
                 total = sum(header[w.key].end - header[w.key].begin for w in items)
                 with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"quantize {name}",
                           disable=not progress, file=sys.stderr) as bar:
@@ -158,10 +160,10 @@ def execute(plan: Plan, dst: Path, *, fetch_shard: Callable[[str], Any],
                         bar.set_postfix_str(w.key, refresh=False)
                         _one(ctx, w, header[w.key], f)
                         bar.update(header[w.key].end - header[w.key].begin)
+                sink.drain()
+                release_shard(src)  # still open: the caller may read the rest (its hash check) before it is closed
             finally:
                 f.close()
-            sink.drain()
-            release_shard(src)
             trim_memory()
     finally:
         sink.close()

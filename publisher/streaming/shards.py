@@ -13,12 +13,15 @@ rebuilt, checked and freed without loading the rest.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from publisher.errors import InputError
 from publisher.streaming import safetensors_io as stio
+
+log = logging.getLogger(__name__)
 
 
 class LocalShards:
@@ -90,7 +93,11 @@ class HubShards:
 class RangeFile:
     """A read-only remote file: every ``readinto`` is one ``Range`` GET streamed straight into the caller's
     buffer (huggingface_hub's session, auth headers and retries), so a tensor is held once, in that buffer.
-    fsspec's HfFileSystem would buffer each range two or three times over."""
+    fsspec's HfFileSystem would buffer each range two or three times over.
+
+    A short answer or a connection dropped mid-body is resumed from the first missing byte (HF_AO_PUBLISH_RETRIES
+    tries without progress, with publisher.hub's backoff); a server that ignores ``Range`` (200 with the whole file)
+    or answers another range is refused with RangeIgnored, never read at the wrong offset."""
 
     CHUNK = 1 << 20
 
@@ -114,29 +121,61 @@ class RangeFile:
         return bytes(buf[:got])
 
     def readinto(self, view: Any) -> int:
-        from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_stream_backoff
+        """Fill ``view`` from the current position (fewer bytes only at the end of the file)."""
+        import time
+
+        from publisher import hub
 
         view = memoryview(view).cast("B")
-        want = len(view)
-        if want == 0:
-            return 0
-        headers = {**build_hf_headers(token=self.token or None), "Range": f"bytes={self.pos}-{self.pos + want - 1}"}
-        done = 0
-        with http_stream_backoff("GET", self.url, headers=headers) as r:
-            self._learn_size(r.status_code, r.headers)
-            if r.status_code == 416:  # a range past the end (e.g. in an empty file): nothing to read
-                return 0
-            hf_raise_for_status(r)
-            if r.status_code != 206 and self.pos:
-                raise OSError(f"{self.name}: the server ignored the byte range (HTTP {r.status_code})")
-            for chunk in r.iter_bytes(self.CHUNK):
-                n = min(len(chunk), want - done)
-                view[done:done + n] = chunk[:n]
-                done += n
-                if done == want:
-                    break
+        tries, delay = hub.settings()
+        done, failures = 0, 0
+        while done < len(view):
+            got = [0]
+            try:
+                self._get(view[done:], self.pos + done, got)
+            except Exception as exc:
+                done += got[0]
+                failures = 0 if got[0] else failures + 1
+                if not hub.is_transient(exc) or failures >= tries:
+                    raise
+                wait = min(hub.MAX_DELAY_S, delay * (2 ** max(failures - 1, 0)))
+                log.info("reading %s by HTTP range failed (%s); resuming at byte %d in %.1f s", self.name, hub.short(exc),
+                         self.pos + done, wait)
+                time.sleep(wait)
+                continue
+            if got[0] == 0:
+                break  # the end of the file
+            done += got[0]  # a short answer: ask for the rest
         self.pos += done
         return done
+
+    def _get(self, view: memoryview, start: int, got: list[int]) -> None:
+        """One Range GET of len(view) bytes at ``start`` into ``view``; ``got[0]`` counts what arrived, even on error."""
+        from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_stream_backoff
+
+        want = len(view)
+        headers = {**build_hf_headers(token=self.token or None), "Range": f"bytes={start}-{start + want - 1}"}
+        # retry_on_exceptions=(): an error while reading the body would be thrown into http_stream_backoff's generator,
+        # which then retries inside a `with` ("generator didn't stop after throw()"); readinto resumes instead.
+        with http_stream_backoff("GET", self.url, headers=headers, retry_on_exceptions=()) as r:
+            self._learn_size(r.status_code, r.headers)
+            if r.status_code == 416:
+                return  # asked past the end: nothing more to read
+            hf_raise_for_status(r)
+            given = r.headers.get("Content-Range", "")
+            if r.status_code == 206 and not given.startswith(f"bytes {start}-"):
+                raise RangeIgnored(f"{self.name}: asked the Hub for bytes {start}-{start + want - 1}, got {given or 'no Content-Range'}; "
+                                   "--low-disk needs byte ranges: re-run with --no-low-disk, or use a Hub or proxy that honours Range")
+            if r.status_code != 206 and start:
+                raise RangeIgnored(f"{self.name}: the server ignored the HTTP Range header (HTTP {r.status_code} with the "
+                                   "whole file), so the weights cannot be read tensor by tensor; re-run with --no-low-disk, "
+                                   "or use a Hub or proxy that honours Range")
+            for chunk in r.iter_bytes(self.CHUNK):  # a 200 at offset 0 is the file's start: read only what was asked
+                n = min(len(chunk), want - got[0])
+                view[got[0]:got[0] + n] = chunk[:n]
+                got[0] += n
+                if got[0] == want:
+                    break
 
     def _learn_size(self, status: int, headers: Any) -> None:
         total = (headers.get("Content-Range") or "").rpartition("/")[2]
@@ -153,6 +192,10 @@ class RangeFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class RangeIgnored(OSError):
+    """The server did not answer the byte range asked for: reading on would use bytes from the wrong offset."""
 
 
 ShardSource = LocalShards | HubShards  # where a component's safetensors files are read from

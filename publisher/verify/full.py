@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from publisher import loadpath
+from publisher import loadpath, procs
 from publisher.errors import VerificationError
 from publisher.stages.quantize import Artifacts
 from publisher.verify.inputs import token_inputs
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 WORKER = Path(loadpath.__file__).resolve()
+WORKER_TIMEOUT_S = 3600
 GiB = 1024**3
 
 
@@ -267,10 +268,12 @@ def run_worker(exp: Expected, path: str, python: str, where: str, revision: str 
     env = dict(os.environ)
     if token:
         env["HF_TOKEN"] = token  # through the environment, never the command line
-    try:
-        proc = subprocess.run([python, str(WORKER), str(req_file)], env=env, capture_output=True, text=True, timeout=3600)
+    try:  # its own process group, killed with it if we stop waiting (timeout, SIGINT/SIGTERM)
+        proc = procs.run([python, str(WORKER), str(req_file)], env=env, timeout=WORKER_TIMEOUT_S)
     except OSError as exc:
         return {"ok": False, "error": f"interpreter {python} cannot run: {exc.strerror or exc}"}
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "error": f"interpreter {python} did not finish within {WORKER_TIMEOUT_S} s (stopped)"}
     result_file = work / f"result-{name}.json"
     if proc.returncode != 0 or not result_file.exists():
         last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]

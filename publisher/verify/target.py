@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from publisher import hub
 from publisher import recipes as recipe_registry
 from publisher.errors import QuantizeError, SourceError
 from publisher.fp8cpu import cpu_quantization_context
@@ -25,6 +24,7 @@ from publisher.loadpath import load_call
 from publisher.localfiles import allowed_roots, plain_name
 from publisher.stages.push import STATE_FILE
 from publisher.verify import capture, matrix
+from publisher.verify import hashes as hashes_check
 from publisher.verify.full import check_location, compare, run_worker
 from publisher.verify.report import PATHS, Expected, ForwardInputs, VerifyReport
 
@@ -87,10 +87,14 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), compat
 
     matrix.check_verify_envs(envs)
     matrix.check_choices(compat)
+    where, where_rev = target, revision  # where the load paths read: a Hub target's checked local copy
     if not Path(target).is_dir():
-        revision = hub.call(hub.client(token).model_info, target, revision=revision, what=f"reading {target}").sha
-    comps = quantized_components(target, token, revision)
-    state = _read(target, STATE_FILE, token, revision)
+        local, sha, hashes = hashes_check.fetch_target_configs(target, revision, token, STATE_FILE)
+        where, where_rev, revision = str(local), None, sha  # every later read sees the checked commit
+    comps = quantized_components(where, token, where_rev)
+    if not Path(target).is_dir():
+        hashes_check.fetch_target_components(target, sha, hashes, [c.name for c in comps], token)
+    state = _read(where, STATE_FILE, token, where_rev)
     recipe = recipe_registry.get(state["recipe"]) if state and state.get("recipe") in recipe_registry.names() else None
     tensor_class = recipe.tensor_class if recipe else None
     device = recipe_registry.run_device(recipe, recipe_registry.cuda_capability()) if recipe else "cpu"
@@ -104,11 +108,12 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), compat
     for comp in comps:
         inputs_file = report.forward[comp.name or "model"].file
         inputs = load_call(inputs_file) if inputs_file else None
-        exp = _reference_from_base(comp, state, recipe, work, inputs, inputs_file, token, device) if (requantize and state and recipe) else None
+        exp = (_reference_from_base(comp, state, recipe, work, inputs, inputs_file, token, device, target)
+               if (requantize and state and recipe) else None)
         if exp is None:
             # No reachable base: the library path in this environment is the reference; every other path must agree.
             probe = Expected(comp.name, comp.library, comp.class_name, inputs_file, None, {}, [], "the library path")
-            data = run_worker(probe, "library", sys.executable, target, revision, work, token, torch.get_num_threads(), "ref", device)
+            data = run_worker(probe, "library", sys.executable, where, where_rev, work, token, torch.get_num_threads(), "ref", device)
             if not data.get("ok"):
                 report.results.append(compare(probe, data, "library", "current", sys.executable, tensor_class))
                 continue
@@ -119,7 +124,7 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), compat
             exp = Expected(comp.name, comp.library, comp.class_name, inputs_file, output, data["digests"], quantized, "the library path")
         report.expected_layers[comp.name or "model"] = len(exp.quantized)
         report.expected.append(exp)
-        report.results += check_location([exp], target, revision, work, envs=[e.pair for e in gating], token=token,
+        report.results += check_location([exp], where, where_rev, work, envs=[e.pair for e in gating], token=token,
                                          tensor_class=tensor_class, paths=PATHS, device=device)
     report.device = device
     report.passed = bool(report.results) and not report.failures()
@@ -146,8 +151,9 @@ def _forward_inputs(target: str, comps: list[TargetComponent], work: Path, token
 
 
 def _reference_from_base(comp: TargetComponent, state: dict[str, Any], recipe: Any, work: Path, inputs: Any,
-                         inputs_file: Path | None, token: str | None, device: str) -> Expected | None:
-    """Re-quantize the recorded base component with the recorded recipe, in memory."""
+                         inputs_file: Path | None, token: str | None, device: str, target: str) -> Expected | None:
+    """Re-quantize the recorded base component with the recorded recipe, in memory; a Hub base's files are checked
+    against the hashes the target recorded and the Hub's before they are read."""
     from publisher.loadpath import forward, inspect_model, load_component
 
     base, sha = state.get("base_model"), state.get("base_sha")
@@ -155,10 +161,7 @@ def _reference_from_base(comp: TargetComponent, state: dict[str, Any], recipe: A
         if base and Path(base).is_dir():
             src: Any = Path(base)
         elif base and sha and not str(sha).startswith("local-"):
-            from huggingface_hub import snapshot_download
-
-            pattern = f"{comp.name}/*" if comp.name else "*"
-            src = Path(snapshot_download(base, revision=sha, allow_patterns=[pattern, "model_index.json"], token=token))
+            src = hashes_check.fetch_base_component(base, sha, comp.name, state.get("base_files"), target, token)
         else:
             return None
     except (OSError, ValueError) as exc:

@@ -13,18 +13,33 @@ Spec keys (one fault kind per rule):
                                   (optional "method": "POST")
     delay_s: float + match: str   sleep before handling matching requests (to kill a server mid-push)
     count: int = 1                how many requests the rule affects
+
+File bodies (GET .../resolve/..., whose path contains `match`): what a faulty link or proxy does to a download,
+applied where the bytes are written to the socket, after the status line and headers were decided:
+    flip_byte_at: int             flip one byte (XOR 0xFF) at this file offset (negative: from the end); the size,
+                                  ETag and X-Linked-Etag stay the Hub's. Consumed only by a body that covers it
+    truncate_body_at: int         send only this many bytes of the body, with a Content-Length that says so (a
+                                  complete but short answer: huggingface_hub's "Consistency check failed")
+    drop_body_after_bytes: int    announce the full length, send this many bytes, then cut the connection
+    ignore_range: true            answer a Range request with 200 and the whole file
+
+Why here and not in a separate proxy process: huggingface_hub reads HF_ENDPOINT once, at import, so the in-process
+tests (the `cli` fixture) can only reach a fault through the session's Hub; these rules sit exactly where a proxy
+would act (status and headers untouched, the body bytes changed), reuse the count/match/fired bookkeeping, and
+reach a spawned server through the same admin endpoint.
 """
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
 @dataclass
 class Fault:
-    kind: str  # "commit_status" | "drop_upload" | "status" | "delay"
+    kind: str  # "commit_status" | "drop_upload" | "status" | "delay" | "flip" | "truncate" | "drop_body" | "ignore_range"
     count: int = 1
     status: int = 503
     drop_after: int = 0
@@ -32,6 +47,7 @@ class Fault:
     match: str = ""
     method: str = ""
     apply: bool = False
+    offset: int = 0  # body faults: the byte to flip, or how many body bytes are sent
 
 
 @dataclass
@@ -54,9 +70,18 @@ class FaultInjector:
             fault = Fault("status", count, status=int(spec["status"]), match=match, method=method)
         elif spec.get("delay_s") is not None and match:
             fault = Fault("delay", count, delay_s=float(spec["delay_s"]), match=match, method=method)
+        elif spec.get("flip_byte_at") is not None:
+            fault = Fault("flip", count, match=match, method="GET", offset=int(spec["flip_byte_at"]))
+        elif spec.get("truncate_body_at") is not None:
+            fault = Fault("truncate", count, match=match, method="GET", offset=max(0, int(spec["truncate_body_at"])))
+        elif spec.get("drop_body_after_bytes") is not None:
+            fault = Fault("drop_body", count, match=match, method="GET", offset=max(0, int(spec["drop_body_after_bytes"])))
+        elif spec.get("ignore_range"):
+            fault = Fault("ignore_range", count, match=match, method="GET")
         else:
             raise ValueError(f"Unknown fault spec {spec!r}: expected commit_status, drop_upload_after_bytes, "
-                             "or status/delay_s with match")
+                             "status/delay_s with match, flip_byte_at, truncate_body_at, drop_body_after_bytes "
+                             "or ignore_range")
         if fault.count < 1:
             raise ValueError("count must be >= 1")
         with self._lock:
@@ -68,11 +93,14 @@ class FaultInjector:
             self.rules.clear()
             self.fired.clear()
 
-    def take(self, kind: str, method: str = "", path: str = "") -> Fault | None:
-        """Consume one use of the first matching rule of `kind`, or return None."""
+    def take(self, kind: str, method: str = "", path: str = "",
+             applies: Callable[[Fault], bool] | None = None) -> Fault | None:
+        """Consume one use of the first matching rule of `kind` (for which `applies(rule)` holds), or return None."""
         with self._lock:
             for rule in self.rules:
                 if rule.kind != kind or (rule.method and rule.method != method) or rule.match not in path:
+                    continue
+                if applies is not None and not applies(rule):
                     continue
                 rule.count -= 1
                 if rule.count <= 0:
@@ -80,6 +108,19 @@ class FaultInjector:
                 self.fired[kind] = self.fired.get(kind, 0) + 1
                 return rule
         return None
+
+    def take_body(self, path: str, start: int, end: int, size: int) -> Fault | None:
+        """The body fault for a GET of file bytes [start, end] (inclusive) of a `size`-byte file, if any.
+        A flip is resolved to an absolute offset and taken only when this body carries that byte."""
+        def covers(rule: Fault) -> bool:
+            at = rule.offset if rule.offset >= 0 else size + rule.offset
+            return start <= at <= end
+
+        fault = self.take("flip", "GET", path, covers)
+        if fault is not None:
+            at = fault.offset if fault.offset >= 0 else size + fault.offset
+            return Fault("flip", offset=at)
+        return self.take("truncate", "GET", path) or self.take("drop_body", "GET", path)
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:

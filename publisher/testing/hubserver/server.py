@@ -147,25 +147,38 @@ class _Handler(BaseHTTPRequestHandler):
         if resp.file is not None:
             start, end = resp.file_range or (0, resp.file.stat().st_size - 1)
             length = end - start + 1
+        fault = resp.body_fault
+        send = length  # body bytes actually sent (a fault may send fewer)
+        if fault is not None and fault.kind in ("truncate", "drop_body"):
+            send = min(length, fault.offset)
         self.send_response(resp.status)
         for key, value in resp.headers.items():
             self.send_header(key, value)
-        self.send_header("Content-Length", str(length))
+        # a truncated body says so in its Content-Length (a short but complete answer); a dropped one announces all
+        self.send_header("Content-Length", str(send if fault is not None and fault.kind == "truncate" else length))
         self.end_headers()
         if req.method == "HEAD":
             return
         if resp.file is None:
             self.wfile.write(resp.body)
             return
-        left = length
+        left, pos = send, start
         with open(resp.file, "rb") as fh:
             fh.seek(start)
             while left > 0:
                 data = fh.read(min(_CHUNK, left))
                 if not data:
                     break
+                if fault is not None and fault.kind == "flip" and pos <= fault.offset < pos + len(data):
+                    changed = bytearray(data)
+                    changed[fault.offset - pos] ^= 0xFF
+                    data = bytes(changed)
                 self.wfile.write(data)
                 left -= len(data)
+                pos += len(data)
+        if fault is not None and fault.kind == "drop_body":
+            self.wfile.flush()
+            self._abort()  # the announced length never arrives
 
 
     def _write_stream(self, resp: Response) -> None:
@@ -194,6 +207,12 @@ class _HTTPServer(ThreadingHTTPServer):
         self._conns_lock = threading.Lock()
         super().__init__((HOST, port), _Handler)
         self.url = f"http://{HOST}:{self.server_address[1]}"
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A client that hangs up (a download it stopped reading, an interrupted run) is not a server bug: no traceback.
+        if isinstance(sys.exc_info()[1], (ConnectionError, TimeoutError)):
+            return
+        super().handle_error(request, client_address)
 
     def track(self, conn: socket.socket, alive: bool) -> None:
         with self._conns_lock:

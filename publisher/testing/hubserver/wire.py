@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from publisher.testing.hubserver.faults import Fault
 from publisher.testing.hubserver.storage import HubError
 
 
@@ -46,6 +47,7 @@ class Response:
     file_range: tuple[int, int] | None = None
     drop: bool = False  # close the connection without answering (fault injection)
     stream: Iterator[bytes] | None = None  # sent with chunked transfer encoding as it is produced (job logs)
+    body_fault: Fault | None = None  # flip / truncate / drop_body applied to `file` as it is sent (fault injection)
 
 
 def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = None) -> Response:

@@ -1,0 +1,194 @@
+"""Every byte we read from the Hub, checked against the hash the Hub itself reports for its file.
+
+For every file of a commit the Hub reports (``model_info(..., files_metadata=True)``, ``get_paths_info``) the
+sha256 of an LFS file's content and the git blob id of a regular file (sha1 of ``b"blob <size>\\0"`` + content).
+huggingface_hub checks only a download's size; a byte flipped on the way (the size and ETag still right) is
+cached, quantized and published as verified unless someone compares. This module holds the comparison:
+
+    expected = FileHash.from_sibling(sibling)          # at plan time, from the Hub's metadata
+    check_file(path, expected, "transformer/x.safetensors of org/name@0123abcd")   # a download, before use
+    reader = HashedReader(range_file, expected, label)   # HTTP range reads: one running hash per file...
+    reader.finish()                                      # ...compared once the file was read to its end
+
+A mismatch raises IntegrityError naming the file and both hashes. Hashing costs about 0.7 GiB/s per core
+(hashlib's sha256 and sha1 measured alike on this project's 2-core machine, 512 MiB of random bytes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from publisher.errors import IntegrityError
+
+BLOCK = 1 << 20  # read granularity for hashing and for skipping gaps: never more held than this
+
+
+@dataclass(frozen=True)
+class FileHash:
+    """What the Hub says one file's bytes hash to: ``sha256`` (LFS) or ``git-sha1`` (the git blob id)."""
+
+    algo: Literal["sha256", "git-sha1"]
+    digest: str
+    size: int
+
+    @property
+    def kind(self) -> str:
+        return "sha256" if self.algo == "sha256" else "git blob id"
+
+    def hasher(self, size: int | None = None) -> Any:
+        """A fresh hashlib object; a git blob id covers ``blob <size>\\0`` first (``size``: the actual bytes' length)."""
+        if self.algo == "sha256":
+            return hashlib.sha256()
+        h = hashlib.sha1()  # git's object id, not a security choice: the Hub reports exactly this
+        h.update(b"blob %d\0" % (self.size if size is None else size))
+        return h
+
+    def to_json(self) -> dict[str, Any]:
+        key = "sha256" if self.algo == "sha256" else "git_blob"
+        return {key: self.digest, "size": self.size}
+
+    @classmethod
+    def from_json(cls, data: Any) -> FileHash | None:
+        """The inverse of ``to_json``; None for anything else (a state file written by hand, or by an old version)."""
+        if not isinstance(data, dict) or not isinstance(data.get("size"), int):
+            return None
+        for key, algo in (("sha256", "sha256"), ("git_blob", "git-sha1")):
+            if isinstance(data.get(key), str):
+                return cls(algo, data[key].lower(), data["size"])  # type: ignore[arg-type]
+        return None
+
+    @classmethod
+    def from_sibling(cls, sibling: Any) -> FileHash | None:
+        """From a huggingface_hub RepoSibling (model_info with files_metadata) or RepoFile (get_paths_info, tree)."""
+        size = getattr(sibling, "size", None)
+        lfs = getattr(sibling, "lfs", None)
+        sha = getattr(lfs, "sha256", None) if lfs is not None else None
+        if sha is None and isinstance(lfs, dict):
+            sha = lfs.get("sha256") or lfs.get("oid")
+        if isinstance(sha, str) and isinstance(size, int):
+            return cls("sha256", sha.lower(), size)
+        blob = getattr(sibling, "blob_id", None)
+        if isinstance(blob, str) and isinstance(size, int):
+            return cls("git-sha1", blob.lower(), size)
+        return None
+
+
+def hashes_of(siblings: Any) -> dict[str, FileHash]:
+    """Path -> FileHash for every file of a model_info(files_metadata=True) answer that carries one."""
+    out: dict[str, FileHash] = {}
+    for s in siblings or ():
+        h = FileHash.from_sibling(s)
+        if h is not None:
+            out[s.rfilename] = h
+    return out
+
+
+def hash_file(path: Path, expected: FileHash) -> str:
+    """The digest of a local file with ``expected``'s algorithm (its real size for a git blob id)."""
+    h = expected.hasher(path.stat().st_size)
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(BLOCK), b""):
+            h.update(block)
+    return str(h.hexdigest())
+
+
+def mismatch(label: str, expected: FileHash, got: str, how: str, after: str) -> IntegrityError:
+    """The one error for bytes that are not the Hub's: names the file, both hashes, and says to download again."""
+    return IntegrityError(f"{label}: the {how} have {expected.kind} {got}, but the Hub reports {expected.digest}; "
+                          f"{after}; download again (re-run the same command)")
+
+
+def check_file(path: Path, expected: FileHash, label: str, *, how: str = "downloaded bytes",
+               after: str = "nothing was published") -> None:
+    got = hash_file(path, expected)
+    if got != expected.digest:
+        raise mismatch(label, expected, got, how, after)
+
+
+class Readable(Protocol):
+    """What HashedReader needs of the file it wraps (a RangeFile, or any binary file)."""
+
+    def seek(self, pos: int, whence: int = 0) -> int: ...
+
+    def readinto(self, view: Any) -> int | None: ...
+
+    def close(self) -> None: ...
+
+
+class HashedReader:
+    """A read-only file (a Hub file read by HTTP range) whose bytes are hashed as the caller reads them in file order.
+
+    Forward jumps (padding, tensors nobody reads) are read and hashed on the way, BLOCK bytes at a time, so one
+    running hash covers the whole file while the caller holds only what it asked for; ``finish()`` reads what is
+    left and compares. A read that goes back over hashed bytes cannot be vouched for, and makes ``finish()`` fail."""
+
+    def __init__(self, inner: Readable, expected: FileHash, label: str) -> None:
+        self.inner, self.expected, self.name = inner, expected, label
+        self._h = expected.hasher()
+        self.pos = 0  # where the caller's next read starts
+        self.hashed = 0  # bytes [0, hashed) went through the hash, in order
+        self.rewound = False
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        if whence != 0:
+            raise ValueError("HashedReader seeks from the start only")
+        self.pos = pos
+        return pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def read(self, n: int) -> bytes:
+        buf = bytearray(n)
+        got = self.readinto(memoryview(buf))
+        return bytes(buf[:got])
+
+    def readinto(self, view: Any) -> int:
+        view = memoryview(view).cast("B")
+        if self.pos > self.hashed:
+            self._skip_to(self.pos)
+        self.inner.seek(self.pos)
+        n = self.inner.readinto(view) or 0
+        if self.pos == self.hashed:
+            self._h.update(view[:n])
+            self.hashed += n
+        elif n:
+            self.rewound = True  # bytes handed out again after they were hashed: no longer one pass
+        self.pos += n
+        return n
+
+    def _skip_to(self, target: int) -> None:
+        """Read and hash [hashed, target) without handing it out."""
+        buf = bytearray(min(BLOCK, max(target - self.hashed, 0)))
+        view = memoryview(buf)
+        self.inner.seek(self.hashed)
+        while self.hashed < target:
+            want = min(len(buf), target - self.hashed)
+            n = self.inner.readinto(view[:want]) or 0
+            if n == 0:
+                raise IntegrityError(f"{self.name}: the file ended after {self.hashed} bytes, but the Hub reports "
+                                     f"{self.expected.size}; download again (re-run the same command)")
+            self._h.update(view[:n])
+            self.hashed += n
+
+    def finish(self, after: str = "nothing was published") -> None:
+        """Read the rest of the file into the hash and compare it with the Hub's; raises IntegrityError on a mismatch."""
+        if self.rewound:
+            raise IntegrityError(f"{self.name}: read out of order, so its bytes could not be checked against the Hub's "
+                                 f"{self.expected.kind}; {after}; use --no-low-disk")
+        self._skip_to(self.expected.size)
+        got = self._h.hexdigest()
+        if got != self.expected.digest:
+            raise mismatch(self.name, self.expected, got, "bytes read by HTTP range", after)
+
+    def close(self) -> None:
+        self.inner.close()
+
+    def __enter__(self) -> HashedReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,276 @@
+"""Every base byte checked against the Hub's own hashes (publisher/integrity.py, downloads.py, verify/hashes.py).
+
+A faulty link between the client and the loopback Hub (its body faults: a flipped byte with the right size and
+ETag, a truncated body, a dropped connection, an ignored Range) must never end as a published repo: a corrupted
+download or range read is refused naming the file and both hashes, nothing is created on the Hub, and a re-run
+once the fault is gone publishes. ``verify TARGET`` checks the target's files and the recorded base's the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import seed
+
+TRIES = 3
+WEIGHTS = "model.safetensors"
+
+
+@pytest.fixture(autouse=True)
+def _fast_retries(monkeypatch: pytest.MonkeyPatch, hub: Any) -> Any:
+    monkeypatch.setenv("HF_AO_PUBLISH_RETRIES", str(TRIES))
+    monkeypatch.setenv("HF_AO_PUBLISH_RETRY_DELAY", "0.05")
+    hub.clear_faults()
+    yield
+    hub.clear_faults()
+
+
+def _api() -> Any:
+    from huggingface_hub import HfApi
+
+    return HfApi(token="tok_alice")
+
+
+def _error_line(stderr: str) -> str:
+    assert "Traceback" not in stderr, stderr
+    lines = [line for line in stderr.splitlines() if line.startswith("Error:")]
+    assert len(lines) == 1, stderr
+    return lines[0]
+
+
+def _flipped_sha256(path: Path, at: int) -> str:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xFF
+    return hashlib.sha256(data).hexdigest()
+
+
+def _cached(repo_id: str, name: str) -> list[Path]:
+    """Every snapshot entry of ``name`` in the session's Hugging Face cache for ``repo_id``."""
+    root = Path(os.environ["HF_HOME"]) / "hub" / f"models--{repo_id.replace('/', '--')}" / "snapshots"
+    return list(root.glob(f"*/{name}")) if root.exists() else []
+
+
+def _blobs(repo_id: str) -> set[str]:
+    root = Path(os.environ["HF_HOME"]) / "hub" / f"models--{repo_id.replace('/', '--')}" / "blobs"
+    return {p.name for p in root.iterdir()} if root.exists() else set()
+
+
+# ---- unit: the hash primitives --------------------------------------------------------------------------
+def test_hashed_reader_covers_gaps_and_refuses_out_of_order_reads() -> None:
+    from publisher.errors import IntegrityError
+    from publisher.integrity import FileHash, HashedReader
+
+    data = bytes(range(256)) * 4000  # 1,024,000 bytes: the gaps below span several read blocks
+    good = FileHash("sha256", hashlib.sha256(data).hexdigest(), len(data))
+    r = HashedReader(io.BytesIO(data), good, "x")
+    r.seek(0)
+    assert r.read(8) == data[:8]
+    r.seek(600_000)  # a gap (tensors nobody reads, padding): read and hashed, not handed out
+    assert r.read(10) == data[600_000:600_010]
+    r.finish()  # the rest of the file joins the hash
+    bad = bytearray(data)
+    bad[900_000] ^= 1  # a byte nobody reads still counts
+    r = HashedReader(io.BytesIO(bytes(bad)), good, "shard.safetensors of a/b@0123")
+    assert r.read(8) == data[:8]
+    with pytest.raises(IntegrityError, match=f"shard.safetensors of a/b@0123: the bytes read by HTTP range have sha256 "
+                                             f"{hashlib.sha256(bad).hexdigest()}, but the Hub reports {good.digest}"):
+        r.finish()
+    r = HashedReader(io.BytesIO(data), good, "x")
+    r.read(100)
+    r.seek(10)
+    r.read(10)  # bytes handed out again after they were hashed
+    with pytest.raises(IntegrityError, match="read out of order"):
+        r.finish()
+    r = HashedReader(io.BytesIO(data[:1000]), good, "x")
+    with pytest.raises(IntegrityError, match="ended after 1000 bytes"):
+        r.finish()
+
+
+def test_git_blob_ids_and_the_state_file_form(tmp_path: Path) -> None:
+    from publisher.integrity import FileHash, check_file, hash_file
+
+    path = tmp_path / "config.json"
+    path.write_bytes(b'{"a": 1}\n')
+    # `git hash-object config.json` of these bytes
+    blob = FileHash("git-sha1", hashlib.sha1(b"blob 9\0" + b'{"a": 1}\n').hexdigest(), 9)
+    assert hash_file(path, blob) == blob.digest
+    check_file(path, blob, "config.json")
+    assert FileHash.from_json(blob.to_json()) == blob and blob.to_json() == {"git_blob": blob.digest, "size": 9}
+    assert FileHash.from_json({"sha256": "AB", "size": 3}) == FileHash("sha256", "ab", 3)
+    assert FileHash.from_json({"md5": "x", "size": 1}) is None and FileHash.from_json("x") is None
+
+
+# ---- downloads -------------------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_flipped_byte_in_a_download_is_refused_then_a_rerun_publishes(cli: Any, hub: Any, tiny_llama_dir: Path) -> None:
+    base, target = "meta/integ-download", "alice/integ-download"
+    sha = seed(base, tiny_llama_dir, "tok_meta")
+    size = (tiny_llama_dir / WEIGHTS).stat().st_size
+    want = hashlib.sha256((tiny_llama_dir / WEIGHTS).read_bytes()).hexdigest()
+    hub.set_fault(flip_byte_at=size // 2, match=f"/{base}/resolve/")  # same size, same ETag, one byte off
+    result = cli(base, "--quant", "int8wo", "--repo-id", target, token="tok_alice")
+    assert result.exit_code == 1, result.output
+    line = _error_line(result.stderr)
+    assert f"{WEIGHTS} of {base}@{sha[:12]}" in line and "download again" in line
+    assert f"sha256 {_flipped_sha256(tiny_llama_dir / WEIGHTS, size // 2)}, but the Hub reports {want}" in line
+    assert "removed from the cache" in line and not _api().repo_exists(target)
+    assert _cached(base, WEIGHTS) == [] and want not in _blobs(base)  # the snapshot link and its blob are gone
+    # the fault is gone: the same command downloads the file afresh and publishes, recording the base's hashes
+    result = cli(base, "--quant", "int8wo", "--repo-id", target, "--json", token="tok_alice")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["pushed"] and want in _blobs(base)
+    state = json.loads(Path(_api().hf_hub_download(target, "hf_ao_publish.json")).read_text())
+    assert state["base_files"][WEIGHTS] == {"sha256": want, "size": size}
+    cfg = (tiny_llama_dir / "config.json").read_bytes()
+    assert state["base_files"]["config.json"]["git_blob"] == hashlib.sha1(b"blob %d\0" % len(cfg) + cfg).hexdigest()
+
+
+@pytest.mark.slow
+def test_truncated_and_dropped_downloads_are_retried_or_fail_in_one_line(cli: Any, hub: Any, tiny_llama_dir: Path,
+                                                                         tmp_path: Path) -> None:
+    base = "meta/integ-short"
+    sha = seed(base, tiny_llama_dir, "tok_meta")
+    # a short body on every try: retried, then one line (before any weight is read, nothing is written)
+    hub.set_fault(truncate_body_at=10, match=f"/{base}/resolve/", count=TRIES)
+    result = cli(base, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "a"))
+    assert result.exit_code == 1
+    line = _error_line(result.stderr)
+    assert f"of {base}@" in line and f"the body was cut short on each of {TRIES} tries" in line
+    assert "re-run the same command" in line and not (tmp_path / "a").exists()
+    hub.clear_faults()
+    # one short body and one connection dropped mid-body: both retried, and the run verifies
+    hub.set_fault(truncate_body_at=10, match=f"/{base}/resolve/")  # the first file read (config.json, at plan time)
+    hub.set_fault(drop_body_after_bytes=1000, match=f"/{base}/resolve/{sha}/{WEIGHTS}")  # the run reads at the sha
+    result = cli(base, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "b"), "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["verified"] and hub.faults_fired == {"truncate": 1, "drop_body": 1}
+
+
+@pytest.mark.slow
+def test_a_resumed_download_through_a_proxy_that_ignores_range_is_started_over(hub: Any) -> None:
+    """huggingface_hub resumes a cut download with a Range once it wrote a 10 MiB chunk; a proxy that answers with the
+    whole file then makes it start over (never append the wrong bytes), and the hash check confirms it."""
+    from huggingface_hub import HfApi
+
+    from publisher.downloads import download
+    from publisher.integrity import hashes_of
+
+    big, repo = os.urandom(11 * 2**20), "meta/integ-resume"
+    api = HfApi(token="tok_meta")
+    api.create_repo(repo, exist_ok=True)
+    sha = api.upload_file(path_or_fileobj=big, path_in_repo="big.bin", repo_id=repo).oid
+    hashes = hashes_of(api.model_info(repo, revision=sha, files_metadata=True).siblings)
+    assert hashes["big.bin"].algo == "sha256"
+    hub.set_fault(drop_body_after_bytes=10 * 2**20 + 4096, match=f"/{repo}/resolve/")
+    hub.set_fault(ignore_range=True, match=f"/{repo}/resolve/")
+    folder = download(repo, sha, ["big.bin"], hashes, None)
+    assert (folder / "big.bin").read_bytes() == big
+    assert hub.faults_fired == {"drop_body": 1, "ignore_range": 1}
+
+
+# ---- --low-disk range reads ------------------------------------------------------------------------------
+@pytest.mark.slow
+def test_a_flipped_byte_in_a_range_read_stops_the_run_before_the_commit(cli: Any, hub: Any, tiny_llama_dir: Path) -> None:
+    base, target = "meta/integ-range", "alice/integ-range"
+    sha = seed(base, tiny_llama_dir, "tok_meta")
+    size = (tiny_llama_dir / WEIGHTS).stat().st_size
+    want = hashlib.sha256((tiny_llama_dir / WEIGHTS).read_bytes()).hexdigest()
+    hub.set_fault(flip_byte_at=size - 5, match=f"/{base}/resolve/")  # the last tensor: read, quantized, uploaded...
+    result = cli(base, "--quant", "int8wo", "--low-disk", "--repo-id", target, token="tok_alice")
+    assert result.exit_code == 1, result.output
+    line = _error_line(result.stderr)
+    assert f"{WEIGHTS} of {base}@{sha[:12]}: the bytes read by HTTP range have sha256 " in line
+    assert f"{_flipped_sha256(tiny_llama_dir / WEIGHTS, size - 5)}, but the Hub reports {want}" in line
+    assert "nothing was committed" in line and "download again" in line
+    assert hub.faults_fired == {"flip": 1}
+    assert not _api().repo_exists(target)  # ...but the repo this run created for the upload is gone again
+    result = cli(base, "--quant", "int8wo", "--low-disk", "--repo-id", target, "--json", token="tok_alice")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["pushed"]
+
+
+@pytest.mark.slow
+def test_range_reads_resume_short_and_dropped_bodies_and_refuse_an_ignored_range(cli: Any, hub: Any,
+                                                                                  tiny_llama_dir: Path,
+                                                                                  tmp_path: Path) -> None:
+    base, target = "meta/integ-ranges", "alice/integ-ranges"
+    sha = seed(base, tiny_llama_dir, "tok_meta")
+    weights = f"/{base}/resolve/"
+    # a server (or proxy) that answers a Range with the whole file: refused at the first offset read, never misread
+    hub.set_fault(ignore_range=True, match=weights, count=50)
+    result = cli(base, "--quant", "int8wo", "--low-disk", "--repo-id", target, token="tok_alice")
+    assert result.exit_code == 1, result.output
+    line = _error_line(result.stderr)
+    assert "ignored the HTTP Range header" in line and "--no-low-disk" in line and WEIGHTS in line
+    assert not _api().repo_exists(target)
+    hub.clear_faults()
+    # short answers and a cut connection in the middle of tensors: each read resumes at its first missing byte
+    hub.set_fault(truncate_body_at=7, match=f"{weights}{sha}/{WEIGHTS}", count=2)
+    hub.set_fault(drop_body_after_bytes=100, match=f"{weights}{sha}/{WEIGHTS}", count=2)
+    out = tmp_path / "out"
+    result = cli(base, "--quant", "int8wo", "--low-disk", "--no-push", "--output-dir", str(out), "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["verified"]
+    assert hub.faults_fired == {"truncate": 2, "drop_body": 2}
+
+
+# ---- verify TARGET (a pipeline: component folders, model_index.json) ------------------------------------------
+FLUX_WEIGHTS = "transformer/diffusion_pytorch_model.safetensors"
+
+
+@pytest.fixture(scope="module")
+def published(hub: Any, tiny_flux_dir: Path) -> str:
+    from click.testing import CliRunner
+
+    from publisher.cli import main
+
+    seed("bfl/integ-verify", tiny_flux_dir, "tok_bfl")
+    os.environ["HF_TOKEN"] = "tok_alice"
+    try:
+        result = CliRunner().invoke(main, ["bfl/integ-verify", "--quant", "int8wo", "--repo-id", "alice/integ-verify"],
+                                    catch_exceptions=False)
+    finally:
+        del os.environ["HF_TOKEN"]
+    assert result.exit_code == 0, result.output
+    return "alice/integ-verify"
+
+
+@pytest.mark.slow
+def test_verify_target_refuses_a_flipped_byte_then_passes(cli: Any, hub: Any, published: str) -> None:
+    import shutil
+
+    shutil.rmtree(Path(os.environ["HF_HOME"]) / "hub" / f"models--{published.replace('/', '--')}", ignore_errors=True)
+    hub.set_fault(flip_byte_at=-1, match=f"/{FLUX_WEIGHTS}")  # only this test downloads now
+    result = cli("verify", published)
+    assert result.exit_code == 1, result.output
+    line = _error_line(result.stderr)
+    assert f"{FLUX_WEIGHTS} of {published}@" in line and "but the Hub reports" in line and "download again" in line
+    assert "nothing was verified" in line and _cached(published, FLUX_WEIGHTS) == []
+    result = cli("verify", published, "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["passed"]
+    assert "checked against the Hub's hashes" in result.stderr
+    assert "checked against the hashes the target recorded" in result.stderr  # the base it re-quantized
+
+
+@pytest.mark.slow
+def test_verify_target_whose_recorded_base_hashes_differ_fails_naming_the_file(cli: Any, published: str) -> None:
+    from huggingface_hub import CommitOperationAdd
+
+    api = _api()
+    state = json.loads(Path(api.hf_hub_download(published, "hf_ao_publish.json")).read_text())
+    state["base_files"][FLUX_WEIGHTS]["sha256"] = "0" * 64  # as if it had been made from other bytes
+    api.create_branch(published, branch="other-base", exist_ok=True)
+    api.create_commit(published, [CommitOperationAdd("hf_ao_publish.json", json.dumps(state).encode())],
+                      commit_message="tamper", revision="other-base")
+    result = cli("verify", published, "--revision", "other-base")
+    assert result.exit_code == 1, result.output
+    line = _error_line(result.stderr)
+    assert f"the base file {FLUX_WEIGHTS} of bfl/integ-verify@" in line and f"{published} records {'0' * 64}" in line
+    assert "not made from this base" in line
