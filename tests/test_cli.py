@@ -513,6 +513,12 @@ def test_publish_sample_size(fake_run: list[PublishRequest]) -> None:
     assert result.exit_code == 2 and "--sample-size" in result.stderr
 
 
+def test_publish_allow_unquantized(fake_run: list[PublishRequest]) -> None:
+    assert publish().exit_code == 0 and fake_run[-1].allow_unquantized is False
+    assert publish("--allow-unquantized").exit_code == 0 and fake_run[-1].allow_unquantized is True
+    assert "--allow-unquantized" in fake_run[-1].command  # the card's command line says it was accepted
+
+
 def test_publish_benchmark(fake_run: list[PublishRequest]) -> None:
     assert publish().exit_code == 0 and fake_run[-1].benchmark is False
     assert publish("--benchmark").exit_code == 0 and fake_run[-1].benchmark is True
