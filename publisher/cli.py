@@ -374,7 +374,12 @@ def _command_args(ctx: click.Context, skip: set[str]) -> list[str]:
     for param in ctx.command.params:
         name = param.name or ""
         value = ctx.params.get(name)
-        if name in skip or value in (None, False, ()) or value == param.default:
+        if name in skip or value == param.default:
+            continue
+        if value is False and isinstance(param, click.Option) and param.secondary_opts:  # --no-low-disk, given
+            parts.append(param.secondary_opts[0])
+            continue
+        if value in (None, False, ()):
             continue
         if ctx.get_parameter_source(name) == click.core.ParameterSource.ENVIRONMENT:
             continue

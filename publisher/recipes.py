@@ -273,3 +273,17 @@ def check_can_quantize(recipe: Recipe, capability: tuple[int, int] | None = None
         raise HardwareError(
             f"{recipe.name} needs a {needs.describe()} to quantize; this GPU has {cc[0]}.{cc[1]}"
         )
+
+
+def hf_jobs_table(flavors: Sequence[Flavor] | None = None) -> str:
+    """The Markdown table of docs/hf-jobs.md: recipes with the same smallest Jobs flavors share a row."""
+    def cell(found: list[Flavor]) -> str:
+        return ", ".join(f"`{f.name}`" + (f.describe()[len(f.name):] if f.gpu else "") for f in found) or "none"
+
+    rows: dict[tuple[str, ...], list[str]] = {}
+    for recipe in all_recipes():
+        picks = recipe.smallest_flavors(flavors)
+        rows.setdefault(tuple(cell(picks[step]) for step in ("quantize", "run", "benchmark")), []).append(f"`{recipe.name}`")
+    lines = ["| recipe | quantize | run (verification's forward) | benchmark (`--benchmark`) |", "|---|---|---|---|"]
+    lines += [f"| {', '.join(names)} | {' | '.join(cells)} |" for cells, names in rows.items()]
+    return "\n".join(lines)

@@ -622,6 +622,8 @@ def test_publish_on_hf_jobs(fake_remote: list[Any]) -> None:
     assert request.flavor == "l4x1" and request.publish.model == "some/model" and request.publish.quant == ["int8wo"]
     # what every job's command repeats: no token, no recipe/target/revision (set per job), no local-only option
     assert request.options == ("--components", "transformer", "--sample-steps", "2", "--sample-size", "64", "--quiet")
+    assert publish("--on-hf-jobs", "l4x1", "--no-low-disk").exit_code == 0
+    assert fake_remote[-1].options == ("--no-low-disk",)  # an explicit "no" reaches the job too
     assert result.stdout == "http://hub/alice/m-int8wo\n"
     assert "published alice/m-int8wo: http://hub/alice/m-int8wo" in result.stderr
     for extra, flag in ((["--no-push"], "--no-push"), (["--output-dir", "out"], "--output-dir"),

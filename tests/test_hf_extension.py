@@ -17,6 +17,8 @@ import sys
 import tomllib
 from pathlib import Path
 
+import pytest
+
 from publisher import __version__
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -41,6 +43,7 @@ def _hf(home: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(BIN / "hf"), *args], capture_output=True, text=True, env=env, timeout=300, cwd=home)
 
 
+@pytest.mark.slow
 def test_hf_dispatches_to_our_console_script(tmp_path: Path) -> None:
     script = BIN / f"hf-{NAME}"
     assert (BIN / "hf").is_file() and script.is_file(), "huggingface_hub's hf and our console script are installed"

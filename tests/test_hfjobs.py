@@ -86,9 +86,13 @@ def test_hardware_list_falls_back_to_the_table_offline(monkeypatch: pytest.Monke
     assert hardware.available() == (list(flavor_table.BUILTIN), "builtin")
 
 
-def test_hardware_list_from_the_loopback_hub(hub: Any) -> None:
+def test_hardware_list_from_the_loopback_hub(hub: Any, cli: Any) -> None:
     found, source = hardware.available()
     assert source == "hub" and [f.name for f in found] == [f.name for f in flavor_table.BUILTIN]
+    text = cli("recipes").stdout
+    assert "flavors for --on-hf-jobs, from the Hub's hardware list." in text
+    assert max(len(line) for line in text.splitlines()) <= 100
+    assert "  hf jobs      quantize, run, benchmark: l4x1 (L4, CC 8.9), a10g-small (A10G, CC 8.6)" in text
 
 
 # ------------------------------------------------------------------------------------------ preflight
@@ -223,3 +227,7 @@ def test_sigterm_is_handled_like_ctrl_c_while_jobs_run() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)  # the handler interrupts this
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_the_docs_flavor_table_is_the_registrys() -> None:
+    assert recipe_registry.hf_jobs_table() in (ROOT / "docs" / "hf-jobs.md").read_text()

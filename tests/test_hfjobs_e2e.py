@@ -9,6 +9,7 @@ with run-on: hf-jobs through the runner harness. The refusals that need no job a
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import queue
@@ -25,7 +26,7 @@ import pytest
 from action_harness import assert_secret_absent, run_action
 from huggingface_hub import HfApi
 
-from publisher.hfjobs.bootstrap import EXIT_MARKER
+from publisher.hfjobs.bootstrap import EXIT_MARKER, RESULT_MARKER
 from publisher.hfjobs.follow import RemoteOutcome, decode_result, take_marker
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -179,3 +180,30 @@ def test_the_action_runs_on_hf_jobs(hub: Any, flux_repo: str, tmp_path: Path) ->
     assert "--output-dir" not in json.loads(hub.jobs.get(job_id).spec["command"][-1])["args"]
     assert_secret_absent(run, TOKEN)
     _assert_token_only_a_secret(hub, job_id, TOKEN)
+
+
+def test_a_failed_job_stops_the_others_unless_keep_going(cli: Any, hub: Any) -> None:
+    api = HfApi(token=TOKEN)
+
+    def job(recipe: str, code: str) -> Any:
+        return api.run_job(image="python:3.11", command=["python", "-c", code], flavor="cpu-basic", namespace="alice",
+                           labels={"tool": "hf-ao-publish", "recipe": recipe})
+
+    failing = "import sys\nprint('Error: boom', flush=True)\nsys.exit(1)"
+    done = {"recipe": "int8wo", "repo_id": "alice/x", "url": "http://hub/alice/x", "commit": "c" * 40, "pr_url": None,
+            "verified": True, "pushed": True, "up_to_date": False, "error": None}
+    encoded = base64.b64encode(json.dumps(done).encode()).decode()
+    slow = f"import time\ntime.sleep({{}})\nprint('{RESULT_MARKER} 1/1 {encoded}')\nprint('{EXIT_MARKER} 0')"
+    first, second = job("int8dq", failing), job("int8wo", slow.format(120))
+    result = cli("--attach", first.id, "--attach", second.id, token=TOKEN)
+    assert result.exit_code == 1
+    assert "int8dq failed, stopping the other jobs (--keep-going lets them finish): cancelled job" in result.stderr
+    assert hub.jobs.get(second.id).stage == "CANCELED"
+    assert result.stderr.splitlines()[-1].startswith(f"Error: job {first.id} (int8dq on cpu-basic) failed with exit code 1: boom")
+
+    first, second = job("int8dq", failing), job("int8wo", slow.format(2))
+    result = cli("--attach", first.id, "--attach", second.id, "--keep-going", token=TOKEN)
+    assert result.exit_code == 1 and hub.jobs.get(second.id).stage == "COMPLETED"
+    assert f"int8dq: FAILED: job {first.id} (int8dq on cpu-basic) failed with exit code 1: boom" in result.stderr
+    assert result.stderr.splitlines()[-1] == "Error: 1 of 2 recipes failed"
+    assert "published alice/x: http://hub/alice/x" in result.stderr

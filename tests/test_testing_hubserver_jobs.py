@@ -12,6 +12,8 @@ import pytest
 from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError
 
+pytestmark = pytest.mark.slow  # a self-test of the test infrastructure, as test_testing_hubserver.py
+
 PY = "python"  # resolved in the job's own environment, as in a container
 
 

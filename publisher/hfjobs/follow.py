@@ -199,6 +199,8 @@ class Follower:
             outcome.result = decode_result(outcome)
         except ValueError as exc:
             log.warning("%s: its result could not be decoded (%s)", outcome.describe(), exc)
+        if outcome.result and outcome.result.get("repo_id"):
+            outcome.repo_id = str(outcome.result["repo_id"])  # what the job published, whatever it was asked
         code = outcome.exit_code
         if code is None and outcome.status_message:
             found = re.search(r"exit code:?\s*(-?\d+)", outcome.status_message, re.IGNORECASE)
