@@ -70,7 +70,7 @@ def test_pipeline_card_metadata_and_licence(published: dict[str, str], flux_repo
                     "## Intended use and limitations"):
         assert section in text
     assert base_sha in text
-    assert "| text_encoder_2 | `T5EncoderModel` | 7 (Int8Tensor: 7)" in text
+    assert "| text_encoder_2 | `T5EncoderModel` | 7 of 7 (Int8Tensor: 7)" in text
     assert "`vae` (AutoencoderKL)" in text  # components left as they were
     assert '"_type": "Int8WeightOnlyConfig"' in text and "config = Int8WeightOnlyConfig()" in text
     assert "hf-ao-publish bfl/tiny-flux --quant int8wo --components transformer,text_encoder_2 --repo-id alice/card-flux --sample-steps 2 --sample-size 64\n" in text
