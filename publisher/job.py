@@ -22,7 +22,7 @@ from publisher import __version__
 from publisher import recipes as recipe_registry
 from publisher.errors import PublishError, ResourceError, RunFailed, TargetError, VerificationError
 from publisher.recipes import Recipe
-from publisher.stages import card, fetch, preflight, push_pr
+from publisher.stages import card, fetch, hubcopy, preflight, push_pr
 from publisher.stages import plan as planning
 from publisher.stages import push as pushing
 from publisher.stages import source as source_stage
@@ -62,6 +62,8 @@ class PublishRequest:
     low_disk: bool | None = None  # None: auto (only when the download would not fit)
     verify_mode: Mode = "auto"
     benchmark: bool = False  # measure latency/memory vs bf16 also on a CPU (always on a GPU)
+    max_shard_size: str | None = None  # output shard size; None: the library's, or push_pr.LOW_DISK_SHARD with --low-disk
+    recheck_published: bool = False  # after the push, also read the commit back and reload it (hashes are always checked)
     command: str = "hf-ao-publish"
 
 
@@ -87,6 +89,7 @@ class Outcome:
     seconds: dict[str, float] = field(default_factory=dict)  # stage wall times
     rss_after: dict[str, int] = field(default_factory=dict)  # this process's peak RSS at the end of each stage
     benchmark: dict[str, Any] | None = None  # stages.measure result
+    copied: list[dict[str, Any]] = field(default_factory=list)  # --low-disk push: files copied Hub to Hub
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -109,6 +112,7 @@ class Outcome:
             "seconds": self.seconds,
             "peak_rss_after_stage": self.rss_after,
             "benchmark": self.benchmark,
+            "copied_from_base": self.copied,
             "peak_rss_bytes": _peak_rss(),
             "error": self.error,
         }
@@ -209,6 +213,9 @@ def _check_output_dir(path: Path) -> None:
 
 
 def run(req: PublishRequest) -> list[Outcome]:
+    from publisher.streaming.engine import bound_heap
+
+    bound_heap()  # before any worker thread exists: they would each get a heap arena
     token = resolve_token(req.token)
     plan = make_plan(req, token)
     outcomes = [Outcome(recipe=r.name, repo_id=plan.targets[r.name]) for r in plan.recipes]
@@ -240,6 +247,8 @@ class _Run:
     caches: dict[str, ComponentCache] = field(default_factory=dict)
     created: dict[str, bool] = field(default_factory=dict)  # --low-disk push: target repo created by this run
     card_args: dict[str, Any] = field(default_factory=dict)  # how the cards were written (to rewrite one later)
+    shard_size: int | None = None  # output shard size in bytes (None: the library's default)
+    elsewhere: frozenset[str] = frozenset()  # unchanged base files copied Hub to Hub (--low-disk push)
 
 
 def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outcomes: list[Outcome]) -> list[Outcome]:
@@ -255,7 +264,7 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
     if req.low_disk and plan.source.local_dir is not None:
         log.info("--low-disk has no effect on a local base folder: its weights are already on disk")
     estimate = preflight.check(plan, req.output_dir or Path(tempfile.gettempdir()), Path(constants.HF_HUB_CACHE),
-                               req.engine, req.low_disk, req.push)
+                               req.engine, req.low_disk, req.push, req.max_shard_size)
     if estimate.low_disk and (req.sample_prompt or req.benchmark):
         raise ResourceError("the base does not fit on disk, so its weights would be read by HTTP range, but "
                             "--sample-prompt / --benchmark need it whole; drop them or free disk space")
@@ -263,15 +272,19 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
         raise ResourceError("the base does not fit on disk, so shards would be uploaded and deleted as they are made, "
                             "but --verify-env needs them whole on disk; drop --verify-env or free disk space")
     remote = fetch.RemoteWeights(plan, token) if estimate.low_disk else None
+    staged = estimate.low_disk and req.push  # output shards leave the disk as they are made
+    # the files the run does not change go from the base repo to the target without touching the disk
+    elsewhere = frozenset(hubcopy.unchanged_files(plan)) if staged and plan.source.repo_id else frozenset()
     out_root = Path(tempfile.mkdtemp(prefix="hf-ao-publish-")) if auto_dir else req.output_dir
     assert out_root is not None
     started = time.monotonic()
-    base_dir = fetch.fetch(plan, token, skip=remote.files if remote is not None else frozenset())
+    base_dir = fetch.fetch(plan, token, skip=(remote.files if remote is not None else frozenset()) | elsewhere)
     for outcome in outcomes:
         outcome.seconds["download"] = round(time.monotonic() - started, 3)
     work_dir = tempfile.TemporaryDirectory(prefix="hf-ao-verify-")
     run = _Run(req, plan, token, states, out_root, base_dir, Path(work_dir.name), recipe_registry.cuda_capability(),
-               remote)
+               remote, shard_size=push_pr.size_bytes(req.max_shard_size or push_pr.LOW_DISK_SHARD)
+               if req.max_shard_size or staged else None, elsewhere=elsewhere)
     try:
         for recipe in todo:
             outcome = next(o for o in outcomes if o.recipe == recipe.name)
@@ -288,7 +301,7 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
                 log.error("%s: %s (continuing: --keep-going)", recipe.name, exc)
         run.card_args = dict(samples=run.samples, benchmarks={o.recipe: o.benchmark for o in outcomes}, command=req.command,
                              sample={"prompt": req.sample_prompt, "steps": req.sample_steps, "size": req.sample_size},
-                             endpoint=_endpoint())
+                             endpoint=_endpoint(), shard_size=run.shard_size)
         card.write_cards(plan, run.done, **run.card_args)
         for name, (artifacts, report) in run.done.items():
             finalize(artifacts, run.finals[name])
@@ -348,13 +361,18 @@ def _build(run: _Run, recipe: Recipe, outcome: Outcome) -> None:
     run.finals[recipe.name] = folder
     uploader = None
     if run.remote is not None and req.push:
-        target = plan.targets[recipe.name]
-        run.created[recipe.name] = push_pr.ensure_repo(target, run.token, req.private)
-        uploader = push_pr.ShardUploader(target, run.token, partial_folder(folder, run.out_root), recipe.tensor_class)
+        uploader, run.created[recipe.name] = push_pr.open_uploader(
+            plan, plan.targets[recipe.name], run.token, req.private, partial_folder(folder, run.out_root),
+            recipe.tensor_class, run.shard_size, run.elsewhere)
     try:
         _build_stages(run, recipe, outcome, folder, uploader)
+        if uploader is not None:
+            uploader.finish_copy()
+            if uploader.copy is not None:
+                outcome.copied = [asdict(c) for c in uploader.copy.copied]
     except BaseException:
         if uploader is not None:
+            uploader.close()
             push_pr.discard(uploader.repo_id, run.token, run.created.pop(recipe.name, False))
         raise
 
@@ -366,7 +384,8 @@ def _build_stages(run: _Run, recipe: Recipe, outcome: Outcome, folder: Path, upl
         cache = run.caches[recipe.name] = ComponentCache(default_root(), run.states[recipe.name]["fingerprint"])
         artifacts = quantize_recipe(plan, run.base_dir, recipe, partial_folder(folder, run.out_root),
                                     recipe_registry.quantize_device(recipe, run.capability), engine=req.engine, cache=cache,
-                                    remote=run.remote, uploader=uploader)
+                                    remote=run.remote, uploader=uploader, max_shard_size=run.shard_size,
+                                    elsewhere=run.elsewhere)
     outcome.components = [_component_json(c) for c in artifacts.components]
     with _timed(outcome, "verify"):
         report = verify(artifacts, run.work / recipe.name, envs=req.verify_envs, base_sources=fetch.base_sources(plan, run.base_dir, run.remote),
@@ -424,7 +443,7 @@ def _push_one(run: _Run, outcome: Outcome, previous: dict[str, Any] | None) -> N
         with _timed(outcome, "published_check"):
             try:
                 results = published.check_published(report, outcome.repo_id, str(outcome.commit), run.work / outcome.recipe,
-                                                    run.token)
+                                                    run.token, files=result.files, recheck=run.req.recheck_published)
             except published.PublishedMismatch as exc:
                 outcome.published_check, outcome.error = [asdict(r) for r in exc.results], str(exc)
                 raise
@@ -432,9 +451,12 @@ def _push_one(run: _Run, outcome: Outcome, previous: dict[str, Any] | None) -> N
 
 
 def _check_pull_request(run: _Run, outcome: Outcome, revision: str) -> list[Path]:
-    """--low-disk push: the forward check and quality figures on the pull request, before the merge; returns
-    the rewritten card and report, which join the pull request."""
+    """--low-disk push: what verification still needs the pull request for (the forward check and quality figures
+    of a component whose forward could not run during quantization), before the merge; returns the rewritten card
+    and report, which join the pull request (nothing when there was nothing to do)."""
     artifacts, report = run.done[outcome.recipe]
+    if not published.needs_pull_request_check(artifacts, report):
+        return []
     try:
         published.check_pull_request(artifacts, report, outcome.repo_id, revision, run.token,
                                      fetch.base_sources(run.plan, run.base_dir, run.remote))

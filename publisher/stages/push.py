@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from publisher import hub
 from publisher.errors import TargetError, VerificationError
+from publisher.verify.hashes import FileHash, of_operation
 from publisher.verify.report import VerifyReport
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,7 @@ class PushResult:
     pr_url: str | None
     up_to_date: bool
     created: bool
+    files: dict[str, FileHash] = field(default_factory=dict)  # what the commit must hold: hashes taken before upload
 
 
 def published_state(repo_id: str, token: str | None, revision: str | None = None) -> tuple[str | None, dict[str, Any] | None]:
@@ -160,7 +162,9 @@ def push(
         if created:
             hub.delete_repo_quietly(repo_id, token)
         raise
-    return PushResult(repo_id, str(repo_url), oid, pr_url, False, created)
+    # the LFS sha256 were taken for the upload; small files are hashed from the bytes that were committed
+    files = {op.path_in_repo: of_operation(op) for op in additions}
+    return PushResult(repo_id, str(repo_url), oid, pr_url, False, created, files)
 
 
 def commit_operations(api: Any, repo_id: str, folder: Path, head: str | None,

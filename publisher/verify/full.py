@@ -29,6 +29,7 @@ log = logging.getLogger(__name__)
 
 WORKER = Path(loadpath.__file__).resolve()
 GiB = 1024**3
+REFERENCE_IN_PASS = "the forward pass on the in-memory quantized tensors during quantization"
 
 
 def record_expected(artifacts: Artifacts, work: Path, device: str = "cpu") -> tuple[list[Expected], list[str]]:
@@ -42,7 +43,15 @@ def record_expected(artifacts: Artifacts, work: Path, device: str = "cpu") -> tu
         model = artifacts.models.get(comp.name)
         if model is None:
             # Streamed (or resumed): held one tensor at a time. The engine recorded each tensor's digest
-            # while it was in memory; the reference output is the library-path reload's (see verify()).
+            # while it was in memory, and ran the forward pass on those tensors as it went (verify/inpass.py);
+            # without that, the reference output is the block-by-block or library-path reload's (see verify()).
+            ran = comp.forward is not None and comp.forward.output is not None and inputs_file is not None
+            if ran:
+                assert comp.forward is not None
+                expected.append(Expected(comp.name, comp.library, comp.class_name, inputs_file, comp.forward.output,
+                                         dict(comp.digests), comp.quantized, REFERENCE_IN_PASS,
+                                         base_output=comp.forward.base_output))
+                continue
             reference = "the in-memory quantized tensors" if comp.digests else "the library-path reload"
             expected.append(Expected(comp.name, comp.library, comp.class_name, inputs_file, None, dict(comp.digests),
                                       comp.quantized, reference, needs_reference=True))
@@ -128,12 +137,15 @@ def verify(
             folder = artifacts.folder / exp.component if exp.component else artifacts.folder
             if uploader is not None and uploader.checked.get(exp.component):
                 # --low-disk push: checked tensor by tensor before each shard was uploaded and deleted; the forward
-                # and the quality figures run on the pull request before it is merged (published.check_pull_request)
+                # ran during quantization on those very tensors (or, failing that, runs on the pull request before
+                # it is merged: published.check_pull_request)
+                ran = exp.output is not None
                 report.results.append(PathResult(
                     exp.component, "streaming", "current, before upload", loadpath.versions(), True,
-                    f"{uploader.checked[exp.component]} tensors equal before upload; forward pending on the pull request",
+                    f"{uploader.checked[exp.component]} tensors equal before upload; "
+                    + ("forward during quantization" if ran else "forward pending on the pull request"),
                     quantized_layers=uploader.classes.get(exp.component, 0),
-                    tensors_checked=uploader.checked[exp.component]))
+                    tensors_checked=uploader.checked[exp.component], forward_checked=ran))
                 continue
             report.results.append(vs.streaming_check(exp, LocalShards(folder), artifacts.recipe.tensor_class,
                                                      forward_optional=artifacts.recipe.run.cuda))
@@ -156,8 +168,8 @@ def verify(
                                          tensor_class=artifacts.recipe.tensor_class, device=device, skip_reference=True)
         if envs:
             report.notes.append("--verify-env runs the whole-component reloads only (full verification).")
-    if base_sources:
-        report.quality = quality_against_base(expected, base_sources)
+    if base_sources or any(e.base_output is not None for e in expected):
+        report.quality = quality_against_base(expected, base_sources or {})
     report.passed = bool(report.results) and not report.failures()
     report.expected = expected
     report.device = device
@@ -293,8 +305,8 @@ def compare(exp: Expected, data: dict[str, Any], path: str, env_name: str, pytho
 
 
 def quality_against_base(expected: list[Expected], base_sources: dict[str, ShardSource]) -> list[Quality]:
-    """Relative error and cosine similarity of each component's output against the bf16 base, whose forward
-    runs block by block from its shards (one block in memory: never more than the quantized side needs)."""
+    """Relative error and cosine similarity of each component's output against the bf16 base: its output from the
+    quantization pass when that ran it, else a forward block by block from its shards (one block in memory)."""
     import torch
     from safetensors.torch import load_file
 
@@ -303,15 +315,20 @@ def quality_against_base(expected: list[Expected], base_sources: dict[str, Shard
     out: list[Quality] = []
     for exp in expected:
         source = base_sources.get(exp.component)
-        if exp.output is None or exp.inputs is None or source is None:
+        if exp.output is None or exp.inputs is None:
             continue
-        try:
-            ref = vs.block_forward(source, exp.library, exp.class_name, vs.load_config(source),
-                                   load_file(str(exp.inputs))).output.float()
-        except (OSError, KeyError, ValueError, RuntimeError) as exc:
-            log.warning("quality of %s not measured: the bf16 base forward failed (%s)", exp.component or "model", exc)
+        if exp.base_output is not None:  # computed during the quantization pass: nothing to read again
+            ref = exp.base_output.float()
+        elif source is None:
             continue
-        gc.collect()
+        else:
+            try:
+                ref = vs.block_forward(source, exp.library, exp.class_name, vs.load_config(source),
+                                       load_file(str(exp.inputs))).output.float()
+            except (OSError, KeyError, ValueError, RuntimeError) as exc:
+                log.warning("quality of %s not measured: the bf16 base forward failed (%s)", exp.component or "model", exc)
+                continue
+            gc.collect()
         q = exp.output.float()
         rel = float((q - ref).norm() / ref.norm().clamp_min(1e-12))
         cos = float(torch.nn.functional.cosine_similarity(q.flatten(), ref.flatten(), dim=0))

@@ -120,7 +120,7 @@ def blocks(model: Any, budget: int) -> list[tuple[str, Any, bool]]:
     return out
 
 
-def _own_state(module: Any, whole: bool) -> list[tuple[Any, str, str, bool]]:
+def own_state(module: Any, whole: bool) -> list[tuple[Any, str, str, bool]]:
     """(owner module, attribute, state-dict suffix, is_parameter) for what a block loads."""
     items: list[tuple[Any, str, str, bool]] = []
     mods = module.named_modules(remove_duplicate=False) if whole else [("", module)]
@@ -177,7 +177,7 @@ class BlockLoader:
 
     def _loader(self, prefix: str, module: Any, whole: bool) -> Any:
         def hook(mod: Any, args: Any) -> None:
-            items = _own_state(module, whole)
+            items = own_state(module, whole)
             state = {suffix: self.reader.read(self._source_name(prefix + suffix)) for _, _, suffix, _ in items}
             size = sum(_nbytes(t) for t in state.values())
             self.peak_block_bytes = max(self.peak_block_bytes, size)

@@ -143,12 +143,19 @@ class _Handler(BaseHTTPRequestHandler):
         if resp.file is not None:
             start, end = resp.file_range or (0, resp.file.stat().st_size - 1)
             length = end - start + 1
+        elif resp.stream is not None and resp.file_range is not None:
+            start, end = resp.file_range
+            length = end - start + 1
         self.send_response(resp.status)
         for key, value in resp.headers.items():
             self.send_header(key, value)
         self.send_header("Content-Length", str(length))
         self.end_headers()
         if req.method == "HEAD":
+            return
+        if resp.stream is not None and resp.file_range is not None:
+            for data in resp.stream(*resp.file_range):  # a virtual file: its bytes are computed as they are sent
+                self.wfile.write(data)
             return
         if resp.file is None:
             self.wfile.write(resp.body)

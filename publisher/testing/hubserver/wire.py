@@ -44,6 +44,7 @@ class Response:
     headers: dict[str, str] = field(default_factory=dict)
     file: Path | None = None  # streamed by the transport; `file_range` is (start, end inclusive)
     file_range: tuple[int, int] | None = None
+    stream: Callable[[int, int], Iterator[bytes]] | None = None  # instead of `file`: bytes start..end, computed
     drop: bool = False  # close the connection without answering (fault injection)
 
 
