@@ -121,7 +121,8 @@ def _load_manual(req: dict[str, Any]) -> Any:
         metadata.update(meta)
         tensors.update(load_file(str(shard)))
     if names:
-        metadata["tensor_names"] = json.dumps(names)
+        # every shard lists every tensor name: once each, or torchao's unflatten meets a name twice (KeyError)
+        metadata["tensor_names"] = json.dumps(list(dict.fromkeys(names)))
         state, leftover = unflatten_tensor_state_dict(tensors, metadata)
         state.update(leftover)
     else:
