@@ -79,7 +79,7 @@ class HubFile(io.RawIOBase):
         self.transferred = 0  # bytes fetched (retries included): 0 when the target already held the object
         self._stream: Any = None
         self._chunks: Any = None
-        self._buffer = b""
+        self._buffer: memoryview | bytes = b""
 
     def readable(self) -> bool:
         return True
@@ -105,8 +105,8 @@ class HubFile(io.RawIOBase):
         if self.pos == 0:
             self.digest = hashlib.sha256()
         if not self._buffer:
-            self._buffer = self._next_chunk()
-        data, self._buffer = self._buffer[:want], self._buffer[want:]
+            self._buffer = memoryview(self._next_chunk())
+        data, self._buffer = self._buffer[:want], self._buffer[want:]  # views: no copy of the rest of the chunk
         if self.digest is not None:
             self.digest.update(data)
             if self.pos + len(data) == self.size and self.digest.hexdigest() != self.sha256:

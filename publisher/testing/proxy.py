@@ -29,11 +29,12 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - stdlib signature
         pass
 
+    _conn: http.client.HTTPConnection | None = None
+
     def _upstream(self) -> http.client.HTTPConnection:
-        conn = getattr(self, "_conn", None)
-        if conn is None:
-            conn = self._conn = http.client.HTTPConnection(self.server.host, self.server.port, timeout=3600)
-        return conn
+        if self._conn is None:
+            self._conn = http.client.HTTPConnection(self.server.host, self.server.port, timeout=3600)
+        return self._conn
 
     def _forward(self) -> None:
         chunked = "chunked" in (self.headers.get("Transfer-Encoding") or "").lower()
