@@ -22,12 +22,13 @@ from publisher import __version__
 from publisher import recipes as recipe_registry
 from publisher.errors import PublishError, ResourceError, RunFailed, TargetError, VerificationError
 from publisher.recipes import Recipe
-from publisher.stages import card, fetch, hubcopy, preflight, push_pr
+from publisher.stages import card, fetch, preflight, push_pr
 from publisher.stages import plan as planning
 from publisher.stages import push as pushing
 from publisher.stages import source as source_stage
 from publisher.stages.quantize import Artifacts, QuantizedComponent, finalize, partial_folder, prepare_output, quantize_recipe
 from publisher.stages.resume import ComponentCache, default_root
+from publisher.streaming.engine import bound_heap
 from publisher.verify import published
 from publisher.verify.full import verify
 from publisher.verify.report import Mode, VerifyReport, require_passed
@@ -213,8 +214,6 @@ def _check_output_dir(path: Path) -> None:
 
 
 def run(req: PublishRequest) -> list[Outcome]:
-    from publisher.streaming.engine import bound_heap
-
     bound_heap()  # before any worker thread exists: they would each get a heap arena
     token = resolve_token(req.token)
     plan = make_plan(req, token)
@@ -272,9 +271,7 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
         raise ResourceError("the base does not fit on disk, so shards would be uploaded and deleted as they are made, "
                             "but --verify-env needs them whole on disk; drop --verify-env or free disk space")
     remote = fetch.RemoteWeights(plan, token) if estimate.low_disk else None
-    staged = estimate.low_disk and req.push  # output shards leave the disk as they are made
-    # the files the run does not change go from the base repo to the target without touching the disk
-    elsewhere = frozenset(hubcopy.unchanged_files(plan)) if staged and plan.source.repo_id else frozenset()
+    shard_size, elsewhere = push_pr.staging(plan, estimate.low_disk and req.push, req.max_shard_size)
     out_root = Path(tempfile.mkdtemp(prefix="hf-ao-publish-")) if auto_dir else req.output_dir
     assert out_root is not None
     started = time.monotonic()
@@ -283,8 +280,7 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
         outcome.seconds["download"] = round(time.monotonic() - started, 3)
     work_dir = tempfile.TemporaryDirectory(prefix="hf-ao-verify-")
     run = _Run(req, plan, token, states, out_root, base_dir, Path(work_dir.name), recipe_registry.cuda_capability(),
-               remote, shard_size=push_pr.size_bytes(req.max_shard_size or push_pr.LOW_DISK_SHARD)
-               if req.max_shard_size or staged else None, elsewhere=elsewhere)
+               remote, shard_size=shard_size, elsewhere=elsewhere)
     try:
         for recipe in todo:
             outcome = next(o for o in outcomes if o.recipe == recipe.name)
@@ -351,10 +347,10 @@ def _up_to_date(req: PublishRequest, outcome: Outcome, state: dict[str, Any],
 
 
 def _build(run: _Run, recipe: Recipe, outcome: Outcome) -> None:
-    """The local stages for one recipe: quantize, verify, state file, measurements, sample.
-
-    --low-disk with a push: each finished output shard is checked, pre-uploaded and deleted as it is written
-    (push_pr), so the target repo exists from the start; a repo this run created goes again on failure."""
+    """The local stages for one recipe: quantize, verify, state file, measurements, sample. --low-disk with a push:
+    each finished output shard is checked, pre-uploaded and deleted as it is written, and the unchanged files go
+    from the base repo to the target (push_pr), so the target repo exists from the start; one this run created
+    goes again on failure."""
     req, plan = run.req, run.plan
     folder = prepare_output(run.out_root, recipe, len(plan.recipes) > 1)
     outcome.folder = folder
@@ -367,9 +363,7 @@ def _build(run: _Run, recipe: Recipe, outcome: Outcome) -> None:
     try:
         _build_stages(run, recipe, outcome, folder, uploader)
         if uploader is not None:
-            uploader.finish_copy()
-            if uploader.copy is not None:
-                outcome.copied = [asdict(c) for c in uploader.copy.copied]
+            outcome.copied = uploader.finish_copy()
     except BaseException:
         if uploader is not None:
             uploader.close()
@@ -451,9 +445,8 @@ def _push_one(run: _Run, outcome: Outcome, previous: dict[str, Any] | None) -> N
 
 
 def _check_pull_request(run: _Run, outcome: Outcome, revision: str) -> list[Path]:
-    """--low-disk push: what verification still needs the pull request for (the forward check and quality figures
-    of a component whose forward could not run during quantization), before the merge; returns the rewritten card
-    and report, which join the pull request (nothing when there was nothing to do)."""
+    """--low-disk push: the forward check and quality figures on the pull request of a component whose forward could
+    not run during quantization; returns the rewritten card and report, which join the pull request (or nothing)."""
     artifacts, report = run.done[outcome.recipe]
     if not published.needs_pull_request_check(artifacts, report):
         return []

@@ -24,6 +24,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -165,14 +166,15 @@ class ShardUploader:
     def start_copy(self, copy: HubCopy) -> None:
         self.copy = copy.start()
 
-    def finish_copy(self) -> None:
-        """Wait for the copy from the base; its files join the commit."""
+    def finish_copy(self) -> list[dict[str, Any]]:
+        """Wait for the copy from the base; its files join the commit. Returns what was copied (for --json)."""
         if self.copy is None:
-            return
+            return []
         for op in self.copy.wait():
             self.ops[op.path_in_repo] = op
         for path, hashes in self.copy.expected.items():
             self.expected[path], self.sizes[path] = hashes, hashes.size
+        return [asdict(c) for c in self.copy.copied]
 
 
 class _Component:
@@ -238,6 +240,15 @@ def size_bytes(value: str | int) -> int:
     if size <= 0:
         raise ValueError(f"{value!r} is not a positive size")
     return size
+
+
+def staging(plan: Plan, staged: bool, max_shard_size: str | None) -> tuple[int | None, frozenset[str]]:
+    """(output shard size in bytes, or None for the library's default; the unchanged base files that go from the base
+    repo to the target without touching the disk). ``staged``: output shards leave the disk as they are made."""
+    from publisher.stages.hubcopy import unchanged_files
+
+    shard = size_bytes(max_shard_size or LOW_DISK_SHARD) if max_shard_size or staged else None
+    return shard, frozenset(unchanged_files(plan)) if staged and plan.source.repo_id else frozenset()
 
 
 def open_uploader(plan: Plan, target: str, token: str | None, private: bool, root: Path, tensor_class: str,
