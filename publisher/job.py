@@ -347,10 +347,9 @@ def _up_to_date(req: PublishRequest, outcome: Outcome, state: dict[str, Any],
 
 
 def _build(run: _Run, recipe: Recipe, outcome: Outcome) -> None:
-    """The local stages for one recipe: quantize, verify, state file, measurements, sample. --low-disk with a push:
-    each finished output shard is checked, pre-uploaded and deleted as it is written, and the unchanged files go
-    from the base repo to the target (push_pr), so the target repo exists from the start; one this run created
-    goes again on failure."""
+    """The local stages for one recipe: quantize, verify, state file, measurements, sample. --low-disk with a push: the
+    output shards and the unchanged base files go to the target as the run goes (push_pr), so the target repo exists
+    from the start; one this run created goes again on failure."""
     req, plan = run.req, run.plan
     folder = prepare_output(run.out_root, recipe, len(plan.recipes) > 1)
     outcome.folder = folder
