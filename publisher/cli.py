@@ -189,6 +189,11 @@ def recipes_cmd(as_json: bool) -> None:
 @click.option("--low-disk/--no-low-disk", "low_disk", default=None,
               help="Read the quantized components' base weights by HTTP range instead of downloading them "
                    "(default: only when the download would not fit on disk).")
+@click.option("--max-shard-size", default=None, metavar="SIZE",
+              help="Largest output safetensors shard, e.g. 2GB or 500MB (default: the library's; 2GB with --low-disk and "
+                   "a push, where the disk holds about one shard).")
+@click.option("--recheck-published", is_flag=True,
+              help="After the push, also read the published commit back and reload it (its file hashes are always checked).")
 @click.option("--verify-mode", type=click.Choice(["auto", "full", "streaming"]), default="auto", show_default=True,
               help="full: reload each component whole in fresh processes; streaming: tensor by tensor and block by "
                    "block (bounded memory); auto: full when it fits in memory.")
@@ -207,8 +212,8 @@ def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | 
                 create_pr: bool, trust_remote_code: bool, keep_going: bool, verify_envs: tuple[str, ...],
                 compat: tuple[str, ...], sample_prompt: str | None, sample_steps: int, sample_size: int,
                 allow_unquantized: bool, benchmark: bool, engine: Engine, low_disk: bool | None,
-                verify_mode: Mode, on_hf_jobs: str | None, hf_jobs_timeout: str, attach: tuple[str, ...], as_json: bool,
-                debug: bool, quiet: bool) -> None:
+                max_shard_size: str | None, recheck_published: bool, verify_mode: Mode, on_hf_jobs: str | None,
+                hf_jobs_timeout: str, attach: tuple[str, ...], as_json: bool, debug: bool, quiet: bool) -> None:
     """Quantize MODEL_ID (Hub repo id or local folder), verify, card and push it.
 
     \b
@@ -246,6 +251,8 @@ def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | 
                                "nothing to reload; drop --verify-env, or add --no-push")
     if low_disk and engine == "library":
         raise click.UsageError("--low-disk reads weights by HTTP range, which only the streaming engine does; drop --engine library")
+    if max_shard_size is not None:
+        _check_size(max_shard_size)
     _start(debug, quiet)
     from publisher.job import PublishRequest, run
 
@@ -273,6 +280,8 @@ def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | 
         verify_mode="full" if verify_envs and verify_mode == "auto" else verify_mode,
         benchmark=benchmark,
         allow_unquantized=allow_unquantized,
+        max_shard_size=max_shard_size,
+        recheck_published=recheck_published,
         command=_command_line(ctx),
     )
     if on_hf_jobs is not None:
@@ -358,6 +367,15 @@ def verify_cmd(target: str, revision: str | None, token: str | None, verify_envs
         raise _Failure(f"verification of {target} failed: {report.summary()}", 1)
     measured = f"; other environments: {report.compat_counts()}" if report.compat else ""
     click.echo(f"{target}: all {len(report.results)} load checks passed{measured}", err=True)
+
+
+def _check_size(value: str) -> None:
+    from publisher.stages.push_pr import size_bytes
+
+    try:
+        size_bytes(value)
+    except ValueError:
+        raise click.UsageError(f"--max-shard-size {value!r} is not a size; give one such as 2GB, 500MB or 1000000000") from None
 
 
 def _command_line(ctx: click.Context) -> str:

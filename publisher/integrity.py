@@ -141,6 +141,11 @@ class HashedReader:
     def tell(self) -> int:
         return self.pos
 
+    @property
+    def size(self) -> int:
+        """The file's size as the Hub reports it (what safetensors_io.file_size asks of a remote file)."""
+        return self.expected.size
+
     def read(self, n: int) -> bytes:
         buf = bytearray(n)
         got = self.readinto(memoryview(buf))

@@ -28,8 +28,9 @@ from publisher.stages import plan as planning
 from publisher.stages import push as pushing
 from publisher.stages import quantize as quantize_stage
 from publisher.stages import source as source_stage
-from publisher.stages.quantize import Artifacts, QuantizedComponent, finalize, partial_folder, prepare_output, quantize_recipe
+from publisher.stages.quantize import Artifacts, finalize, partial_folder, prepare_output, quantize_recipe
 from publisher.stages.resume import ComponentCache, default_root
+from publisher.streaming.engine import bound_heap
 from publisher.verify import capture, matrix, published
 from publisher.verify.full import verify
 from publisher.verify.report import ForwardInputs, Mode, VerifyReport, require_passed
@@ -66,6 +67,8 @@ class PublishRequest:
     verify_mode: Mode = "auto"
     benchmark: bool = False  # measure latency/memory vs bf16 also on a CPU (always on a GPU)
     allow_unquantized: bool = False  # publish a component in which no layer could be quantized
+    max_shard_size: str | None = None  # output shard size; None: the library's, or push_pr.LOW_DISK_SHARD with --low-disk
+    recheck_published: bool = False  # after the push, also read the commit back and reload it (hashes are always checked)
     command: str = "hf-ao-publish"
 
 
@@ -91,6 +94,7 @@ class Outcome:
     seconds: dict[str, float] = field(default_factory=dict)  # stage wall times
     rss_after: dict[str, int] = field(default_factory=dict)  # this process's peak RSS at the end of each stage
     benchmark: dict[str, Any] | None = None  # stages.measure result
+    copied: list[dict[str, Any]] = field(default_factory=list)  # --low-disk push: files copied Hub to Hub
 
     def target(self) -> str:  # the repo id a push writes to (a push always has one: it needs a token)
         if self.repo_id is None:
@@ -119,6 +123,7 @@ class Outcome:
             "seconds": self.seconds,
             "peak_rss_after_stage": self.rss_after,
             "benchmark": self.benchmark,
+            "copied_from_base": self.copied,
             "peak_rss_bytes": _peak_rss(),
             "error": self.error,
         }
@@ -161,13 +166,6 @@ def _local_digest(plan: planning.Plan) -> str:
     return "local-" + hashlib.sha256(listing.encode()).hexdigest()[:40]
 
 
-def _changes(previous: dict[str, Any] | None, state: dict[str, Any]) -> str:
-    if not previous:
-        return "First publication."
-    changed = [k for k in state if k not in ("fingerprint", "base_files") and previous.get(k) != state.get(k)]
-    return "Changed since the previous publication: " + (", ".join(changed) or "unknown") + "."
-
-
 def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = True) -> planning.Plan:
     """Everything that can fail cheaply fails here, before any weight is downloaded. ``check_hardware=False``
     when the job runs elsewhere (Hugging Face Jobs: the flavor is checked instead of this machine)."""
@@ -181,7 +179,7 @@ def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = 
     if req.push and not token:
         raise TargetError("pushing needs a Hub token with write access; set HF_TOKEN (or pass --token), or use --no-push")
     if req.output_dir is not None:
-        _check_output_dir(req.output_dir)
+        leftovers.check_output_dir(req.output_dir)
     src = source_stage.resolve(req.model, req.revision, token)
     user = None
     if token:
@@ -200,26 +198,8 @@ def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = 
     return plan
 
 
-def _check_output_dir(path: Path) -> None:
-    """Fail before any download when the output folder cannot be used; leave nothing behind."""
-    if path.exists() and not path.is_dir():
-        raise TargetError(f"--output-dir {path} is a file; give a folder")
-    if path.is_dir():  # only an interrupted run's marked unfinished folders are removed (stages/leftovers.py)
-        leftovers.clear_output_dir(path)
-    created = not path.exists()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".hf-ao-publish-write-test"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise TargetError(f"--output-dir {path} is not writable ({exc.strerror or exc}); pass a writable folder") from None
-    finally:
-        if created and path.is_dir() and not any(path.iterdir()):
-            path.rmdir()
-
-
 def run(req: PublishRequest) -> list[Outcome]:
+    bound_heap()  # before any worker thread exists: they would each get a heap arena
     token = resolve_token(req.token)
     plan = make_plan(req, token)
     outcomes = [Outcome(recipe=r.name, repo_id=plan.targets[r.name]) for r in plan.recipes]
@@ -258,6 +238,8 @@ class _Run:
     created: dict[str, bool] = field(default_factory=dict)  # --low-disk push: target repo created by this run
     card_args: dict[str, Any] = field(default_factory=dict)  # how the cards were written (to rewrite one later)
     inputs: dict[str, ForwardInputs] = field(default_factory=dict)  # forward-check inputs, derived once from the base
+    shard_size: int | None = None  # output shard size in bytes (None: the library's default)
+    elsewhere: frozenset[str] = frozenset()  # unchanged base files copied Hub to Hub (--low-disk push)
 
 
 def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outcomes: list[Outcome]) -> list[Outcome]:
@@ -273,7 +255,7 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
     if req.low_disk and plan.source.local_dir is not None:
         log.info("--low-disk has no effect on a local base folder: its weights are already on disk")
     estimate = preflight.check(plan, req.output_dir or Path(tempfile.gettempdir()), Path(constants.HF_HUB_CACHE),
-                               req.engine, req.low_disk, req.push)
+                               req.engine, req.low_disk, req.push, req.max_shard_size)
     if estimate.low_disk and (req.sample_prompt or req.benchmark):
         raise ResourceError("the base does not fit on disk, so its weights would be read by HTTP range, but "
                             "--sample-prompt / --benchmark need it whole; drop them or free disk space")
@@ -286,8 +268,9 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
     measured: dict[str, list[matrix.Env] | None] = {} if (estimate.low_disk and req.push) or req.verify_mode == "streaming" else {
         r.name: matrix.matrix_envs(req.compat, r.name, {c.library for c in plan.quantized}, skip=[e.record.name for e in gating])
         for r in todo}
+    shard_size, elsewhere = push_pr.staging(plan, estimate.low_disk and req.push, req.max_shard_size)
     started = time.monotonic()
-    base_dir = fetch.fetch(plan, token, skip=remote.files if remote is not None else frozenset())
+    base_dir = fetch.fetch(plan, token, skip=(remote.files if remote is not None else frozenset()) | elsewhere)
     for outcome in outcomes:
         outcome.seconds["download"] = round(time.monotonic() - started, 3)
     out_root = Path(tempfile.mkdtemp(prefix="hf-ao-publish-")) if auto_dir else req.output_dir
@@ -295,7 +278,7 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
     existed = out_root.exists()
     work_dir = tempfile.TemporaryDirectory(prefix="hf-ao-verify-")
     run = _Run(req, plan, token, states, out_root, base_dir, Path(work_dir.name), recipe_registry.cuda_capability(),
-               remote, gating, measured)
+               remote, gating, measured, shard_size=shard_size, elsewhere=elsewhere)
     try:
         with _timed(outcomes[0], "inputs"):  # one derivation for every recipe: the same base, the same call
             run.inputs = capture.prepare(plan, base_dir, run.work / "inputs")
@@ -314,7 +297,7 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
                 log.error("%s: %s (continuing: --keep-going)", recipe.name, exc)
         run.card_args = dict(samples=run.samples, benchmarks={o.recipe: o.benchmark for o in outcomes}, command=req.command,
                              sample={"prompt": req.sample_prompt, "steps": req.sample_steps, "size": req.sample_size},
-                             endpoint=_endpoint(), folders=dict(run.finals))
+                             endpoint=_endpoint(), folders=dict(run.finals), shard_size=run.shard_size)
         card.write_cards(plan, run.done, **run.card_args)
         for name, (artifacts, report) in run.done.items():
             finalize(artifacts, run.finals[name])
@@ -366,23 +349,25 @@ def _up_to_date(req: PublishRequest, outcome: Outcome, state: dict[str, Any],
 
 
 def _build(run: _Run, recipe: Recipe, outcome: Outcome) -> None:
-    """The local stages for one recipe: quantize, verify, state file, measurements, sample.
-
-    --low-disk with a push: each finished output shard is checked, pre-uploaded and deleted as it is written
-    (push_pr), so the target repo exists from the start; a repo this run created goes again on failure."""
+    """The local stages for one recipe: quantize, verify, state file, measurements, sample. --low-disk with a push: the
+    output shards and the unchanged base files go to the target as the run goes (push_pr), so the target repo exists
+    from the start; one this run created goes again on failure."""
     req, plan = run.req, run.plan
     folder = prepare_output(run.out_root, recipe, len(plan.recipes) > 1)
     outcome.folder = folder
     run.finals[recipe.name] = folder
     uploader = None
     if run.remote is not None and req.push:
-        target = outcome.target()
-        run.created[recipe.name] = push_pr.ensure_repo(target, run.token, req.private)
-        uploader = push_pr.ShardUploader(target, run.token, partial_folder(folder, run.out_root), recipe.tensor_class)
+        uploader, run.created[recipe.name] = push_pr.open_uploader(
+            plan, outcome.target(), run.token, req.private, partial_folder(folder, run.out_root),
+            recipe.tensor_class, run.shard_size, run.elsewhere)
     try:
         _build_stages(run, recipe, outcome, folder, uploader)
+        if uploader is not None:
+            outcome.copied = uploader.finish_copy()
     except BaseException:
         if uploader is not None:
+            uploader.close()
             push_pr.discard(uploader.repo_id, run.token, run.created.pop(recipe.name, False))
         raise
 
@@ -394,9 +379,10 @@ def _build_stages(run: _Run, recipe: Recipe, outcome: Outcome, folder: Path, upl
         cache = run.caches[recipe.name] = ComponentCache(default_root(), run.states[recipe.name]["fingerprint"])
         artifacts = quantize_recipe(plan, run.base_dir, recipe, partial_folder(folder, run.out_root),
                                     recipe_registry.quantize_device(recipe, run.capability), engine=req.engine, cache=cache,
-                                    remote=run.remote, uploader=uploader, fingerprint=run.states[recipe.name]["fingerprint"])
+                                    remote=run.remote, uploader=uploader, fingerprint=run.states[recipe.name]["fingerprint"],
+                                    max_shard_size=run.shard_size, elsewhere=run.elsewhere, inputs=run.inputs)
     quantize_stage.report_layers(artifacts, run.base_dir, req.allow_unquantized)  # nothing quantized is an error unless accepted
-    outcome.components = [_component_json(c, artifacts.layers[c.name].to_dict()) for c in artifacts.components]
+    outcome.components = [c.to_json(artifacts.layers[c.name].to_dict()) for c in artifacts.components]
     with _timed(outcome, "verify"):
         report = verify(artifacts, run.work / recipe.name, envs=[e.pair for e in run.gating_envs],
                         base_sources=fetch.base_sources(plan, run.base_dir, run.remote),
@@ -432,7 +418,7 @@ def _push_one(run: _Run, outcome: Outcome, previous: dict[str, Any] | None) -> N
     src = run.plan.source
     message = f"Quantize {src.repo_id or src.local_dir.name}@{(src.sha or 'local')[:12]} with torchao {outcome.recipe}"  # type: ignore[union-attr]
     started = time.monotonic()
-    description = _changes(previous, state) + f"\n\nMade with hf-ao-publish {__version__}."
+    description = pushing.changes(previous, state) + f"\n\nMade with hf-ao-publish {__version__}."
     try:
         if artifacts.uploader is not None:
             result = push_pr.push_staged(
@@ -458,7 +444,7 @@ def _push_one(run: _Run, outcome: Outcome, previous: dict[str, Any] | None) -> N
         with _timed(outcome, "published_check"):
             try:
                 results = published.check_published(report, outcome.target(), str(outcome.commit), run.work / outcome.recipe,
-                                                    run.token)
+                                                    run.token, files=result.files, recheck=run.req.recheck_published)
             except published.PublishedMismatch as exc:
                 outcome.published_check, outcome.error = [asdict(r) for r in exc.results], str(exc)
                 raise
@@ -466,9 +452,11 @@ def _push_one(run: _Run, outcome: Outcome, previous: dict[str, Any] | None) -> N
 
 
 def _check_pull_request(run: _Run, outcome: Outcome, revision: str) -> list[Path]:
-    """--low-disk push: the forward check and quality figures on the pull request, before the merge; returns
-    the rewritten card and report, which join the pull request."""
+    """--low-disk push: the forward check and quality figures on the pull request of a component whose forward could
+    not run during quantization; returns the rewritten card and report, which join the pull request (or nothing)."""
     artifacts, report = run.done[outcome.recipe]
+    if not published.needs_pull_request_check(artifacts, report):
+        return []
     try:
         published.check_pull_request(artifacts, report, outcome.target(), revision, run.token,
                                      fetch.base_sources(run.plan, run.base_dir, run.remote))
@@ -501,21 +489,3 @@ def _endpoint() -> str:
     from huggingface_hub import constants
 
     return constants.ENDPOINT.rstrip("/")
-
-
-def _component_json(c: QuantizedComponent, layers: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "layers": layers,
-        "name": c.label,
-        "class": c.class_name,
-        "quantized_layers": len(c.quantized),
-        "skipped_layers": c.skipped,
-        "excluded_layers": len(c.excluded),
-        "tensor_classes": c.tensor_classes,
-        "bytes_before": c.bytes_before,
-        "bytes_after": c.bytes_after,
-        "engine": c.engine,
-        "stage_seconds": c.stage_seconds,
-    }
-
-

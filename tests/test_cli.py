@@ -541,6 +541,18 @@ def test_publish_low_disk(fake_run: list[PublishRequest]) -> None:
     assert result.exit_code == 2 and "only the streaming engine does" in result.stderr
 
 
+def test_publish_max_shard_size(fake_run: list[PublishRequest]) -> None:
+    assert publish().exit_code == 0 and fake_run[-1].max_shard_size is None
+    assert publish("--max-shard-size", "500MB").exit_code == 0 and fake_run[-1].max_shard_size == "500MB"
+    result = publish("--max-shard-size", "huge")
+    assert result.exit_code == 2 and "--max-shard-size 'huge' is not a size" in result.stderr
+
+
+def test_publish_recheck_published(fake_run: list[PublishRequest]) -> None:
+    assert publish().exit_code == 0 and fake_run[-1].recheck_published is False
+    assert publish("--recheck-published").exit_code == 0 and fake_run[-1].recheck_published is True
+
+
 def test_publish_verify_mode(fake_run: list[PublishRequest]) -> None:
     assert publish().exit_code == 0 and fake_run[-1].verify_mode == "auto"
     assert publish("--verify-mode", "streaming").exit_code == 0 and fake_run[-1].verify_mode == "streaming"

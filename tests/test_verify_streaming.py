@@ -180,6 +180,16 @@ def _cached_weights(repo_id: str) -> list[Path]:
     return [p for p in hub_cache.rglob("transformer/*.safetensors")] if hub_cache.exists() else []
 
 
+def _ranged_bytes(hub: Any, prefix: str) -> int:
+    """Bytes the loopback Hub was asked for by Range GETs of files under ``prefix`` (a /<repo>/resolve/ path)."""
+    total = 0
+    for method, path, rng in hub.app.seen:
+        if method == "GET" and rng and path.startswith(prefix):
+            start, _, end = rng.removeprefix("bytes=").partition("-")
+            total += int(end) - int(start) + 1
+    return total
+
+
 @pytest.mark.slow
 def test_low_disk_publish_reads_by_range_uploads_shards_and_merges_a_checked_pr(cli: Any, hub: Any, tiny_flux_dir: Path,
                                                                                  tmp_path: Path) -> None:
@@ -196,36 +206,58 @@ def test_low_disk_publish_reads_by_range_uploads_shards_and_merges_a_checked_pr(
     data = json.loads(result.stdout)
     repo = "alice/tiny-flux-lowdisk-torchao-int8wo"
     assert data["verified"] and data["pushed"] and data["verification"]["mode"] == "streaming"
-    # the base transformer's weights were read by HTTP range and never written to disk
-    ranged = [p for m, p, r in hub.app.seen if r and "/bfl/tiny-flux-lowdisk/resolve/" in p and p.endswith(".safetensors")]
+    # the base transformer's weights were read by HTTP range, each byte once, and never written to disk
+    prefix = "/bfl/tiny-flux-lowdisk/resolve/"
+    ranged = [p for m, p, r in hub.app.seen if r and p.startswith(prefix) and p.endswith(".safetensors")]
     assert any("transformer/diffusion_pytorch_model" in p for p in ranged)
+    weights = (tiny_flux_dir / "transformer").glob("*.safetensors")
+    base_bytes = sum(p.stat().st_size for p in weights)
+    assert _ranged_bytes(hub, prefix + f"{HfApi().model_info('bfl/tiny-flux-lowdisk').sha}/transformer/") <= 1.05 * base_bytes
     assert not _cached_weights("bfl/tiny-flux-lowdisk")
     # each output shard was uploaded (LFS, before any commit) and deleted; configs and the card stay
     assert not list((out / "transformer").glob("*.safetensors")) and (out / "transformer" / "config.json").is_file()
     assert "transformer/diffusion_pytorch_model.safetensors" in {f["name"] for f in data["files"]}
-    # committed as a pull request, checked there block by block, then merged
+    # the components the run does not change went from the base repo to the target, never to disk
+    for kept in ("text_encoder", "text_encoder_2", "vae", "tokenizer", "tokenizer_2"):
+        assert not (out / kept).exists()
+    hf_home = Path(os.environ["HF_HOME"])
+    assert not [p for p in hf_home.rglob("*.safetensors") if "tiny-flux-lowdisk" in str(p)]
+    copied = {c["path"]: c for c in data["copied_from_base"]}
+    assert {"text_encoder/model.safetensors", "vae/diffusion_pytorch_model.safetensors", "LICENSE.md"} <= set(copied)
+    assert all(c["transferred"] == 0 for c in copied.values() if c["lfs"])  # same Hub, same oid: nothing moved
+    names = {f["name"] for f in data["files"]}
+    assert {"text_encoder/model.safetensors", "tokenizer/tokenizer.json", "model_index.json", "LICENSE.md"} <= names
+    # committed as a pull request, checked there (the Hub's hashes), then merged
     prs = [d for d in HfApi(token="tok_alice").get_repo_discussions(repo) if d.is_pull_request]
     assert len(prs) == 1 and prs[0].status == "merged"
     results = data["verification"]["results"]
-    assert [r["env"] for r in results] == ["current, pull request before merge"]
+    # verified before the upload: tensors re-read from the local shard, forward during quantization, no second pass
+    assert [r["env"] for r in results] == ["current, before upload"]
     assert results[0]["ok"] and results[0]["forward_checked"] and results[0]["tensors_checked"] > 0
+    assert "forward during quantization" in results[0]["detail"]
     assert data["quality"] and data["quality"][0]["cosine"] > 0.99
     card = Path(hf_hub_download(repo, "README.md")).read_text()
-    assert "Quality against the bf16 base" in card and "pull request before merge" in card
-    # and the published main branch was checked again over range reads
+    assert "Quality against the base" in card and "during the quantization pass" in card
+    assert "shards of at most 2.00 GB" in card and "transformer: 10GB" in card
+    # and the Hub holds exactly the verified bytes: every file's sha256 or git blob id, with nothing else
     published = data["published_check"]
-    assert published and all(r["ok"] and r["path"] == "streaming" and r["forward_checked"] for r in published)
+    assert [r["path"] for r in published] == ["hashes"] and published[0]["ok"]
+    assert f"{len(names)} files equal to the verified bytes" in published[0]["detail"]
     pipe = DiffusionPipeline.from_pretrained(repo, torch_dtype=torch.bfloat16)
     assert type(pipe.transformer.transformer_blocks[0].ff.net[2].weight).__name__ == "Int8Tensor"
+    image = pipe("a cat", num_inference_steps=2, height=64, width=64, generator=torch.Generator().manual_seed(0)).images[0]
+    assert image.size == (64, 64)  # the copied components load and run
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("existing", [False, True])
 def test_low_disk_publish_failing_on_the_pull_request_merges_nothing(cli: Any, flux_repo: str, tiny_llama_dir: Path,
                                                                     monkeypatch: pytest.MonkeyPatch, existing: bool) -> None:
-    """The forward fails on the PR: it is closed, main is untouched, a repo made by this run is deleted."""
+    """Without a forward pass during quantization the forward runs on the PR; it fails there: the PR is closed, main
+    is untouched, a repo made by this run is deleted."""
     from huggingface_hub import HfApi
 
+    from publisher.stages import quantize
     from publisher.verify import streaming as verify_stream
 
     api = HfApi(token="tok_alice")
@@ -237,6 +269,7 @@ def test_low_disk_publish_failing_on_the_pull_request_merges_nothing(cli: Any, f
     def broken(*a: Any, **k: Any) -> Any:
         raise RuntimeError("injected: the forward pass breaks")
 
+    monkeypatch.setattr(quantize, "_in_pass_forward", lambda *args: None)  # the fallback: the forward after the pass
     monkeypatch.setattr(verify_stream, "block_forward", broken)
     result = cli(flux_repo, "--quant", "int8wo", "--low-disk", "--repo-id", repo, token="tok_alice")
     assert result.exit_code == 1
@@ -340,26 +373,33 @@ def test_shard_uploader_uploads_each_checked_shard_and_deletes_it(hub: Any, tiny
     assert ensure_repo("alice/shard-uploader", "tok_alice", False) is False
     root = tmp_path / "repo"
     dst = root / "transformer"
-    up = ShardUploader("alice/shard-uploader", "tok_alice", root, "Int8Tensor")
+    up = ShardUploader("alice/shard-uploader", "tok_alice", root, "Int8Tensor", shard_bytes=150_000)
+    up.limit = 150_000  # no overlap: while a shard ships, the writer may not add to the one that follows
     digests: dict[str, str] = {}
     hook = up.for_component("transformer", dst, digests)
     on_disk: list[int] = []
+    bytes_on_disk: list[int] = []
     real_upload = up.upload
 
     def watched(path: Path) -> None:
         on_disk.append(len(list(dst.glob("*.safetensors"))))
+        bytes_on_disk.append(sum(p.stat().st_blocks * 512 for p in dst.glob("*.safetensors")))
         real_upload(path)
 
     monkeypatch.setattr(up, "upload", watched)
     res = stream_quantize(tiny_flux_dir / "transformer", dst, library="diffusers", recipe=recipes.get("int8wo"),
                           class_name="FluxTransformer2DModel", progress=False, max_shard_size="150KB",
-                          digests=digests, on_planned=hook.planned, on_output_file=hook.finished)
+                          digests=digests, on_planned=hook.planned, on_output_file=hook.on_output, reserve=up.reserve)
+    up.flush()
     index = json.loads((dst / "diffusion_pytorch_model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 3
     assert sorted(up.ops) == [f"transformer/{s}" for s in shards]  # every shard pre-uploaded ...
     assert not list(dst.glob("*.safetensors"))  # ... and deleted
     assert max(on_disk) <= 3  # never more than a couple of shards waiting on disk
+    # the disk budget: the shipping shard and at most one more (a tensor spanning two shards), never the next ones
+    assert max(bytes_on_disk) <= 2 * 150_000 + 8192
+    assert set(up.expected) == set(up.ops) and all(len(h.sha256 or "") == 64 for h in up.expected.values())
     assert up.checked["transformer"] == len(res.digests) and up.classes["transformer"] == len(res.quantized)
     assert all(op._is_uploaded for op in up.ops.values())
     assert HfApi(token="tok_alice").list_repo_files("alice/shard-uploader") == [".gitattributes"]  # no commit yet

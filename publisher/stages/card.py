@@ -43,6 +43,7 @@ class CardInputs:
     psnr: float | None = None
     extra_notes: list[str] = field(default_factory=list)
     benchmark: dict[str, Any] | None = None  # publisher.stages.measure.measure()
+    shard_note: str | None = None  # the output shards are not the library's default size
 
 
 def licence_fields(plan: Plan) -> tuple[dict[str, Any], str | None]:
@@ -163,11 +164,30 @@ def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str |
     return re.sub(r"\n{3,}", "\n\n", text)
 
 
+def shard_note(artifacts: Artifacts, shard_size: int | None) -> str | None:
+    """What the card says when the weights are split into shards of another size than the library's default."""
+    import inspect
+
+    if shard_size is None:
+        return None
+    defaults = []
+    for c in artifacts.components:
+        cls = getattr(__import__(c.library), c.class_name, None)
+        default = inspect.signature(cls.save_pretrained).parameters["max_shard_size"].default if cls is not None else "?"
+        defaults.append(f"{c.label}: {default}")
+    return (f"The weights are split into safetensors shards of at most {_human(shard_size)} (`--max-shard-size`; "
+            f"`save_pretrained`'s default is {', '.join(defaults)}). Only the shard boundaries differ from the library's "
+            "layout: which file holds which tensor, and the index. Every tensor, its header entry and metadata, and "
+            "every config are what `save_pretrained` writes, and the library loaders read the shards as usual.")
+
+
 def write_cards(plan: Plan, done: dict[str, tuple[Artifacts, VerifyReport]], samples: dict[str, Any],
                 benchmarks: dict[str, Any], *, command: str, sample: dict[str, Any], endpoint: str,
-                only: str | None = None, folders: dict[str, Path] | None = None) -> list[Path]:
+                only: str | None = None, folders: dict[str, Path] | None = None,
+                shard_size: int | None = None) -> list[Path]:
     """Cards are written once every recipe is done, so each can link to its sibling variants. ``only``: rewrite
-    one recipe's card and report (after a later check). Returns the files written."""
+    one recipe's card and report (after a later check); ``shard_size``: the output shard size, when it is not the
+    library's default. Returns the files written."""
     from publisher import recipes as recipe_registry
 
     variants = []
@@ -193,6 +213,7 @@ def write_cards(plan: Plan, done: dict[str, tuple[Artifacts, VerifyReport]], sam
             extra_notes=_fp8_cpu_notes(artifacts),
             sample_image=samples[name].image if name in samples else None,
             psnr=samples[name].psnr if name in samples else None,
+            shard_note=shard_note(artifacts, shard_size),
         )
         text = render(plan, artifacts, report, plan.targets[name], inputs, (folders or {}).get(name))
         (artifacts.folder / "README.md").write_text(text, encoding="utf-8")

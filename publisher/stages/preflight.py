@@ -24,20 +24,28 @@ class Estimate:
     low_disk: bool = False  # the quantized components' weights are read by HTTP range, not downloaded
 
 
-def estimate(plan: Plan, engine: str = "auto", low_disk: bool = False, push: bool = False) -> Estimate:
+def estimate(plan: Plan, engine: str = "auto", low_disk: bool = False, push: bool = False,
+             max_shard_size: str | None = None) -> Estimate:
     """``low_disk`` and ``push``: output shards are uploaded and deleted as they are finished, so the output folder
-    holds at most about one component's quantized weights at a time (an upper bound on one shard)."""
+    holds about one shard plus push_pr.OVERLAP at a time, and the files the run does not change go from the base
+    repo to the target without touching the disk."""
     from publisher.stages.fetch import weight_files
+    from publisher.stages.hubcopy import unchanged_files
+    from publisher.stages.push_pr import LOW_DISK_SHARD, OVERLAP, size_bytes
 
     src = plan.source
+    staged = low_disk and push
     remote = {f for c in plan.quantized for f in weight_files(plan, c)} if low_disk else set()
-    download = 0 if src.local_dir is not None else sum(src.sizes.get(f, 0) for f in plan.base_files if f not in remote)
-    kept = sum(src.sizes.get(f, 0) for f in plan.base_files
-               if not any(f.startswith(f"{c.name}/") or (not c.name and "/" not in f) for c in plan.quantized))
+    elsewhere = set(unchanged_files(plan)) if staged and src.repo_id else set()
+    download = 0 if src.local_dir is not None else sum(src.sizes.get(f, 0) for f in plan.base_files
+                                                        if f not in remote and f not in elsewhere)
+    kept = sum(src.sizes.get(f, 0) for f in plan.base_files if f not in elsewhere
+               and not any(f.startswith(f"{c.name}/") or (not c.name and "/" not in f) for c in plan.quantized))
+    shard = size_bytes(max_shard_size or LOW_DISK_SHARD) + OVERLAP
     output = 0
     for recipe in plan.recipes:
         sizes = [c.param_bytes * recipe.bits // 16 for c in plan.quantized]
-        output += kept + (max(sizes, default=0) if low_disk and push else sum(sizes))
+        output += kept + (min(max(sizes, default=0), shard) if staged else sum(sizes))
     largest = max((c.param_bytes for c in plan.quantized), default=0)
     if engine == "library":
         # measured: the library path peaks at about 2x the bf16 size (model + torchao's flattening copies)
@@ -66,16 +74,16 @@ def _fits(est: Estimate, output_root: Path, cache_dir: Path) -> tuple[Path, int,
 
 
 def check(plan: Plan, output_root: Path, cache_dir: Path, engine: str = "auto", low_disk: bool | None = False,
-          push: bool = False) -> Estimate:
+          push: bool = False, max_shard_size: str | None = None) -> Estimate:
     """Disk and memory for the plan. ``low_disk`` None (auto): switch to HTTP range reads of the quantized
     components' weights when downloading them would not fit but streaming them would."""
     import psutil
 
-    est = estimate(plan, engine, bool(low_disk), push)
+    est = estimate(plan, engine, bool(low_disk), push, max_shard_size)
     short = _fits(est, output_root, cache_dir)
     hint = ""
     if short and not low_disk and engine != "library" and plan.source.local_dir is None and plan.quantized:
-        lean = estimate(plan, engine, True, push)
+        lean = estimate(plan, engine, True, push, max_shard_size)
         lean_short = _fits(lean, output_root, cache_dir)
         if low_disk is False:  # --no-low-disk
             hint = ", or drop --no-low-disk" if lean_short is None else ""

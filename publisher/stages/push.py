@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from publisher import hub
 from publisher.errors import InputError, TargetError, VerificationError
 from publisher.jsonfile import read_object
+from publisher.verify.commit_hashes import FileHash, of_operation
 from publisher.verify.report import VerifyReport
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,7 @@ class PushResult:
     pr_url: str | None
     up_to_date: bool
     created: bool
+    files: dict[str, FileHash] = field(default_factory=dict)  # what the commit must hold: hashes taken before upload
 
 
 def published_state(repo_id: str, token: str | None, revision: str | None = None) -> tuple[str | None, dict[str, Any] | None]:
@@ -161,7 +163,9 @@ def push(
         if created:
             hub.delete_repo_quietly(repo_id, token)
         raise
-    return PushResult(repo_id, str(repo_url), oid, pr_url, False, created)
+    # the LFS sha256 were taken for the upload; small files are hashed from the bytes that were committed
+    files = {op.path_in_repo: of_operation(op) for op in additions}
+    return PushResult(repo_id, str(repo_url), oid, pr_url, False, created, files)
 
 
 def commit_operations(api: Any, repo_id: str, folder: Path, head: str | None,
@@ -200,3 +204,11 @@ def check_writable(repo_id: str, token: str | None) -> str:
     if role == "read":
         raise TargetError("the Hub token is read-only; create a token with write access and set HF_TOKEN")
     return str(who.get("name"))
+
+
+def changes(previous: dict[str, Any] | None, state: dict[str, Any]) -> str:
+    """The commit description's line on what differs from the previous publication's state."""
+    if not previous:
+        return "First publication."
+    changed = [k for k in state if k not in ("fingerprint", "base_files") and previous.get(k) != state.get(k)]
+    return "Changed since the previous publication: " + (", ".join(changed) or "unknown") + "."

@@ -11,7 +11,7 @@ import logging
 import os
 import shutil
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,12 +20,14 @@ from publisher.jsonfile import read_object
 from publisher.recipes import Recipe, build_config
 from publisher.stages.leftovers import MARKER, make_partial, remove_partial
 from publisher.stages.plan import Component, Plan
+from publisher.verify.report import ForwardInputs, PassForward
 
 if TYPE_CHECKING:
     from publisher.stages.coverage import LayerReport
     from publisher.stages.fetch import RemoteWeights
     from publisher.stages.push_pr import ShardUploader
     from publisher.stages.resume import ComponentCache
+    from publisher.verify.inpass import InPassForward
 
 log = logging.getLogger(__name__)
 
@@ -47,10 +49,27 @@ class QuantizedComponent:
     peak_rss_bytes: int | None = None  # streaming engine: the process's peak RSS after this component
     stage_seconds: dict[str, float] = field(default_factory=dict)
     digests: dict[str, str] = field(default_factory=dict, repr=False)  # streaming engine: in-memory tensor digests
+    forward: PassForward | None = field(default=None, repr=False)  # streaming engine: forward passes during the pass
 
     @property
     def label(self) -> str:
         return self.name or "model"
+
+    def to_json(self, layers: dict[str, Any]) -> dict[str, Any]:
+        """The component in the run's --json output (``layers``: coverage.LayerReport.to_dict())."""
+        return {
+            "layers": layers,
+            "name": self.label,
+            "class": self.class_name,
+            "quantized_layers": len(self.quantized),
+            "skipped_layers": self.skipped,
+            "excluded_layers": len(self.excluded),
+            "tensor_classes": self.tensor_classes,
+            "bytes_before": self.bytes_before,
+            "bytes_after": self.bytes_after,
+            "engine": self.engine,
+            "stage_seconds": self.stage_seconds,
+        }
 
 
 @dataclass
@@ -119,7 +138,9 @@ def finalize(artifacts: Artifacts, folder: Path) -> None:
 
 def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, device: str = "cpu",
                     engine: str = "auto", cache: ComponentCache | None = None, remote: RemoteWeights | None = None,
-                    uploader: ShardUploader | None = None, fingerprint: str = "0" * 64) -> Artifacts:
+                    uploader: ShardUploader | None = None, fingerprint: str = "0" * 64,
+                    max_shard_size: int | str | None = None, elsewhere: frozenset[str] = frozenset(),
+                    inputs: dict[str, ForwardInputs] | None = None) -> Artifacts:
     """Quantize every planned component with ``recipe`` and write the standalone repo into ``folder``.
 
     engine "auto": the streaming engine (one tensor in memory, same bytes as the library path) for every
@@ -128,11 +149,14 @@ def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, d
     downloaded; the streaming engine reads them by HTTP range, the library path has them fetched first.
     ``uploader`` (``push_pr.ShardUploader``): each finished shard of a streamed component is checked,
     pre-uploaded and deleted at once (no resume cache then: its files leave the disk). ``fingerprint``: the run's
-    (job.state_for), written into the folder's marker (stages/leftovers.py)."""
+    (job.state_for), written into the folder's marker (stages/leftovers.py). ``max_shard_size``: the output shard
+    size (default: the library's). ``elsewhere``: unchanged base files that go to the target another way (Hub to
+    Hub: ``hubcopy``), so they are not copied into the folder. ``inputs``: the run's forward-check inputs
+    (verify/capture.py) by component name: a streamed component runs its forward checks during the pass."""
     remove_partial(partial)  # an earlier run's unfinished folder; refuses anything that is not ours
     make_partial(partial, fingerprint, recipe.name)
     try:
-        _copy_unchanged(plan, base_dir, partial)
+        _copy_unchanged(plan, base_dir, partial, elsewhere)
         done: list[QuantizedComponent] = []
         models: dict[str, Any] = {}
         for comp in plan.quantized:
@@ -150,7 +174,7 @@ def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, d
             elif reason is None:
                 log.info("quantizing %s (%s) with %s (streaming engine%s)", comp.label, comp.class_name, recipe.name,
                          ", reading the base by HTTP range" if remote is not None else "")
-                qc = _stream_component(plan, src, comp, recipe, partial, device, remote, uploader)
+                qc = _stream_component(plan, src, comp, recipe, partial, device, remote, uploader, max_shard_size, inputs)
                 model = None
             else:
                 if engine == "streaming":
@@ -158,12 +182,12 @@ def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, d
                 log.info("quantizing %s (%s) with %s (library path: %s)", comp.label, comp.class_name, recipe.name, reason)
                 if remote is not None:
                     remote.download(comp)  # the library loaders read local files only
-                model, qc = _quantize_component(plan, base_dir, comp, recipe, partial, device)
+                model, qc = _quantize_component(plan, base_dir, comp, recipe, partial, device, max_shard_size)
                 models[comp.name] = model
             if device == "cpu" and recipe.cpu_producible and model is not None:
                 qc.fp8_check = fp8_dequant_check(model, src, comp.label)  # streamed components were checked tensor by tensor
             if cache is not None and reused is None and uploader is None:
-                cache.store(comp.name, dst, asdict(qc))
+                cache.store(comp.name, dst, {k: v for k, v in asdict(replace(qc, forward=None)).items() if k != "forward"})
             done.append(qc)
     except OSError as exc:
         shutil.rmtree(partial, ignore_errors=True)
@@ -222,19 +246,25 @@ class _Fp8Bound:
 
 
 def _stream_component(plan: Plan, src: Path, comp: Component, recipe: Recipe, out: Path, device: str,
-                      remote: RemoteWeights | None, uploader: ShardUploader | None) -> QuantizedComponent:
+                      remote: RemoteWeights | None, uploader: ShardUploader | None,
+                      max_shard_size: int | str | None, inputs: dict[str, ForwardInputs] | None = None) -> QuantizedComponent:
     from publisher.streaming import stream_quantize
 
     dst = out / comp.name if comp.name else out
     fp8 = _Fp8Bound(comp.label) if device == "cpu" and recipe.cpu_producible else None
     digests: dict[str, str] = {}
     hook = uploader.for_component(comp.name, dst, digests) if uploader is not None else None
+    observer = _in_pass_forward(src, comp, device, (inputs or {}).get(comp.name), remote is not None)
     result = stream_quantize(src, dst, library=comp.library, recipe=recipe, exclude=list(plan.exclude),  # type: ignore[arg-type]
                              class_name=comp.class_name, device=device, progress=log.isEnabledFor(logging.INFO),
                              fetch_shard=remote.opener(comp) if remote is not None else None,
                              release_shard=remote.release if remote is not None else None, on_tensor=fp8,
                              digests=digests, on_planned=hook.planned if hook else None,
-                             on_output_file=hook.finished if hook else None)
+                             on_output_file=hook.on_output if hook else None, observer=observer,
+                             reserve=uploader.reserve if uploader is not None else None, max_shard_size=max_shard_size)
+    if uploader is not None:
+        uploader.flush()  # every shard checked, hashed and uploaded before the sizes are counted
+    forward = observer.result() if observer is not None else None
     config = read_object(dst / "config.json")
     return QuantizedComponent(
         name=comp.name,
@@ -250,21 +280,38 @@ def _stream_component(plan: Plan, src: Path, comp: Component, recipe: Recipe, ou
         engine="streaming",
         fp8_check=fp8.summary() if fp8 is not None else None,
         peak_rss_bytes=result.peak_rss_bytes,
-        stage_seconds=dict(result.stage_seconds),
+        stage_seconds={**result.stage_seconds, **({f"ship_{k}": v for k, v in uploader.seconds.items()} if uploader else {})},
         digests=dict(result.digests),
+        forward=forward,
     )
 
 
-def _copy_unchanged(plan: Plan, base_dir: Path, out: Path) -> None:
-    """Everything but the quantized components' weights and the base card (replaced by ours), as plain files: a
-    link is read only when it resolves inside the base folder (or the download cache's blobs of this repo), and
-    never copied as a link (localfiles)."""
+def _in_pass_forward(src: Path, comp: Component, device: str, spec: ForwardInputs | None,
+                     file_order: bool = False) -> InPassForward | None:
+    """The forward passes of verification, run while the engine holds each tensor (verify/inpass.py): on a CPU,
+    for components the run derived forward inputs for (``spec``: verify/capture.py, the same call the checks
+    after the pass would replay). ``file_order``: the base is read front to back (its Hub hash checked on the way)."""
+    from publisher.loadpath import load_call
+    from publisher.verify.inpass import InPassForward
+
+    if device != "cpu":
+        return None  # the block-by-block forward runs on the CPU; tensors quantized on a GPU stay there
+    if spec is None or spec.file is None:
+        return None  # weights only (the report says why)
+    config = read_object(src / "config.json")
+    return InPassForward(comp.library, comp.class_name, config, load_call(spec.file), comp.label, file_order)
+
+
+def _copy_unchanged(plan: Plan, base_dir: Path, out: Path, elsewhere: frozenset[str] = frozenset()) -> None:
+    """Everything but the quantized components' weights, the base card (replaced by ours) and ``elsewhere`` (copied
+    Hub to Hub), as plain files: a link is read only when it resolves inside the base folder (or the download
+    cache's blobs of this repo), and never copied as a link (localfiles)."""
     from publisher.localfiles import allowed_roots, copy_regular
 
     roots = allowed_roots(base_dir)
     skip_prefixes = [f"{c.name}/" if c.name else "" for c in plan.quantized]
     for rel in plan.base_files:
-        if rel == "README.md":
+        if rel == "README.md" or rel in elsewhere:
             continue
         in_quantized = any(rel.startswith(p) and "/" not in rel[len(p):] for p in skip_prefixes)
         if in_quantized and (rel.endswith(".safetensors") or rel.endswith(".index.json") or Path(rel).name == "config.json"):
@@ -275,7 +322,7 @@ def _copy_unchanged(plan: Plan, base_dir: Path, out: Path) -> None:
 
 
 def _quantize_component(plan: Plan, base_dir: Path, comp: Component, recipe: Recipe, out: Path,
-                        device: str) -> tuple[Any, QuantizedComponent]:
+                        device: str, max_shard_size: int | str | None = None) -> tuple[Any, QuantizedComponent]:
     import torch
 
     from publisher.fp8cpu import cpu_quantization_context
@@ -312,7 +359,8 @@ def _quantize_component(plan: Plan, base_dir: Path, comp: Component, recipe: Rec
                 model = cls.from_pretrained(src, quantization_config=qconf, dtype=torch.bfloat16, **placement)
         model.eval()
         dst = out / comp.name if comp.name else out
-        model.save_pretrained(dst, safe_serialization=True)
+        shard = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
+        model.save_pretrained(dst, safe_serialization=True, **shard)
     except (ValueError, RuntimeError, TypeError, ImportError, AssertionError, NotImplementedError) as exc:
         raise QuantizeError(f"quantizing {comp.label} ({comp.class_name}) with {recipe.name} failed: {exc}") from exc
     bins = sorted(p.name for p in dst.glob("*.bin"))

@@ -23,9 +23,12 @@ import time
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from publisher.errors import QuantizeError
+
+if TYPE_CHECKING:
+    from publisher.streaming.engine import TensorObserver
 
 __all__ = ["StreamResult", "supports", "stream_quantize"]
 
@@ -177,6 +180,8 @@ def stream_quantize(
     class_name: str | None = None,
     device: str | None = None,
     max_shard_size: int | str | None = None,
+    observer: TensorObserver | None = None,
+    reserve: Callable[[Path, int], None] | None = None,
 ) -> StreamResult:
     """Quantize one component folder into ``dst_dir`` exactly as from_pretrained + save_pretrained would.
 
@@ -191,6 +196,9 @@ def stream_quantize(
     that need CUDA when a fitting GPU is present, else cpu: it must be the device the library path would quantize on
     (``device_map="cuda"`` there, plain CPU loading otherwise; FP8-dynamic recipes on a CPU run inside fp8cpu's
     bypass, as the library path does); ``max_shard_size`` defaults to save_pretrained's default.
+    ``observer`` (``engine.TensorObserver``) sees every tensor in memory and may choose the reading order (a forward
+    pass during quantization); ``reserve(path, nbytes)`` runs before bytes are written to an output file and may
+    wait (a disk budget: output shards that leave the disk once uploaded).
     On error the files already written stay in ``dst_dir`` (the caller owns the folder).
     """
     from publisher.streaming.engine import execute, peak_rss_bytes, remove_stale_shards
@@ -247,7 +255,8 @@ def stream_quantize(
         seconds["write"] += time.perf_counter() - t0
         with _quantize_context(recipe, device):
             execute(plan, dst_dir, fetch_shard=fetch, release_shard=release, report=report,
-                    progress=progress, seconds=seconds, digests=digests, on_tensor=on_tensor)
+                    progress=progress, seconds=seconds, digests=digests, on_tensor=on_tensor, observer=observer,
+                    reserve=reserve)
         if plan.index is not None:
             t0 = time.perf_counter()
             index = dst_dir / comp.index_name

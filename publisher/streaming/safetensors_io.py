@@ -144,6 +144,22 @@ def read_tensor(f: BinaryIO, entry: HeaderEntry) -> torch.Tensor:
     return buf.view(dtype).reshape(entry.shape)
 
 
+def read_bytes(f: BinaryIO, offset: int, n: int) -> torch.Tensor:
+    """``n`` raw bytes at ``offset`` into a buffer of their own (a chunk of a large tensor)."""
+    import torch
+
+    buf = torch.empty(n, dtype=torch.uint8)
+    f.seek(offset)
+    _readinto(f, buf)
+    return buf
+
+
+def chunk_step(entry: HeaderEntry) -> int:
+    """Bytes per chunk of a large pass-through tensor: whole elements, at most ``CHUNK_BYTES``."""
+    size = torch_dtype(entry.dtype).itemsize
+    return max(size, CHUNK_BYTES // size * size)
+
+
 def _readinto(f: Any, buf: torch.Tensor) -> None:  # a file or RangeFile: anything with readinto
     view = memoryview(buf.numpy()).cast("B")
     done = 0
@@ -162,41 +178,3 @@ def tensor_bytes(t: torch.Tensor) -> memoryview:
     if flat.numel() == 0:
         return memoryview(b"")
     return memoryview(flat.view(torch.uint8).numpy()).cast("B")
-
-
-def copy_cast(src: BinaryIO, entry: HeaderEntry, dst: BinaryIO, dst_offset: int, out_dtype: torch.dtype,
-              seconds: dict[str, float]) -> str:
-    """Copy a pass-through tensor chunk by chunk, casting on the way, so big embeddings never sit in RAM.
-
-    Returns the tensor's verification digest (``loadpath.tensor_digest`` of the written tensor)."""
-    import time
-
-    import torch
-
-    from publisher.loadpath import digest_header
-
-    in_dtype = torch_dtype(entry.dtype)
-    in_size = torch.empty(0, dtype=in_dtype).element_size()
-    total = entry.end - entry.begin
-    step = max(in_size, CHUNK_BYTES // in_size * in_size)  # whole elements per chunk
-    buf = torch.empty(min(step, total), dtype=torch.uint8)
-    src.seek(entry.begin)
-    dst.seek(dst_offset)
-    h = digest_header(out_dtype, entry.shape)
-    done = 0
-    while done < total:
-        n = min(step, total - done)
-        chunk = buf[:n]
-        t0 = time.perf_counter()
-        _readinto(src, chunk)
-        t1 = time.perf_counter()
-        if in_dtype != out_dtype:
-            # Element-wise casts (round-to-nearest-even) give the same bits chunked or whole.
-            chunk = chunk.view(in_dtype).to(out_dtype)
-        data = tensor_bytes(chunk)
-        h.update(data)
-        dst.write(data)
-        seconds["read"] += t1 - t0
-        seconds["write"] += time.perf_counter() - t1
-        done += n
-    return h.hexdigest()

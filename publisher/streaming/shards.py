@@ -240,6 +240,7 @@ def build_index(source: ShardSource) -> CheckpointIndex:
                 raise ValueError(f"tensor {key} appears in both {entries[key][0]} and {file}")
             entries[key] = (file, entry)
     parts: dict[str, list[str]] = {}
+    names = list(dict.fromkeys(names))  # every shard of a sharded checkpoint lists every name
     if names:
         by_module: dict[str, list[tuple[str, str]]] = {}
         for name in names:

@@ -116,6 +116,8 @@ def build_pipeline(folder: Path, pipeline_class: str, denoiser: str) -> tuple[An
             components[name] = component_cls.from_pretrained(folder / name)  # tokenizer, scheduler, processor
         elif name == denoiser or not any((folder / name).glob("*.safetensors")):
             metas[name] = components[name] = _meta(component_cls, folder / name)
+            if name != denoiser:  # weights not read (--low-disk: copied Hub to Hub): seeded outputs of its shapes
+                _stand_in(components[name], name)
         else:
             dtype = {"torch_dtype" if issubclass(component_cls, diffusers.ModelMixin) else "dtype": torch.bfloat16}
             loader: Any = component_cls
@@ -126,6 +128,44 @@ def build_pipeline(folder: Path, pipeline_class: str, denoiser: str) -> tuple[An
     pipe.__class__ = type(cls.__name__, (cls,), {"_execution_device": property(lambda self: torch.device("cpu")),
                                                  "device": property(lambda self: torch.device("cpu"))})
     return pipe, metas
+
+
+def _stand_in(model: Any, name: str) -> None:
+    """Make a meta-device model (a text encoder whose weights this run never reads) answer with seeded values in
+    the shapes and dtypes its real forward would give: the denoiser's recorded call is then real tensors (its
+    forward check is as exact; its quality figure is on stand-in embeddings, which ``how`` says)."""
+    import torch
+
+    forward = model.forward
+    gen = torch.Generator().manual_seed(sum(name.encode()))
+
+    def real(v: Any) -> Any:
+        if isinstance(v, torch.Tensor) and v.is_meta:
+            if v.is_floating_point():
+                return torch.randn(v.shape, generator=gen).to(v.dtype)
+            return torch.zeros(v.shape, dtype=v.dtype)
+        if isinstance(v, dict):  # a ModelOutput too (an OrderedDict): set item by item, it keeps its class
+            for k in list(v.keys()):
+                v[k] = real(v[k])
+            return v
+        if isinstance(v, (list, tuple)):
+            return type(v)(real(x) for x in v)
+        return v
+
+    def meta(v: Any) -> Any:
+        if isinstance(v, torch.Tensor):
+            return v.to("meta")
+        if isinstance(v, dict):
+            return {k: meta(x) for k, x in v.items()}
+        if isinstance(v, (list, tuple)):
+            return type(v)(meta(x) for x in v)
+        return v
+
+    def stand_in(*args: Any, **kwargs: Any) -> Any:
+        return real(forward(*meta(args), **meta(kwargs)))
+
+    model.forward = stand_in
+    model.hf_ao_publish_stand_in = True
 
 
 def _meta(cls: Any, folder: Path) -> Any:
@@ -192,8 +232,10 @@ def _record(pipe: Any, metas: dict[str, Any], wanted: set[str]) -> tuple[dict[st
             continue  # e.g. a position table sized for the default prompt length: record again with that length
         shape = "x".join(str(kwargs[k]) for k in ("height", "width") if k in kwargs)
         frames = f", {kwargs['num_frames']} frames" if "num_frames" in kwargs else ""
+        stand_ins = sorted(n for n, m in metas.items() if getattr(m, "hf_ao_publish_stand_in", False))
         how = (f"the call {type(pipe).__name__} makes at {shape or 'its default'} px{frames}, 1 step, seeded "
-               f"(recorded with a forward hook)")
+               f"(recorded with a forward hook)" + (f", with seeded stand-ins for the outputs of {', '.join(stand_ins)} "
+                                                    "(their weights go Hub to Hub, unread)" if stand_ins else ""))
         return {n: (c, how) for n, c in calls.items() if n in wanted}, None
     return {}, error
 

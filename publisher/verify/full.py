@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 WORKER = Path(loadpath.__file__).resolve()
 WORKER_TIMEOUT_S = 3600
 GiB = 1024**3
+REFERENCE_IN_PASS = "the forward pass on the in-memory quantized tensors during quantization"
 
 
 def default_inputs(artifacts: Artifacts, work: Path) -> dict[str, ForwardInputs]:
@@ -66,7 +67,15 @@ def record_expected(artifacts: Artifacts, work: Path, device: str = "cpu",
         model = artifacts.models.get(comp.name)
         if model is None:
             # Streamed (or resumed): held one tensor at a time. The engine recorded each tensor's digest
-            # while it was in memory; the reference output is the library-path reload's (see verify()).
+            # while it was in memory, and ran the forward pass on those tensors as it went (verify/inpass.py);
+            # without that, the reference output is the block-by-block or library-path reload's (see verify()).
+            ran = comp.forward is not None and comp.forward.output is not None and inputs_file is not None
+            if ran:
+                assert comp.forward is not None
+                expected.append(Expected(comp.name, comp.library, comp.class_name, inputs_file, comp.forward.output,
+                                         dict(comp.digests), comp.quantized, REFERENCE_IN_PASS,
+                                         base_output=comp.forward.base_output))
+                continue
             reference = "the in-memory quantized tensors" if comp.digests else "the library-path reload"
             expected.append(Expected(comp.name, comp.library, comp.class_name, inputs_file, None, dict(comp.digests),
                                       comp.quantized, reference, needs_reference=True))
@@ -159,12 +168,15 @@ def verify(
             folder = artifacts.folder / exp.component if exp.component else artifacts.folder
             if uploader is not None and uploader.checked.get(exp.component):
                 # --low-disk push: checked tensor by tensor before each shard was uploaded and deleted; the forward
-                # and the quality figures run on the pull request before it is merged (published.check_pull_request)
+                # ran during quantization on those very tensors (or, failing that, runs on the pull request before
+                # it is merged: published.check_pull_request)
+                ran = exp.output is not None
                 report.results.append(PathResult(
                     exp.component, "streaming", "current, before upload", loadpath.versions(), True,
-                    f"{uploader.checked[exp.component]} tensors equal before upload; forward pending on the pull request",
+                    f"{uploader.checked[exp.component]} tensors equal before upload; "
+                    + ("forward during quantization" if ran else "forward pending on the pull request"),
                     quantized_layers=uploader.classes.get(exp.component, 0),
-                    tensors_checked=uploader.checked[exp.component]))
+                    tensors_checked=uploader.checked[exp.component], forward_checked=ran))
                 continue
             report.results.append(vs.streaming_check(exp, LocalShards(folder), artifacts.recipe.tensor_class,
                                                      forward_optional=artifacts.recipe.run.cuda))
@@ -187,10 +199,10 @@ def verify(
                                          tensor_class=artifacts.recipe.tensor_class, device=device, skip_reference=True)
         if envs:
             report.notes.append("--verify-env runs the whole-component reloads only (full verification).")
-    if base_sources:
+    if base_sources or any(e.base_output is not None for e in expected):
         saved: dict[str, ShardSource] = {e.component: LocalShards(artifacts.folder / e.component if e.component else artifacts.folder)
                  for e in expected if artifacts.uploader is None or not artifacts.uploader.checked.get(e.component)}
-        report.quality = quality_against_base(expected, base_sources, saved)
+        report.quality = quality_against_base(expected, base_sources or {}, saved)
     report.passed = bool(report.results) and not report.failures()
     report.expected = expected
     report.device = device
@@ -338,8 +350,9 @@ def compare(exp: Expected, data: dict[str, Any], path: str, env_name: str, pytho
 
 def quality_against_base(expected: list[Expected], base_sources: dict[str, ShardSource],
                          saved: dict[str, ShardSource] | None = None) -> list[Quality]:
-    """Relative error and cosine similarity of each component's output against the unquantized base, whose forward
-    runs block by block from its shards (one block in memory: never more than the quantized side needs).
+    """Relative error and cosine similarity of each component's output against the unquantized base: its output from
+    the quantization pass when that ran it (verify/inpass.py), else a forward block by block from its shards (one
+    block in memory: never more than the quantized side needs).
 
     The base runs in the dtypes the quantized component was loaded in (bfloat16, and float32 where the library
     keeps a module in float32), whatever dtype it is stored in: a float32 or float16 base is cast as it is read,
@@ -352,16 +365,21 @@ def quality_against_base(expected: list[Expected], base_sources: dict[str, Shard
     out: list[Quality] = []
     for exp in expected:
         source = base_sources.get(exp.component)
-        if exp.output is None or exp.inputs is None or source is None:
+        if exp.output is None or exp.inputs is None:
             continue
-        try:
-            cast = _loaded_dtypes(saved.get(exp.component) if saved else None)
-            ref = vs.block_forward(source, exp.library, exp.class_name, vs.load_config(source),
-                                   loadpath.load_call(exp.inputs), cast=cast).output.float()
-        except (OSError, KeyError, ValueError, RuntimeError, TypeError) as exc:
-            log.warning("quality of %s not measured: the base forward failed (%s)", exp.component or "model", exc)
+        if exp.base_output is not None:  # computed during the quantization pass: nothing to read again
+            ref = exp.base_output.float()
+        elif source is None:
             continue
-        gc.collect()
+        else:
+            try:
+                cast = _loaded_dtypes(saved.get(exp.component) if saved else None)
+                ref = vs.block_forward(source, exp.library, exp.class_name, vs.load_config(source),
+                                       loadpath.load_call(exp.inputs), cast=cast).output.float()
+            except (OSError, KeyError, ValueError, RuntimeError, TypeError) as exc:
+                log.warning("quality of %s not measured: the base forward failed (%s)", exp.component or "model", exc)
+                continue
+            gc.collect()
         q = exp.output.float()
         rel = float((q - ref).norm() / ref.norm().clamp_min(1e-12))
         cos = float(torch.nn.functional.cosine_similarity(q.flatten(), ref.flatten(), dim=0))

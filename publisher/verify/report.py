@@ -139,6 +139,19 @@ class Expected:
     quantized: list[str]
     reference: str = "the in-memory quantized model"
     needs_reference: bool = False  # streamed component: the first library-path reload gives the reference output
+    base_output: Any = None  # the bf16 base's output on the same inputs, when the quantization pass computed it
+
+
+@dataclass
+class PassForward:
+    """The forward passes run during the quantization pass (verify/inpass.py): the quantized tensors and the bf16
+    ones, block by block as the engine read them. ``output`` is None when they could not run (``detail`` says why)."""
+
+    output: Any = None  # the quantized component's output
+    base_output: Any = None  # the bf16 base's output
+    blocks: int = 0  # block loads of the quantized forward
+    peak_block_bytes: int = 0
+    detail: str = ""
 
 
 def require_passed(report: VerifyReport) -> None:

@@ -121,7 +121,7 @@ def blocks(model: Any, budget: int) -> list[tuple[str, Any, bool]]:
     return out
 
 
-def _own_state(module: Any, whole: bool) -> list[tuple[Any, str, str, bool]]:
+def own_state(module: Any, whole: bool) -> list[tuple[Any, str, str, bool]]:
     """(owner module, attribute, state-dict suffix, is_parameter) for what a block loads."""
     items: list[tuple[Any, str, str, bool]] = []
     mods = module.named_modules(remove_duplicate=False) if whole else [("", module)]
@@ -189,7 +189,7 @@ class BlockLoader:
 
     def _loader(self, prefix: str, module: Any, whole: bool) -> Any:
         def hook(mod: Any, args: Any) -> None:
-            items = _own_state(module, whole)
+            items = own_state(module, whole)
             state = {suffix: self.cast(prefix + suffix, self._read(prefix + suffix)) for _, _, suffix, _ in items}
             size = sum(_nbytes(t) for t in state.values())
             self.peak_block_bytes = max(self.peak_block_bytes, size)

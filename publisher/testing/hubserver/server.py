@@ -147,6 +147,9 @@ class _Handler(BaseHTTPRequestHandler):
         if resp.file is not None:
             start, end = resp.file_range or (0, resp.file.stat().st_size - 1)
             length = end - start + 1
+        elif resp.virtual is not None and resp.file_range is not None:
+            start, end = resp.file_range
+            length = end - start + 1
         fault = resp.body_fault
         send = length  # body bytes actually sent (a fault may send fewer)
         if fault is not None and fault.kind in ("truncate", "drop_body"):
@@ -158,6 +161,10 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(send if fault is not None and fault.kind == "truncate" else length))
         self.end_headers()
         if req.method == "HEAD":
+            return
+        if resp.virtual is not None and resp.file_range is not None:
+            for data in resp.virtual(*resp.file_range):  # a virtual file: its bytes are computed as they are sent
+                self.wfile.write(data)
             return
         if resp.file is None:
             self.wfile.write(resp.body)

@@ -142,6 +142,18 @@ class Store:
     def read_blob(self, sha256: str) -> bytes:
         return self.blob_path(sha256).read_bytes()
 
+    # ---- virtual blobs: bytes computed as they are served (testing/virtual.py), never stored -------
+    def add_virtual(self, sha256: str, spec: dict) -> None:
+        self.blob_path(sha256)  # validates the oid
+        _write_json(self.root / "virtual" / f"{sha256}.json", spec)
+
+    def virtual(self, sha256: str) -> Any:
+        """The VirtualFile behind an oid that has no stored blob, or None."""
+        from publisher.testing.virtual import VirtualFile
+
+        path = self.root / "virtual" / f"{sha256}.json"
+        return VirtualFile.from_json(json.loads(path.read_text())) if path.is_file() else None
+
     # ---- repos -------------------------------------------------------------------------------
     def _repo_dir(self, repo_type: str, repo_id: str) -> Path:
         if repo_type not in REPO_TYPES:

@@ -45,6 +45,7 @@ class Response:
     headers: dict[str, str] = field(default_factory=dict)
     file: Path | None = None  # streamed by the transport; `file_range` is (start, end inclusive)
     file_range: tuple[int, int] | None = None
+    virtual: Callable[[int, int], Iterator[bytes]] | None = None  # instead of `file`: bytes start..end, computed
     drop: bool = False  # close the connection without answering (fault injection)
     stream: Iterator[bytes] | None = None  # sent with chunked transfer encoding as it is produced (job logs)
     body_fault: Fault | None = None  # flip / truncate / drop_body applied to `file` as it is sent (fault injection)
