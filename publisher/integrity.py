@@ -141,6 +141,13 @@ class HashedReader:
     def tell(self) -> int:
         return self.pos
 
+    @property
+    def size(self) -> int | None:
+        """The file's total size as the inner reader knows it (a RangeFile learns it from the server): the header
+        validator bounds the header by it."""
+        size = getattr(self.inner, "size", None)
+        return size if isinstance(size, int) else self.expected.size
+
     def read(self, n: int) -> bytes:
         buf = bytearray(n)
         got = self.readinto(memoryview(buf))
