@@ -213,7 +213,7 @@ CASES = [
     Hostile("component from a custom library", "flux", _model_index(lambda d: d.update({"text_encoder": ["my_pkg", "MyEncoder"]})), ("needs remote code (component text_encoder from 'my_pkg')", "--trust-remote-code")),
     Hostile("custom pipeline class", "flux", _model_index(lambda d: d.update({"_class_name": ["my_pipeline", "MyPipeline"]})), ("needs remote code (custom pipeline", "--trust-remote-code")),
     # the base folder's entries
-    Hostile("link leaving the base folder", "llama", _link_out, ("has links that leave it: LICENSE-EXTRA -> ", "secret.txt")),
+    Hostile("link leaving the base folder", "llama", _link_out, ("has links that leave it or lead nowhere: LICENSE-EXTRA -> ", "secret.txt")),
     Hostile("dangling link", "llama", lambda b, s: (b / "NOTICE").symlink_to(b / "missing"), ("NOTICE -> ", "(dangling or looping)")),
     Hostile("linked folder", "llama", _linked_folder, ("docs-link (a linked folder)",)),
     Hostile("FIFO in the base folder", "llama", lambda b, s: os.mkfifo(b / "notes.fifo"), ("notes.fifo (a FIFO)",)),
