@@ -161,13 +161,6 @@ def _local_digest(plan: planning.Plan) -> str:
     return "local-" + hashlib.sha256(listing.encode()).hexdigest()[:40]
 
 
-def _changes(previous: dict[str, Any] | None, state: dict[str, Any]) -> str:
-    if not previous:
-        return "First publication."
-    changed = [k for k in state if k not in ("fingerprint", "base_files") and previous.get(k) != state.get(k)]
-    return "Changed since the previous publication: " + (", ".join(changed) or "unknown") + "."
-
-
 def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = True) -> planning.Plan:
     """Everything that can fail cheaply fails here, before any weight is downloaded. ``check_hardware=False``
     when the job runs elsewhere (Hugging Face Jobs: the flavor is checked instead of this machine)."""
@@ -181,7 +174,7 @@ def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = 
     if req.push and not token:
         raise TargetError("pushing needs a Hub token with write access; set HF_TOKEN (or pass --token), or use --no-push")
     if req.output_dir is not None:
-        _check_output_dir(req.output_dir)
+        leftovers.check_output_dir(req.output_dir)
     src = source_stage.resolve(req.model, req.revision, token)
     user = None
     if token:
@@ -198,25 +191,6 @@ def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = 
         for target in targets.values():
             pushing.check_writable(str(target), token)  # a push has a token, so every target is named
     return plan
-
-
-def _check_output_dir(path: Path) -> None:
-    """Fail before any download when the output folder cannot be used; leave nothing behind."""
-    if path.exists() and not path.is_dir():
-        raise TargetError(f"--output-dir {path} is a file; give a folder")
-    if path.is_dir():  # only an interrupted run's marked unfinished folders are removed (stages/leftovers.py)
-        leftovers.clear_output_dir(path)
-    created = not path.exists()
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / ".hf-ao-publish-write-test"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise TargetError(f"--output-dir {path} is not writable ({exc.strerror or exc}); pass a writable folder") from None
-    finally:
-        if created and path.is_dir() and not any(path.iterdir()):
-            path.rmdir()
 
 
 def run(req: PublishRequest) -> list[Outcome]:
@@ -432,7 +406,7 @@ def _push_one(run: _Run, outcome: Outcome, previous: dict[str, Any] | None) -> N
     src = run.plan.source
     message = f"Quantize {src.repo_id or src.local_dir.name}@{(src.sha or 'local')[:12]} with torchao {outcome.recipe}"  # type: ignore[union-attr]
     started = time.monotonic()
-    description = _changes(previous, state) + f"\n\nMade with hf-ao-publish {__version__}."
+    description = pushing.changes(previous, state) + f"\n\nMade with hf-ao-publish {__version__}."
     try:
         if artifacts.uploader is not None:
             result = push_pr.push_staged(

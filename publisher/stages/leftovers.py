@@ -77,3 +77,22 @@ def clear_output_dir(path: Path) -> None:
     for p in entries:
         log.info("removing %s, left unfinished by an interrupted run (%s)", p, (marker_of(p) or {}).get("recipe"))
         shutil.rmtree(p)
+
+
+def check_output_dir(path: Path) -> None:
+    """Fail before any download when the output folder cannot be used; leave nothing behind."""
+    if path.exists() and not path.is_dir():
+        raise TargetError(f"--output-dir {path} is a file; give a folder")
+    if path.is_dir():  # only an interrupted run's marked unfinished folders are removed (below)
+        clear_output_dir(path)
+    created = not path.exists()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".hf-ao-publish-write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise TargetError(f"--output-dir {path} is not writable ({exc.strerror or exc}); pass a writable folder") from None
+    finally:
+        if created and path.is_dir() and not any(path.iterdir()):
+            path.rmdir()

@@ -200,3 +200,11 @@ def check_writable(repo_id: str, token: str | None) -> str:
     if role == "read":
         raise TargetError("the Hub token is read-only; create a token with write access and set HF_TOKEN")
     return str(who.get("name"))
+
+
+def changes(previous: dict[str, Any] | None, state: dict[str, Any]) -> str:
+    """The commit description: what changed since the target's previous state file (for a re-run's commit)."""
+    if not previous:
+        return "First publication."
+    changed = [k for k in state if k not in ("fingerprint", "base_files") and previous.get(k) != state.get(k)]
+    return "Changed since the previous publication: " + (", ".join(changed) or "unknown") + "."
