@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -65,7 +66,7 @@ def check_verify_envs(values: Sequence[str]) -> None:
     for value in values:
         if env_builder.is_spec(value):
             env_builder.parse_spec(value)
-        elif not Path(value).is_file() or not os.access(value, os.X_OK):
+        elif not (Path(value).is_file() and os.access(value, os.X_OK)) and shutil.which(value) is None:
             raise UsageError(f"--verify-env {value!r} is neither a Python interpreter (no executable file there) "
                              "nor a version spec like diffusers==0.39.0")
 
