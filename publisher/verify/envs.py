@@ -273,5 +273,8 @@ def _run(cmd: list[str], spec: EnvSpec, what: str) -> str:
 def _pip_reason(stderr: str) -> str:
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("ERROR:")]
+    # pip's informational lines ("Ignored the following yanked versions", "Could not find a version ... (from
+    # versions: <hundreds>)") come before the reason ("No matching distribution found for ...")
+    errors = [line for line in errors if "(from versions:" not in line and "Ignored the following" not in line] or errors
     line = (errors[0] if errors else (lines[-1] if lines else "no output"))
     return line.removeprefix("ERROR: ")[:300]
