@@ -71,6 +71,22 @@ def check_verify_envs(values: Sequence[str]) -> None:
                              "nor a version spec like diffusers==0.39.0")
 
 
+def check(verify_values: Sequence[str], compat_values: Sequence[str]) -> None:
+    """Every --verify-env and --compat value well formed (usage errors), before any work."""
+    check_verify_envs(verify_values)
+    check_choices(compat_values)
+
+
+def prepare(verify_values: Sequence[str], compat_values: Sequence[str], recipes: Sequence[str], libraries: set[str], *,
+            measure: bool) -> tuple[list[Env], dict[str, list[Env] | None]]:
+    """Build the --verify-env environments and each recipe's matrix (an environment shared by recipes is built
+    once); ``measure`` False (streaming verification): no matrix."""
+    gating = verify_envs(verify_values)
+    skip = [e.record.name for e in gating]
+    matrices = {r: matrix_envs(compat_values, r, libraries, skip=skip) for r in recipes} if measure else {}
+    return gating, matrices
+
+
 def verify_envs(values: Sequence[str]) -> list[Env]:
     """The gating environments of --verify-env, built when given as specs."""
     check_verify_envs(values)

@@ -81,8 +81,7 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), compat
     """``envs`` (--verify-env) must pass like this environment; ``compat`` (default: the recipe's matrix) is measured."""
     import torch
 
-    matrix.check_verify_envs(envs)
-    matrix.check_choices(compat)
+    matrix.check(envs, compat)
     if not Path(target).is_dir():
         revision = hub.call(hub.client(token).model_info, target, revision=revision, what=f"reading {target}").sha
     comps = quantized_components(target, token, revision)
