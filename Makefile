@@ -26,11 +26,14 @@ lint: setup
 	$(BIN)/ruff check publisher scripts benchmarks action tests
 	$(BIN)/mypy
 
+# Two workers, a test file each (--dist loadfile keeps a file's module-scoped fixtures in one process).
+TEST_WORKERS ?= 2
+
 test: lint
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: lint
-	$(BIN)/python -m pytest -m "not slow"
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow"
 
 bench: setup
 	$(BIN)/python benchmarks/bench_streaming.py --publish

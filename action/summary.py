@@ -101,6 +101,16 @@ def _verification_tables(report: dict[str, Any]) -> list[str]:
             f"{cell(v.get('quantized_layers'))} | {cell(', '.join(f'{k} {x}' for k, x in versions.items()))} | "
             f"{cell(v.get('detail'))} |")
     lines.append("")
+    compat = [v for v in report.get("compat") or [] if isinstance(v, dict)]
+    if compat:  # the compatibility matrix: measured for the card, never a reason to stop
+        marks = {"pass": "✅ pass", "fail": "❌ fail", "silently wrong": "⚠️ **silently wrong**"}
+        lines += ["#### Compatibility (measured; does not decide the publish)", "",
+                  "| component | load path | environment | result | quantized layers | detail |", "|---|---|---|---|---:|---|"]
+        for v in compat:
+            lines.append(f"| {cell(v.get('component') or 'model')} | {cell(v.get('path'))} | {cell(v.get('env'))} | "
+                         f"{marks.get(str(v.get('outcome')), cell(v.get('outcome')))} | {cell(v.get('quantized_layers'))} | "
+                         f"{cell(v.get('detail'))} |")
+        lines.append("")
     quality = report.get("quality") or []
     if quality:
         lines += ["| component | relative error vs bf16 | cosine vs bf16 |", "|---|---:|---:|"]

@@ -142,9 +142,11 @@ class HashedReader:
         return self.pos
 
     @property
-    def size(self) -> int:
-        """The file's size as the Hub reports it (what safetensors_io.file_size asks of a remote file)."""
-        return self.expected.size
+    def size(self) -> int | None:
+        """The file's total size as the inner reader knows it (a RangeFile learns it from the server): the header
+        validator bounds the header by it."""
+        size = getattr(self.inner, "size", None)
+        return size if isinstance(size, int) else self.expected.size
 
     def read(self, n: int) -> bytes:
         buf = bytearray(n)

@@ -172,8 +172,7 @@ def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = 
     recipes = planning.parse_recipes(req.quant)
     for recipe in recipes if check_hardware else ():
         recipe_registry.check_can_quantize(recipe)
-    matrix.check_verify_envs(req.verify_envs)
-    matrix.check_choices(req.compat)
+    matrix.check(req.verify_envs, req.compat)
     if req.repo_id:
         planning.check_target_id(req.repo_id.replace("{recipe}", "x"))
     if req.push and not token:
@@ -264,10 +263,8 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
                             "but --verify-env needs them whole on disk; drop --verify-env or free disk space")
     remote = fetch.RemoteWeights(plan, token) if estimate.low_disk else None
     # Environments are built before the download: a spec that cannot be built stops the run while it is cheap.
-    gating = matrix.verify_envs(req.verify_envs)
-    measured: dict[str, list[matrix.Env] | None] = {} if (estimate.low_disk and req.push) or req.verify_mode == "streaming" else {
-        r.name: matrix.matrix_envs(req.compat, r.name, {c.library for c in plan.quantized}, skip=[e.record.name for e in gating])
-        for r in todo}
+    gating, measured = matrix.prepare(req.verify_envs, req.compat, [r.name for r in todo], {c.library for c in plan.quantized},
+                                      measure=not ((estimate.low_disk and req.push) or req.verify_mode == "streaming"))
     shard_size, elsewhere = push_pr.staging(plan, estimate.low_disk and req.push, req.max_shard_size)
     started = time.monotonic()
     base_dir = fetch.fetch(plan, token, skip=(remote.files if remote is not None else frozenset()) | elsewhere)

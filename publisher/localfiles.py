@@ -89,7 +89,7 @@ def list_folder(folder: Path) -> dict[str, int]:
                 else:
                     special.append(f"{rel} ({_kind(st.st_mode)})")
     if leaving:
-        raise InputError(f"the base folder {folder} has links that leave it: {_names(leaving)}; nothing outside the "
+        raise InputError(f"the base folder {folder} has links that leave it or lead nowhere: {_names(leaving)}; nothing outside the "
                          "base folder is read: copy those files in instead of linking them", kind="link")
     if special:
         raise InputError(f"the base folder {folder} has entries that are not regular files: {_names(special)}; "

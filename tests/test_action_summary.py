@@ -30,6 +30,21 @@ def test_summary_tables_and_card_truncation() -> None:
     assert "Card truncated" not in small and "tok_secret" not in small and "# tiny card ***" in small
 
 
+def test_compatibility_matrix_table() -> None:
+    result = sample_result()
+    result["verification"]["compat"] = [
+        {"component": "transformer", "path": "library", "env": "diffusers==0.38.0", "outcome": "silently wrong",
+         "quantized_layers": 0, "detail": "loads without an error, but 0 of 12 planned layers are Int8Tensor"},
+        {"component": "transformer", "path": "manual", "env": "diffusers==0.38.0", "outcome": "pass", "quantized_layers": 12,
+         "detail": ""}]
+    text = build_summary("m", result, None, 0, {}, [])
+    assert "#### Compatibility (measured; does not decide the publish)" in text
+    assert ("| transformer | library | diffusers==0.38.0 | ⚠️ **silently wrong** | 0 | loads without an error, but 0 of 12 "
+            "planned layers are Int8Tensor |") in text
+    assert "| transformer | manual | diffusers==0.38.0 | ✅ pass | 12 |  |" in text
+    assert "Compatibility" not in build_summary("m", sample_result(), None, 0, {}, [])
+
+
 def test_several_recipes_share_the_card_budget() -> None:
     results = {"results": [sample_result(), sample_result(repo_id="alice/m-int8dq", recipe="int8dq", commit="b" * 40,
                                               url="http://hub/alice/m-int8dq", up_to_date=True)], "verified": True}

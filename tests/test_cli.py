@@ -290,6 +290,8 @@ def test_verify_compat_and_verify_env_values_are_checked_before_any_work() -> No
         result = invoke("verify", "alice/does-not-exist", *args)  # no Hub request: the repo would not be found
         assert result.exit_code == 2, result.output
         assert message in result.stderr and "not found" not in result.stderr
+    result = invoke("verify", "alice/does-not-exist", "--verify-env", "sh")  # a command on PATH is an interpreter too
+    assert result.exit_code == 1 and "is neither a Python interpreter" not in result.stderr
 
 
 def test_verify_no_requantize(fake_verify: dict[str, Any]) -> None:

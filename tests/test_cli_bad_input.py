@@ -55,7 +55,8 @@ CASES = [
     ("verify-env spec names a package twice", ["{llama}", "--quant", "int8wo", "--verify-env", "transformers==5.0.0,transformers==5.1.0"],
      "tok_alice", 2, "transformers is named twice"),
     ("verify-env spec cannot be built", ["{llama}", "--quant", "int8wo", "--verify-env", "transformers==999.0.0"], "tok_alice", 1,
-     "cannot build the verification environment transformers==999.0.0: pip install failed: "),
+     "cannot build the verification environment transformers==999.0.0: pip install failed: "
+     "No matching distribution found for transformers==999.0.0; check the spec and access to the package index (PyPI)"),
     ("compat none with more", ["{llama}", "--quant", "int8wo", "--compat", "none", "--compat", "transformers==5.0.0"], "tok_alice", 2,
      "--compat none cannot be combined with other --compat values"),
     ("compat not an environment", ["{llama}", "--quant", "int8wo", "--compat", "transformers"], "tok_alice", 2,

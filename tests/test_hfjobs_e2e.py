@@ -61,7 +61,9 @@ def _assert_token_only_a_secret(hub: Any, job_id: str, token: str) -> None:
 @pytest.mark.slow
 def test_publish_tiny_flux_on_two_parallel_jobs_and_attach_again(cli: Any, hub: Any, flux_repo: str) -> None:
     started = time.monotonic()
-    result = cli(flux_repo, "--quant", "int8wo,float8wo", "--on-hf-jobs", "cpu-basic", "--json", *SMALL, token=TOKEN)
+    # a target of its own: another test file on this worker's loopback Hub may have published the default names
+    result = cli(flux_repo, "--quant", "int8wo,float8wo", "--on-hf-jobs", "cpu-basic", "--json", *SMALL,
+                 "--repo-id", "alice/tiny-flux-two-jobs-{recipe}", token=TOKEN)
     took = time.monotonic() - started
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
@@ -70,6 +72,7 @@ def test_publish_tiny_flux_on_two_parallel_jobs_and_attach_again(cli: Any, hub: 
     assert len(ids) == 2
     api = HfApi(token=TOKEN)
     for job_id, entry in zip(ids, data["results"]):
+        assert entry["repo_id"] == f"alice/tiny-flux-two-jobs-{entry['recipe']}"
         job = hub.jobs.get(job_id)
         assert job.stage == "COMPLETED"
         assert f"started job {job_id} for {entry['recipe']} on cpu-basic: {hub.url}/jobs/alice/{job_id}" in result.stderr

@@ -154,8 +154,11 @@ def test_sigint_during_low_disk_quantization_deletes_the_repo_it_created(hub: An
     # every range read of the base weights waits: the run sits in its quantization stage
     hub.set_fault(delay_s=1.0, match=f"/meta/sig-quant/resolve/{sha}/model.safetensors", count=10_000)
     run = Run(tmp_path, "meta/sig-quant", "--quant", "int8wo", "--low-disk", "--repo-id", target)
-    run.wait_for("the first range read", lambda: hub.faults_fired.get("delay", 0) >= 1)
-    assert _api().repo_exists(target)  # --low-disk made the target first, to upload each shard as it is written
+    # the plan stage reads the shard headers first (also delayed); --low-disk then makes the target, to upload
+    # each shard as it is written, and only then reads the weights
+    run.wait_for("the target repo", lambda: _api().repo_exists(target))
+    fired = hub.faults_fired.get("delay", 0)
+    run.wait_for("a range read of the weights", lambda: hub.faults_fired.get("delay", 0) > fired)
     rc, stderr = run.stop(signal.SIGINT)
     assert rc == 130, stderr
     line = _the_line(stderr, "SIGINT")
@@ -170,7 +173,10 @@ def test_sigterm_during_download_leaves_no_partial_file(hub: Any, tiny_llama_dir
     hub.set_fault(delay_s=1.0, match=f"/meta/sig-download/resolve/{sha}/model.safetensors", count=10_000)
     out = tmp_path / "out"
     run = Run(tmp_path, "meta/sig-download", "--quant", "int8wo", "--no-push", "--output-dir", str(out), token=None)
-    run.wait_for("the weights download", lambda: hub.faults_fired.get("delay", 0) >= 1)
+    # the plan stage reads the shard headers first (also delayed): wait for the fetch stage, then for its request
+    run.wait_for("the fetch stage", lambda: "downloading " in run.err_path.read_text())
+    fired = hub.faults_fired.get("delay", 0)
+    run.wait_for("the weights download", lambda: hub.faults_fired.get("delay", 0) > fired)
     rc, stderr = run.stop(signal.SIGTERM)
     assert rc == 143, stderr
     assert "left: the base files downloaded so far" in _the_line(stderr, "SIGTERM")

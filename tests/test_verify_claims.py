@@ -48,11 +48,13 @@ def test_minimums_only_where_a_load_passed() -> None:
     assert [r.env.name for r in comp.silently_wrong] == ["diffusers==0.38.0"]
     assert [r.env.name for r in comp.manual_rescues] == ["diffusers==0.38.0"]
     warning = claims.warnings(comp)
-    assert warning == ["with diffusers 0.38.0, transformer loaded through the library loaders raises no error but is wrong: "
-                       "loads without an error, but 0 of 30 planned layers are Int8Tensor"]
+    assert warning == ["with diffusers 0.38.0, transformer loaded through the library loaders raises no error, "
+                       "but 0 of 30 planned layers are Int8Tensor"]
     text = claims.manual_text(comp)
     assert "including" not in text and "diffusers 0.38.0" in text.split("do not load it correctly: ")[1]
     assert "It does not work with: torchao 0.17.0 (fail)" in text
+    assert text.startswith("Measured to load this repo correctly with: this tool's own environment (torch 2.13.0+cpu, "
+                           "torchao 0.18.0, diffusers 0.42.1); diffusers 0.39.0; diffusers 0.38.0.")
 
 
 def test_a_failure_between_breaks_the_minimum() -> None:

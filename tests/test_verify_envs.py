@@ -126,3 +126,12 @@ def test_a_spec_equal_to_this_environment_is_refused(local_index: Path) -> None:
 
     with pytest.raises(EnvBuildError, match=r"is this environment for click"):
         envs.build(envs.parse_spec(f"click=={md.version('click')}"))
+
+
+def test_a_broken_leftover_is_rebuilt(local_index: Path) -> None:
+    spec = envs.parse_spec("hfao-probe==2.0")
+    first = envs.build(spec)
+    (first.path / envs.RECORD).unlink()  # as if a build had been cut short after its rename (never happens; or deleted)
+    again = envs.build(spec)
+    assert not again.reused and again.path == first.path and again.packages == {"hfao-probe": "2.0"}
+    assert (again.path / envs.RECORD).is_file()

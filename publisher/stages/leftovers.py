@@ -83,7 +83,7 @@ def check_output_dir(path: Path) -> None:
     """Fail before any download when the output folder cannot be used; leave nothing behind."""
     if path.exists() and not path.is_dir():
         raise TargetError(f"--output-dir {path} is a file; give a folder")
-    if path.is_dir():  # only an interrupted run's marked unfinished folders are removed (stages/leftovers.py)
+    if path.is_dir():  # only an interrupted run's marked unfinished folders are removed (below)
         clear_output_dir(path)
     created = not path.exists()
     try:

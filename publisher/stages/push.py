@@ -207,7 +207,7 @@ def check_writable(repo_id: str, token: str | None) -> str:
 
 
 def changes(previous: dict[str, Any] | None, state: dict[str, Any]) -> str:
-    """The commit description's line on what differs from the previous publication's state."""
+    """The commit description: what changed since the target's previous state file (for a re-run's commit)."""
     if not previous:
         return "First publication."
     changed = [k for k in state if k not in ("fingerprint", "base_files") and previous.get(k) != state.get(k)]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from publisher.errors import InputError
+from publisher.errors import InputError, SourceError
 from publisher.streaming import safetensors_io as stio
 
 log = logging.getLogger(__name__)
@@ -194,8 +194,10 @@ class RangeFile:
         self.close()
 
 
-class RangeIgnored(OSError):
-    """The server did not answer the byte range asked for: reading on would use bytes from the wrong offset."""
+class RangeIgnored(OSError, SourceError):
+    """The server did not answer the byte range asked for: reading on would use bytes from the wrong offset.
+    An OSError for the readers' error handling, and a SourceError so that wherever it surfaces (the plan-time
+    header checks read by range too) it is one `Error:` line."""
 
 
 ShardSource = LocalShards | HubShards  # where a component's safetensors files are read from

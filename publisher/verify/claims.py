@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from publisher.verify.report import OUTCOMES, PATHS, EnvRecord, Outcome, PathResult, VerifyReport
 
+SILENT_PREFIX = "loads without an error, but "  # how compare() starts the detail of a silently wrong load
 # the packages a card talks about; the libraries only when a quantized component loads with them
 CORE = ("torch", "torchao", "safetensors")
 LIBRARIES = ("diffusers", "transformers")
@@ -94,7 +95,7 @@ def warnings(comp: Compatibility) -> list[str]:
             if r is not None and r.outcome == "silently wrong":
                 how = "the library loaders" if path == "library" else "the manual path"
                 out.append(f"with {versions_text(row, comp.packages, only_changed=True)}, {row.component or 'the model'} "
-                           f"loaded through {how} raises no error but is wrong: {r.detail}")
+                           f"loaded through {how} raises no error, but {r.detail.removeprefix(SILENT_PREFIX)}")
     return out
 
 
@@ -197,7 +198,8 @@ def versions_text(row: Row, packages: list[str], only_changed: bool = False) -> 
         packages = [p for p in named if row.versions.get(p) or row.env.packages.get(p)]
         return ", ".join(f"{p} {row.versions.get(p) or row.env.packages.get(p)}" for p in packages)
     if only_changed and row.env.kind == "current":
-        packages = [p for p in packages if p != "safetensors"]
+        own = ", ".join(f"{p} {row.versions[p]}" for p in packages if p != "safetensors" and row.versions.get(p))
+        return f"this tool's own environment ({own})"
     shown = [f"{p} {row.versions[p]}" for p in packages if row.versions.get(p) not in (None, "absent")]
     extra = [] if only_changed else [f"{name} {v}" for name, v in sorted(row.env.packages.items())
                                      if name not in packages and name.replace("-", "_") not in packages]

@@ -171,23 +171,35 @@ def build(spec: EnvSpec, root: Path | None = None) -> BuiltEnv:
         record = {"spec": spec.text, "packages": packages, "seconds": seconds, "parent": sys.prefix,
                   "python": sys.version.split()[0], "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         (tmp / RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
-        try:
-            tmp.rename(final)
-        except OSError:  # another run built the same entry meanwhile: use theirs
-            if _load(final, spec) is None:
-                raise
-            shutil.rmtree(tmp, ignore_errors=True)
-            return _load(final, spec) or _never()
+        theirs = _install(tmp, final, spec)
+    except OSError as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise EnvBuildError(f"cannot build the verification environment {spec.text} in {root}: "
+                            f"{exc.strerror or exc}; free disk space or set HF_AO_PUBLISH_ENVS to another folder") from exc
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    if theirs is not None:
+        return theirs
     log.info("verification environment %s built in %.1f s: %s", spec.text, seconds,
              ", ".join(f"{k} {v}" for k, v in sorted(packages.items())))
     return BuiltEnv(spec.text, str(layer_python(final)), final, packages, seconds, reused=False)
 
 
-def _never() -> BuiltEnv:
-    raise EnvBuildError("internal: a verification environment vanished while it was being reused")
+def _install(tmp: Path, final: Path, spec: EnvSpec) -> BuiltEnv | None:
+    """Rename the finished entry into place. Another run may have finished the same entry meanwhile: use
+    theirs (returned). A broken leftover in the way (no record, no interpreter) is replaced."""
+    try:
+        tmp.rename(final)
+        return None
+    except OSError:
+        theirs = _load(final, spec)
+        if theirs is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return theirs
+    shutil.rmtree(final)
+    tmp.rename(final)
+    return None
 
 
 def _load(folder: Path, spec: EnvSpec) -> BuiltEnv | None:
@@ -261,5 +273,8 @@ def _run(cmd: list[str], spec: EnvSpec, what: str) -> str:
 def _pip_reason(stderr: str) -> str:
     lines = [line.strip() for line in stderr.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("ERROR:")]
+    # pip's informational lines ("Ignored the following yanked versions", "Could not find a version ... (from
+    # versions: <hundreds>)") come before the reason ("No matching distribution found for ...")
+    errors = [line for line in errors if "(from versions:" not in line and "Ignored the following" not in line] or errors
     line = (errors[0] if errors else (lines[-1] if lines else "no output"))
     return line.removeprefix("ERROR: ")[:300]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -65,9 +66,25 @@ def check_verify_envs(values: Sequence[str]) -> None:
     for value in values:
         if env_builder.is_spec(value):
             env_builder.parse_spec(value)
-        elif not Path(value).is_file() or not os.access(value, os.X_OK):
+        elif not (Path(value).is_file() and os.access(value, os.X_OK)) and shutil.which(value) is None:
             raise UsageError(f"--verify-env {value!r} is neither a Python interpreter (no executable file there) "
                              "nor a version spec like diffusers==0.39.0")
+
+
+def check(verify_values: Sequence[str], compat_values: Sequence[str]) -> None:
+    """Every --verify-env and --compat value well formed (usage errors), before any work."""
+    check_verify_envs(verify_values)
+    check_choices(compat_values)
+
+
+def prepare(verify_values: Sequence[str], compat_values: Sequence[str], recipes: Sequence[str], libraries: set[str], *,
+            measure: bool) -> tuple[list[Env], dict[str, list[Env] | None]]:
+    """Build the --verify-env environments and each recipe's matrix (an environment shared by recipes is built
+    once); ``measure`` False (streaming verification): no matrix."""
+    gating = verify_envs(verify_values)
+    skip = [e.record.name for e in gating]
+    matrices = {r: matrix_envs(compat_values, r, libraries, skip=skip) for r in recipes} if measure else {}
+    return gating, matrices
 
 
 def verify_envs(values: Sequence[str]) -> list[Env]:

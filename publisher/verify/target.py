@@ -85,8 +85,7 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), compat
     """``envs`` (--verify-env) must pass like this environment; ``compat`` (default: the recipe's matrix) is measured."""
     import torch
 
-    matrix.check_verify_envs(envs)
-    matrix.check_choices(compat)
+    matrix.check(envs, compat)
     where, where_rev = target, revision  # where the load paths read: a Hub target's checked local copy
     if not Path(target).is_dir():
         local, sha, hashes = hashes_check.fetch_target_configs(target, revision, token, STATE_FILE)
