@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
 import threading
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,6 +77,34 @@ class CliRun:
         return None
 
 
+FORWARDED = (signal.SIGINT, signal.SIGTERM)
+
+
+@contextmanager
+def forwarding(proc: "subprocess.Popen[str]") -> Iterator[None]:
+    """While the CLI runs, SIGINT / SIGTERM sent to this step are passed on to it.
+
+    A cancelled workflow run signals the step's process only (SIGINT, SIGTERM 7.5 s later, then SIGKILL):
+    action.yml execs this glue, so that is us, and the CLI in its own session sees the signal only through
+    here, once. It then does its own cleanup (workers stopped, a repo it created deleted) and exits 130/143
+    with its one-line message, which this step turns into the annotation, the summary and the outputs as
+    for any failure. Outside the main thread Python cannot set handlers: nothing is forwarded."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def forward(signum: int, frame: object) -> None:
+        if proc.poll() is None:
+            proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in FORWARDED}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
 def run_cli(argv: list[str], env: Mapping[str, str], secrets: Sequence[str], show: str = "") -> CliRun:
     """Run the CLI without a shell; stream its stderr (redacted) with workflow commands switched off.
 
@@ -86,8 +116,9 @@ def run_cli(argv: list[str], env: Mapping[str, str], secrets: Sequence[str], sho
             sys.stdout.write(redact(show, secrets) + "\n")
             sys.stdout.flush()
         try:
+            # its own session: a signal meant for the step's process group reaches the CLI once, from us
             proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=dict(env), text=True,
-                                    encoding="utf-8", errors="replace")
+                                    encoding="utf-8", errors="replace", start_new_session=True)
         except OSError as exc:
             raise StepFailed(f"cannot start {argv[0]}: {exc}") from None
         stderr, stdout = proc.stderr, proc.stdout
@@ -104,8 +135,9 @@ def run_cli(argv: list[str], env: Mapping[str, str], secrets: Sequence[str], sho
 
         reader = threading.Thread(target=pump, daemon=True)
         reader.start()
-        out = stdout.read()
-        code = proc.wait()
+        with forwarding(proc):
+            out = stdout.read()
+            code = proc.wait()
         reader.join()
     return CliRun(code, out, list(tail))
 

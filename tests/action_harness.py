@@ -25,6 +25,8 @@ import os
 import re
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -146,7 +148,33 @@ def evaluate(text: str, ctx: dict[str, Any]) -> str:
     return EXPR.sub(one, text)
 
 
-def run_action(inputs: dict[str, str], tmp: Path, env: dict[str, str] | None = None) -> ActionRun:
+@dataclass
+class Interrupt:
+    """Cancel the run as the runner does: once `ready()` holds during step `step`, send `signum` to that step's
+    process (the bash that runs its script) and nothing else."""
+
+    step: str
+    ready: Callable[[], bool]
+    signum: int
+    timeout: float = 300
+
+
+def _run_step(argv: list[str], cwd: Path, env: dict[str, str], interrupt: Interrupt | None) -> Any:
+    if interrupt is None:
+        return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + interrupt.timeout
+    while not interrupt.ready():
+        assert proc.poll() is None, f"step {interrupt.step} ended before it could be interrupted: {proc.communicate()}"
+        assert time.monotonic() < deadline, f"step {interrupt.step} never became ready to interrupt"
+        time.sleep(0.05)
+    proc.send_signal(interrupt.signum)
+    out, err = proc.communicate(timeout=120)
+    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+
+
+def run_action(inputs: dict[str, str], tmp: Path, env: dict[str, str] | None = None,
+               interrupt: Interrupt | None = None) -> ActionRun:
     action = load_action()
     declared = action["inputs"]
     unknown = set(inputs) - set(declared)
@@ -199,8 +227,8 @@ def run_action(inputs: dict[str, str], tmp: Path, env: dict[str, str] | None = N
         script = tmp / f"step_{n}.sh"
         script.write_text(evaluate(step["run"], ctx))
         assert step.get("shell") == "bash"
-        proc = subprocess.run(["bash", "--noprofile", "--norc", "-eo", "pipefail", str(script)], cwd=workspace,
-                              env=step_env, capture_output=True, text=True, timeout=600)
+        proc = _run_step(["bash", "--noprofile", "--norc", "-eo", "pipefail", str(script)], workspace, step_env,
+                         interrupt if interrupt and step.get("id") == interrupt.step else None)
         ran.append(label)
         out.append(proc.stdout)
         err.append(proc.stderr)

@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -20,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from action_harness import EXPR, ROOT, assert_secret_absent, load_action, run_action
+from action_harness import EXPR, ROOT, Interrupt, assert_secret_absent, load_action, run_action
 
 yaml = pytest.importorskip("yaml")
 
@@ -92,9 +93,10 @@ def test_glue_reads_only_declared_variables() -> None:
 
 
 def test_steps_run_the_glue_from_the_action_path() -> None:
-    """Each run step (but the mask) is one call of action/main.py under python3, isolated (-I)."""
+    """Each run step (but the mask) is one call of action/main.py under python3, isolated (-I), exec'd so that a
+    cancelled run's signals reach the glue (bash would hold them until its child ended)."""
     steps = [s for s in load_action()["runs"]["steps"] if "run" in s][1:]
-    assert [s["run"] for s in steps] == [f'python3 -I "$GITHUB_ACTION_PATH/action/main.py" {step}'
+    assert [s["run"] for s in steps] == [f'exec python3 -I "$GITHUB_ACTION_PATH/action/main.py" {step}'
                                          for step in ("check", "free-disk", "install", "run")]
     publish = next(s for s in steps if s.get("id") == "publish")
     assert publish["env"]["HFAO_PYTHON"] == "${{ steps.install.outputs.python }}"
@@ -350,3 +352,29 @@ def test_action_publishes_tiny_flux_and_reruns_as_noop(tmp_path: Path, flux_repo
     assert api.list_repo_commits("alice/action-flux-int8wo")[0].commit_id == out["commit-sha"]
     assert_secret_absent(again, "tok_alice")
     print(f"publish {first:.1f}s, re-run {time.monotonic() - t0 - first:.1f}s")
+
+
+@pytest.mark.slow
+def test_a_cancelled_run_reaches_the_cli_which_deletes_the_repo_it_created(tmp_path: Path, hub: Any,
+                                                                           flux_repo: str) -> None:
+    """A workflow cancel sends SIGINT to the step's process only: the exec'd glue forwards it, the CLI cleans up."""
+    from huggingface_hub import HfApi
+
+    target = "alice/action-cancelled"
+    hub.clear_faults()
+    hub.set_fault(delay_s=1.0, match=f"/api/models/{target}/preupload/", count=10_000)  # the run sits in its push
+    try:
+        run = run_action({"model": flux_repo, "quant": "int8wo", "repo-id": target, "hf-token": "tok_alice",
+                          "extra-args": SMALL}, tmp_path,
+                         interrupt=Interrupt("publish", lambda: hub.faults_fired.get("delay", 0) >= 1, signal.SIGINT))
+    finally:
+        hub.clear_faults()
+    assert run.returncode == 130 and run.failed_step == "Quantize, verify and publish", run.log[-4000:]
+    errors = run.errors()
+    assert len(errors) == 1 and errors[0].startswith("interrupted by SIGINT: "), errors
+    assert "any repo it had created" in errors[0]
+    assert not HfApi(token="tok_alice").repo_exists(target)  # the CLI's own cleanup ran
+    assert json.loads(run.outputs["result-json"])["exit_code"] == 130
+    assert "interrupted by SIGINT" in run.summary
+    assert "Traceback" not in run.log
+    assert_secret_absent(run, "tok_alice")

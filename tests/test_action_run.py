@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import stat
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from action_harness import parse_commands, parse_output_file, sample_result
 
 from action.run import CliRun, cli_command, failure_message, run
+
+ROOT = Path(__file__).resolve().parents[1]
 
 FAKE_CLI = f"""#!{sys.executable}
 import json, os, sys
@@ -26,6 +31,19 @@ print("::add-path::/evil", file=sys.stderr)
 if mode == "fail":
     print("Error: boom for " + os.environ.get("HF_TOKEN", ""), file=sys.stderr)
     sys.exit(1)
+if mode == "wait":  # record every signal received and the session we run in; end like the CLI does on a signal
+    import signal, time
+    got = []
+    signal.signal(signal.SIGINT, lambda n, f: got.append(n))
+    signal.signal(signal.SIGTERM, lambda n, f: got.append(n))
+    time.sleep(0.5)  # the step's forwarding is in place by now
+    open(os.environ["FAKE_READY"], "w").write(str(os.getsid(0)))
+    while not got:
+        time.sleep(0.01)
+    time.sleep(0.5)  # a second copy of the signal, if one were on its way, arrives meanwhile
+    open(os.environ["FAKE_READY"], "a").write(" " + ",".join(str(n) for n in got))
+    print("Error: interrupted by SIG%s: cleaned up" % ("INT" if got[0] == signal.SIGINT else "TERM"), file=sys.stderr)
+    sys.exit(128 + got[0])
 card = os.path.join(out, "README.md")
 with open(card, "w") as fh:
     fh.write("# card of alice/m-int8wo\\n")
@@ -100,3 +118,27 @@ def test_cli_command_and_failure_message(tmp_path: Path, monkeypatch: pytest.Mon
     assert failure_message(CliRun(0, "{}", ["Error: late"])) == "late"
     assert failure_message(CliRun(0, "{}", ["fine"])) is None
     assert failure_message(CliRun(-9, "", ["Killed"])) == "hf-ao-publish exited with code -9: Killed"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_to_the_step_is_forwarded_once_to_the_cli(step: dict[str, str], tmp_path: Path, signum: int) -> None:
+    """A cancelled workflow signals the step (here its whole process group): the CLI, in its own session, gets
+    the signal once, from the glue, ends with its own message, and the step still writes the summary and outputs."""
+    ready = tmp_path / "ready"
+    env = {**step, "FAKE_MODE": "wait", "FAKE_READY": str(ready)}
+    glue = subprocess.Popen([sys.executable, "-I", str(ROOT / "action" / "main.py"), "run"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while not ready.exists():
+        assert glue.poll() is None and time.monotonic() < deadline, glue.communicate()
+        time.sleep(0.02)
+    os.killpg(glue.pid, signum)
+    out, err = glue.communicate(timeout=60)
+    assert glue.returncode == 128 + signum, err
+    sid, received = ready.read_text().split()
+    assert int(sid) != glue.pid and received == str(int(signum))  # own session, exactly one signal
+    name = "SIGINT" if signum == signal.SIGINT else "SIGTERM"
+    assert [c.message for c in parse_commands(out) if c.name == "error"] == [f"interrupted by {name}: cleaned up"]
+    outputs = parse_output_file(Path(step["GITHUB_OUTPUT"]))
+    assert json.loads(outputs["result-json"])["exit_code"] == 128 + signum and outputs["verified"] == "false"
+    assert f"interrupted by {name}" in Path(step["GITHUB_STEP_SUMMARY"]).read_text()
