@@ -37,7 +37,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_streaming import FLUX_DEV, run_watched  # noqa: E402 - the sibling benchmark's helpers
+from bench_streaming import run_watched  # noqa: E402 - the sibling benchmark's helper
+
+from publisher.testing.configs import FLUX_DEV  # noqa: E402
 
 GIB = 1024**3
 REPO = "bench/flux-dev-shaped"
@@ -77,7 +79,7 @@ def build_layout(folder: Path, scale: float) -> dict[str, list[tuple[str, list[t
     build_tiny_flux(folder)
     layers, singles, t5_layers = (max(1, round(n * scale)) for n in (19, 38, 24))
     with init_empty_weights():
-        transformer = FluxTransformer2DModel(num_layers=layers, num_single_layers=singles, **FLUX_DEV)
+        transformer = FluxTransformer2DModel(**{**FLUX_DEV, "num_layers": layers, "num_single_layers": singles})
         t5 = T5EncoderModel(T5Config(**{**T5_XXL, "num_layers": t5_layers}))
         clip = CLIPTextModel(CLIPTextConfig(**CLIP_L))
         vae = AutoencoderKL(**FLUX_VAE)
