@@ -78,6 +78,19 @@ def _local_folder(req: dict[str, Any]) -> Path:
     return folder / req["subfolder"] if req.get("subfolder") else folder
 
 
+def to_meta(v: Any) -> Any:
+    """A recorded call (tensors nested in dicts, lists, tuples) with every tensor on the meta device: shapes only."""
+    import torch
+
+    if isinstance(v, torch.Tensor):
+        return v.to("meta")
+    if isinstance(v, dict):
+        return {k: to_meta(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(to_meta(x) for x in v)
+    return v
+
+
 def meta_model(library: str, class_name: str, config: Any) -> Any:
     """The component on the meta device (buffers stay real: rotary tables, position ids), from its config:
     a dict (config.json) or a transformers config object."""

@@ -92,6 +92,60 @@ def test_hashed_reader_covers_gaps_and_refuses_out_of_order_reads() -> None:
         r.finish()
 
 
+class CountingFile(io.BytesIO):
+    """An in-memory file that counts the bytes handed out (what an HTTP range reader would fetch)."""
+
+    fetched = 0
+
+    def readinto(self, view: Any) -> int:  # type: ignore[override]
+        n = super().readinto(view)
+        self.fetched += n
+        return n
+
+
+def test_spilling_reader_takes_any_order_fetches_each_byte_once_and_hashes_in_file_order(tmp_path: Path) -> None:
+    """Execution order is not file order (blocks.10 is stored before blocks.2): what is read ahead of the hash
+    waits in the spill folder, each byte is fetched once, and the whole file is still compared with the Hub's hash."""
+    import random
+
+    from publisher.errors import IntegrityError
+    from publisher.integrity import FileHash, SpillingHashedReader
+
+    data = random.Random(0).randbytes(1_000_000)
+    good = FileHash("sha256", hashlib.sha256(data).hexdigest(), len(data))
+    pieces = [(a, a + 50_000) for a in range(8, 1_000_000 - 50_000, 50_000)]  # bytes [0, 8) and a tail nobody reads
+    order = pieces[::-1][:5] + random.Random(1).sample(pieces[:-5], len(pieces) - 5)
+    inner = CountingFile(data)
+    r = SpillingHashedReader(inner, good, "x", tmp_path)
+    for a, b in order:
+        r.seek(a)
+        assert r.read(b - a) == data[a:b]
+    assert r.peak_spilled >= 5 * 50_000 and r.spill_path.is_file()
+    r.finish()  # the gaps nobody read are fetched here, once
+    assert inner.fetched == len(data) and r.hashed == len(data)
+    r.close()
+    assert list(tmp_path.iterdir()) == []  # the spill file goes with the reader
+
+    bad = bytearray(data)
+    bad[pieces[-1][0] + 7] ^= 1  # in a piece read first, far ahead of the hash: it is checked from the spill
+    r = SpillingHashedReader(CountingFile(bytes(bad)), good, "shard.safetensors of a/b@0123", tmp_path)
+    for a, b in order:
+        r.seek(a)
+        r.read(b - a)
+    with pytest.raises(IntegrityError, match="shard.safetensors of a/b@0123: the bytes read by HTTP range have sha256"):
+        r.finish()
+    r.close()
+
+    r = SpillingHashedReader(CountingFile(data), good, "x", tmp_path)
+    r.read(100)
+    r.seek(10)
+    r.read(10)  # behind the hash: fetched again, so not the bytes that were hashed
+    with pytest.raises(IntegrityError, match="read out of order"):
+        r.finish()
+    r.close()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_git_blob_ids_and_the_state_file_form(tmp_path: Path) -> None:
     from publisher.integrity import FileHash, check_file, hash_file
 

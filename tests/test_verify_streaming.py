@@ -235,6 +235,8 @@ def test_low_disk_publish_reads_by_range_uploads_shards_and_merges_a_checked_pr(
     assert [r["env"] for r in results] == ["current, before upload"]
     assert results[0]["ok"] and results[0]["forward_checked"] and results[0]["tensors_checked"] > 0
     assert "forward during quantization" in results[0]["detail"]
+    # execution order is not file order (x_embedder is stored last): read ahead of the hash, checked from the spill
+    assert "read in execution order; at most" in result.stderr
     assert data["quality"] and data["quality"][0]["cosine"] > 0.99
     card = Path(hf_hub_download(repo, "README.md")).read_text()
     assert "Quality against the base" in card and "during the quantization pass" in card

@@ -68,16 +68,19 @@ class RemoteWeights:
         src = self.plan.source
         return HubShards(src.repo_id, src.sha, comp.name, self.token, listing=self.listing(comp))  # type: ignore[arg-type]
 
-    def opener(self, comp: Component) -> Callable[[str], BinaryIO]:
-        """Each shard read by HTTP range through one running hash (the engine reads a shard in file order)."""
-        from publisher.integrity import HashedReader
+    def opener(self, comp: Component, spill_dir: Path) -> Callable[[str], BinaryIO]:
+        """Each shard read by HTTP range, each byte once, through one running hash in file order; the engine may
+        read in another order (the forward pass during quantization), what it reads ahead of the hash waits in
+        ``spill_dir`` (integrity.SpillingHashedReader)."""
+        from publisher.integrity import SpillingHashedReader
 
         shards, src = self.source(comp), self.plan.source
         prefix = f"{comp.name}/" if comp.name else ""
 
         def open_hashed(name: str) -> BinaryIO:
             label = f"{prefix}{name} of {src.repo_id}@{(src.sha or '')[:12]}"
-            return HashedReader(shards.open(name), self.plan.base_hashes[prefix + name], label)  # type: ignore[arg-type,return-value]
+            return SpillingHashedReader(shards.open(name), self.plan.base_hashes[prefix + name], label,  # type: ignore[arg-type,return-value]
+                                        spill_dir)
 
         return open_hashed
 
@@ -85,10 +88,13 @@ class RemoteWeights:
     def release(shard: object) -> None:
         """The engine read the whole shard: compare its running hash with the Hub's before anything is committed
         (a mismatch stops the run; output shards already pre-uploaded belong to no commit)."""
-        from publisher.integrity import HashedReader
+        from publisher.integrity import HashedReader, SpillingHashedReader
 
         if isinstance(shard, HashedReader):
             shard.finish(after="nothing was committed")
+        if isinstance(shard, SpillingHashedReader) and shard.peak_spilled:
+            log.info("%s: read in execution order; at most %.1f MB waited on disk for its hash check", shard.name,
+                     shard.peak_spilled / 1e6)
 
     def download(self, comp: Component) -> Path:
         """For the library path (its loaders read local files): fetch this component's weights after all."""

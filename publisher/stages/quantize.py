@@ -10,6 +10,7 @@ import errno
 import logging
 import os
 import shutil
+import tempfile
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -254,14 +255,18 @@ def _stream_component(plan: Plan, src: Path, comp: Component, recipe: Recipe, ou
     fp8 = _Fp8Bound(comp.label) if device == "cpu" and recipe.cpu_producible else None
     digests: dict[str, str] = {}
     hook = uploader.for_component(comp.name, dst, digests) if uploader is not None else None
-    observer = _in_pass_forward(src, comp, device, (inputs or {}).get(comp.name), remote is not None)
-    result = stream_quantize(src, dst, library=comp.library, recipe=recipe, exclude=list(plan.exclude),  # type: ignore[arg-type]
-                             class_name=comp.class_name, device=device, progress=log.isEnabledFor(logging.INFO),
-                             fetch_shard=remote.opener(comp) if remote is not None else None,
-                             release_shard=remote.release if remote is not None else None, on_tensor=fp8,
-                             digests=digests, on_planned=hook.planned if hook else None,
-                             on_output_file=hook.on_output if hook else None, observer=observer,
-                             reserve=uploader.reserve if uploader is not None else None, max_shard_size=max_shard_size)
+    observer = _in_pass_forward(src, comp, device, (inputs or {}).get(comp.name))
+    # Range reads in execution order still fetch each byte once and hash each file in file order: what is read
+    # ahead of the hash waits on disk here (integrity.SpillingHashedReader), removed however the pass ends.
+    with tempfile.TemporaryDirectory(prefix="hf-ao-publish-spill-") as spill:
+        result = stream_quantize(src, dst, library=comp.library, recipe=recipe, exclude=list(plan.exclude),  # type: ignore[arg-type]
+                                 class_name=comp.class_name, device=device, progress=log.isEnabledFor(logging.INFO),
+                                 fetch_shard=remote.opener(comp, Path(spill)) if remote is not None else None,
+                                 release_shard=remote.release if remote is not None else None, on_tensor=fp8,
+                                 digests=digests, on_planned=hook.planned if hook else None,
+                                 on_output_file=hook.on_output if hook else None, observer=observer,
+                                 reserve=uploader.reserve if uploader is not None else None,
+                                 max_shard_size=max_shard_size)
     if uploader is not None:
         uploader.flush()  # every shard checked, hashed and uploaded before the sizes are counted
     forward = observer.result() if observer is not None else None
@@ -286,11 +291,10 @@ def _stream_component(plan: Plan, src: Path, comp: Component, recipe: Recipe, ou
     )
 
 
-def _in_pass_forward(src: Path, comp: Component, device: str, spec: ForwardInputs | None,
-                     file_order: bool = False) -> InPassForward | None:
+def _in_pass_forward(src: Path, comp: Component, device: str, spec: ForwardInputs | None) -> InPassForward | None:
     """The forward passes of verification, run while the engine holds each tensor (verify/inpass.py): on a CPU,
     for components the run derived forward inputs for (``spec``: verify/capture.py, the same call the checks
-    after the pass would replay). ``file_order``: the base is read front to back (its Hub hash checked on the way)."""
+    after the pass would replay)."""
     from publisher.loadpath import load_call
     from publisher.verify.inpass import InPassForward
 
@@ -299,7 +303,7 @@ def _in_pass_forward(src: Path, comp: Component, device: str, spec: ForwardInput
     if spec is None or spec.file is None:
         return None  # weights only (the report says why)
     config = read_object(src / "config.json")
-    return InPassForward(comp.library, comp.class_name, config, load_call(spec.file), comp.label, file_order)
+    return InPassForward(comp.library, comp.class_name, config, load_call(spec.file), comp.label)
 
 
 def _copy_unchanged(plan: Plan, base_dir: Path, out: Path, elsewhere: frozenset[str] = frozenset()) -> None:

@@ -152,17 +152,8 @@ def _stand_in(model: Any, name: str) -> None:
             return type(v)(real(x) for x in v)
         return v
 
-    def meta(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            return v.to("meta")
-        if isinstance(v, dict):
-            return {k: meta(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return type(v)(meta(x) for x in v)
-        return v
-
     def stand_in(*args: Any, **kwargs: Any) -> Any:
-        return real(forward(*meta(args), **meta(kwargs)))
+        return real(forward(*loadpath.to_meta(args), **loadpath.to_meta(kwargs)))
 
     model.forward = stand_in
     model.hf_ao_publish_stand_in = True
@@ -263,19 +254,10 @@ def _fits_on_meta(model: Any, call: dict[str, Any]) -> bool:
     is then used, which the pipeline itself would use)."""
     import torch
 
-    def to_meta(v: Any) -> Any:
-        if isinstance(v, torch.Tensor):
-            return v.to("meta")
-        if isinstance(v, dict):
-            return {k: to_meta(x) for k, x in v.items()}
-        if isinstance(v, (list, tuple)):
-            return type(v)(to_meta(x) for x in v)
-        return v
-
     model.to("meta")  # buffers too: nothing may mix devices
     try:
         with torch.inference_mode():
-            model(**to_meta(call), return_dict=False)
+            model(**loadpath.to_meta(call), return_dict=False)
     except Exception:  # any failure means "not proven to fit": fall back to the pipeline's defaults
         return False
     return True

@@ -53,19 +53,6 @@ class _Slot:
         return len(self.delivered) == len(self.names)
 
 
-def _to_meta(v: Any) -> Any:
-    """The recorded call (tensors nested in dicts, lists, tuples) with every tensor on the meta device."""
-    import torch
-
-    if isinstance(v, torch.Tensor):
-        return v.to("meta")
-    if isinstance(v, dict):
-        return {k: _to_meta(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return type(v)(_to_meta(x) for x in v)
-    return v
-
-
 def _nbytes(t: Any) -> int:
     if hasattr(t, "__tensor_flatten__") and type(t).__name__ not in ("Tensor", "Parameter"):
         inner, _ = t.__tensor_flatten__()
@@ -76,13 +63,9 @@ def _nbytes(t: Any) -> int:
 class InPassForward:
     """A ``TensorObserver`` for ``stream_quantize``: call ``result()`` after the pass."""
 
-    def __init__(self, library: str, class_name: str, config: dict[str, Any], inputs: dict[str, Any], label: str = "",
-                 file_order: bool = False) -> None:
+    def __init__(self, library: str, class_name: str, config: dict[str, Any], inputs: dict[str, Any],
+                 label: str = "") -> None:
         self.library, self.class_name, self.config, self.inputs = library, class_name, config, inputs
-        # file_order: the engine must read the base front to back (a Hub file checked against its sha256 as it is
-        # read, integrity.HashedReader): the forward's order is not asked for, and blocks that arrive early wait
-        # in the mailbox (up to MAILBOX_LIMIT, else the check runs after the pass).
-        self.file_order = file_order
         self.label = label or "model"
         self.cond = threading.Condition()
         self.slots: dict[str, _Slot] = {}
@@ -115,7 +98,7 @@ class InPassForward:
             th = threading.Thread(target=self._run, args=(role, model), name=f"hf-ao-publish-forward-{role}", daemon=True)
             self.threads.append(th)
             th.start()
-        return None if self.file_order else order
+        return order
 
     def wants(self, key: str) -> bool:
         return not self.reason and key in self.by_key
@@ -171,7 +154,7 @@ class InPassForward:
 
     def _plan(self, readable: set[str]) -> list[str] | None:
         """Trace the block order on the meta device; map each block's tensors to the checkpoint keys that hold them."""
-        from publisher.loadpath import forward
+        from publisher.loadpath import forward, to_meta
         from publisher.verify.streaming import blocks, own_state
 
         model = self._model()
@@ -179,7 +162,7 @@ class InPassForward:
         handles = [module.register_forward_pre_hook(lambda mod, args, p=prefix: self.calls.append(p))
                    for prefix, module, _ in found]
         try:
-            forward(model, self.library, _to_meta(self.inputs))
+            forward(model, self.library, to_meta(self.inputs))
         finally:
             for h in handles:
                 h.remove()
