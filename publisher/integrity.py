@@ -206,19 +206,19 @@ class SpillingHashedReader(HashedReader):
     which is not file order: ``transformer_blocks.10`` is stored before ``transformer_blocks.2``, ``x_embedder``
     last), still fetching each byte from the Hub once and still hashing the whole file in file order.
 
-    Bytes handed out beyond the hash cursor are also written to a spill file in ``spill_dir`` and hashed from
-    there once the cursor reaches them; bytes behind the cursor cannot be handed out again (``finish()`` fails).
-    The spill holds what was read ahead of the cursor and not yet hashed, and is emptied whenever the cursor
-    catches up; for FLUX.1-dev's transformer in execution order that peaks at about 5.4 GB of a 10 GB shard
-    (computed from its layout), on disk, never in memory. ``finish()`` fetches the bytes nobody asked for
-    (padding, tensors the run does not read) and compares."""
+    Bytes handed out beyond the hash cursor are also written to a spill file of their own in ``spill_dir`` and
+    hashed from there (then deleted) once the cursor reaches them; bytes behind the cursor cannot be handed out
+    again (``finish()`` fails). The spill holds what was read ahead of the cursor and not yet hashed: for
+    FLUX.1-dev's transformer in execution order that peaks at about 5.4 GB of a 10 GB shard (computed from its
+    layout), on disk, never in memory. ``finish()`` fetches the bytes nobody asked for (padding, tensors the run
+    does not read) and compares."""
 
     def __init__(self, inner: Readable, expected: FileHash, label: str, spill_dir: Path) -> None:
         super().__init__(inner, expected, label)
-        self.spill_path = spill_dir / f"spill-{id(self):x}"
-        self.spill = open(self.spill_path, "w+b")  # noqa: SIM115 - closed (and deleted) in close()
-        self.pending: dict[int, tuple[int, int]] = {}  # start -> (end, offset in the spill file)
-        self.spilled = 0  # bytes in the spill file now
+        self.spill_dir = spill_dir
+        self.prefix = f"spill-{id(self):x}-"
+        self.pending: dict[int, tuple[int, Path]] = {}  # start -> (end, the file holding [start, end))
+        self.spilled = 0  # bytes waiting on disk now
         self.peak_spilled = 0
 
     def readinto(self, view: Any) -> int:
@@ -233,30 +233,29 @@ class SpillingHashedReader(HashedReader):
             self.hashed = end
             self._drain()
         elif n:
-            self.spill.seek(self.spilled)
-            self.spill.write(view[:n])
-            self.pending[start] = (end, self.spilled)
+            piece = self.spill_dir / f"{self.prefix}{start}"
+            with open(piece, "wb") as fh:
+                fh.write(view[:n])
+            self.pending[start] = (end, piece)
             self.spilled += n
             self.peak_spilled = max(self.peak_spilled, self.spilled)
         self.pos = end
         return n
 
     def _drain(self) -> None:
-        """Hash the spilled pieces that now continue the cursor; empty the spill file once nothing waits."""
+        """Hash (and delete) the spilled pieces that now continue the cursor."""
         while self.hashed in self.pending:
-            end, offset = self.pending.pop(self.hashed)
-            self.spill.seek(offset)
-            left = end - self.hashed
-            while left:
-                chunk = self.spill.read(min(BLOCK, left))
-                if not chunk:
-                    raise IntegrityError(f"{self.name}: the spill file {self.spill_path} lost bytes; re-run the same command")
-                self._h.update(chunk)
-                left -= len(chunk)
+            end, piece = self.pending.pop(self.hashed)
+            got = 0
+            with open(piece, "rb") as fh:
+                while chunk := fh.read(BLOCK):
+                    self._h.update(chunk)
+                    got += len(chunk)
+            piece.unlink()
+            if got != end - self.hashed:
+                raise IntegrityError(f"{self.name}: the spill file {piece} lost bytes; re-run the same command")
+            self.spilled -= end - self.hashed
             self.hashed = end
-        if not self.pending and self.spilled:
-            self.spill.truncate(0)
-            self.spilled = 0
 
     def finish(self, after: str = "nothing was published") -> None:
         """Fetch and hash the gaps nobody read, hash what waits in the spill, compare with the Hub's hash."""
@@ -267,7 +266,8 @@ class SpillingHashedReader(HashedReader):
 
     def close(self) -> None:
         try:
-            self.spill.close()
-            self.spill_path.unlink(missing_ok=True)
+            for _, piece in self.pending.values():
+                piece.unlink(missing_ok=True)
+            self.pending.clear()
         finally:
             super().close()

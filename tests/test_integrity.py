@@ -120,7 +120,7 @@ def test_spilling_reader_takes_any_order_fetches_each_byte_once_and_hashes_in_fi
     for a, b in order:
         r.seek(a)
         assert r.read(b - a) == data[a:b]
-    assert r.peak_spilled >= 5 * 50_000 and r.spill_path.is_file()
+    assert r.peak_spilled >= 5 * 50_000 and list(tmp_path.iterdir())  # the pieces read ahead wait on disk
     r.finish()  # the gaps nobody read are fetched here, once
     assert inner.fetched == len(data) and r.hashed == len(data)
     r.close()
