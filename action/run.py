@@ -81,7 +81,7 @@ FORWARDED = (signal.SIGINT, signal.SIGTERM)
 
 
 @contextmanager
-def forwarding(proc: "subprocess.Popen[str]") -> Iterator[None]:
+def forwarding(proc: subprocess.Popen[str]) -> Iterator[None]:
     """While the CLI runs, SIGINT / SIGTERM sent to this step are passed on to it.
 
     A cancelled workflow run signals the step's process only (SIGINT, SIGTERM 7.5 s later, then SIGKILL):

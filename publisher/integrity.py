@@ -209,9 +209,9 @@ class SpillingHashedReader(HashedReader):
     Bytes handed out beyond the hash cursor are also written to a spill file of their own in ``spill_dir`` and
     hashed from there (then deleted) once the cursor reaches them; bytes behind the cursor cannot be handed out
     again (``finish()`` fails). The spill holds what was read ahead of the cursor and not yet hashed: for
-    FLUX.1-dev's transformer in execution order that peaks at about 5.4 GB of a 10 GB shard (computed from its
-    layout), on disk, never in memory. ``finish()`` fetches the bytes nobody asked for (padding, tensors the run
-    does not read) and compares."""
+    FLUX.1-dev's transformer in execution order that peaks at 5.44 GB of a 10 GB shard (computed from the
+    layout by benchmarks/spill_layout.py), on disk, never in memory. ``finish()`` fetches the bytes nobody
+    asked for (padding, tensors the run does not read) and compares."""
 
     def __init__(self, inner: Readable, expected: FileHash, label: str, spill_dir: Path) -> None:
         super().__init__(inner, expected, label)
