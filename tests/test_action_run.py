@@ -36,7 +36,7 @@ if mode == "wait":  # record every signal received and the session we run in; en
     got = []
     signal.signal(signal.SIGINT, lambda n, f: got.append(n))
     signal.signal(signal.SIGTERM, lambda n, f: got.append(n))
-    time.sleep(0.5)  # the step's forwarding is in place by now
+    time.sleep(2.0)  # the step's forwarding is in place by now (a loaded CI machine starts threads late)
     open(os.environ["FAKE_READY"], "w").write(str(os.getsid(0)))
     while not got:
         time.sleep(0.01)
