@@ -118,7 +118,31 @@ class Readable(Protocol):
     def close(self) -> None: ...
 
 
-class HashedReader:
+class ForwardReader:
+    """The read-only file interface the safetensors readers use (seek from the start, tell, read), on top of a
+    subclass's ``readinto`` at ``self.pos``: shared by HashedReader and streaming.shards.RangeFile."""
+
+    pos = 0
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        if whence != 0:
+            raise ValueError(f"{type(self).__name__} seeks from the start only")
+        self.pos = pos
+        return pos
+
+    def tell(self) -> int:
+        return self.pos
+
+    def readinto(self, view: Any) -> int:
+        raise NotImplementedError
+
+    def read(self, n: int) -> bytes:
+        buf = bytearray(n)
+        got = self.readinto(memoryview(buf))
+        return bytes(buf[:got])
+
+
+class HashedReader(ForwardReader):
     """A read-only file (a Hub file read by HTTP range) whose bytes are hashed as the caller reads them in file order.
 
     Forward jumps (padding, tensors nobody reads) are read and hashed on the way, BLOCK bytes at a time, so one
@@ -132,26 +156,12 @@ class HashedReader:
         self.hashed = 0  # bytes [0, hashed) went through the hash, in order
         self.rewound = False
 
-    def seek(self, pos: int, whence: int = 0) -> int:
-        if whence != 0:
-            raise ValueError("HashedReader seeks from the start only")
-        self.pos = pos
-        return pos
-
-    def tell(self) -> int:
-        return self.pos
-
     @property
     def size(self) -> int | None:
         """The file's total size as the inner reader knows it (a RangeFile learns it from the server): the header
         validator bounds the header by it."""
         size = getattr(self.inner, "size", None)
         return size if isinstance(size, int) else self.expected.size
-
-    def read(self, n: int) -> bytes:
-        buf = bytearray(n)
-        got = self.readinto(memoryview(buf))
-        return bytes(buf[:got])
 
     def readinto(self, view: Any) -> int:
         view = memoryview(view).cast("B")

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from publisher.errors import InputError, SourceError
+from publisher.integrity import ForwardReader
 from publisher.streaming import safetensors_io as stio
 
 log = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ class HubShards:
         return read_object(Path(path), f"{self.where}/{name}")
 
 
-class RangeFile:
+class RangeFile(ForwardReader):
     """A read-only remote file: every ``readinto`` is one ``Range`` GET streamed straight into the caller's
     buffer (huggingface_hub's session, auth headers and retries), so a tensor is held once, in that buffer.
     fsspec's HfFileSystem would buffer each range two or three times over.
@@ -105,20 +106,6 @@ class RangeFile:
         self.url, self.token, self.name = url, token, name
         self.pos = 0
         self.size: int | None = None  # the file's total size, learnt from the first answer (Content-Range)
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        if whence != 0:
-            raise ValueError("RangeFile seeks from the start only")
-        self.pos = pos
-        return pos
-
-    def tell(self) -> int:
-        return self.pos
-
-    def read(self, n: int) -> bytes:
-        buf = bytearray(n)
-        got = self.readinto(memoryview(buf))
-        return bytes(buf[:got])
 
     def readinto(self, view: Any) -> int:
         """Fill ``view`` from the current position (fewer bytes only at the end of the file)."""
