@@ -41,6 +41,19 @@ os.environ["HF_AO_PUBLISH_COMPAT"] = "none"
 os.environ.setdefault("HF_AO_PUBLISH_ENVS", str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
                                                  / "hf-ao-publish-tests" / "envs"))
 
+FAST_TRIES = 3  # HF_AO_PUBLISH_RETRIES under the fast_retries fixture
+
+
+@pytest.fixture
+def fast_retries(monkeypatch: pytest.MonkeyPatch, hub: Any) -> Any:
+    """Retries made fast (FAST_TRIES tries, 50 ms apart), and no loopback-Hub fault before or after the test."""
+    monkeypatch.setenv("HF_AO_PUBLISH_RETRIES", str(FAST_TRIES))
+    monkeypatch.setenv("HF_AO_PUBLISH_RETRY_DELAY", "0.05")
+    hub.clear_faults()
+    yield
+    hub.clear_faults()
+
+
 TOKENS = {"tok_alice": "alice", "tok_bob": "bob", "tok_bfl": "bfl", "tok_meta": "meta"}
 ORGS = {"acme": ["alice"]}
 

@@ -23,21 +23,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import FAST_TRIES
 
 SMALL = ["--sample-steps", "2", "--sample-size", "64"]
-TRIES = 3
+TRIES = FAST_TRIES
 EXCLUDE = "model.layers.0.mlp.down_proj"
 EXCLUDE_FAULTS = "model.layers.1.mlp.up_proj"  # only used below: its weights are new to the Hub's LFS store
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(autouse=True)
-def _fast_retries(monkeypatch: pytest.MonkeyPatch, hub: Any) -> Any:
-    monkeypatch.setenv("HF_AO_PUBLISH_RETRIES", str(TRIES))
-    monkeypatch.setenv("HF_AO_PUBLISH_RETRY_DELAY", "0.05")
-    hub.clear_faults()
-    yield
-    hub.clear_faults()
+pytestmark = pytest.mark.usefixtures("fast_retries")  # conftest: FAST_TRIES tries, no faults left over
 
 
 # ---- helpers -----------------------------------------------------------------------------------

@@ -16,19 +16,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import seed
+from conftest import FAST_TRIES, seed
 
-TRIES = 3
+TRIES = FAST_TRIES
 WEIGHTS = "model.safetensors"
 
 
-@pytest.fixture(autouse=True)
-def _fast_retries(monkeypatch: pytest.MonkeyPatch, hub: Any) -> Any:
-    monkeypatch.setenv("HF_AO_PUBLISH_RETRIES", str(TRIES))
-    monkeypatch.setenv("HF_AO_PUBLISH_RETRY_DELAY", "0.05")
-    hub.clear_faults()
-    yield
-    hub.clear_faults()
+pytestmark = pytest.mark.usefixtures("fast_retries")  # conftest: FAST_TRIES tries, no faults left over
 
 
 def _api() -> Any:
