@@ -163,11 +163,11 @@ def test_a_pull_request_whose_files_are_not_the_verified_bytes_is_closed(cli: An
     from huggingface_hub import HfApi
 
     from publisher.stages import push_pr
-    from publisher.verify.commit_hashes import FileHash, of_operation
+    from publisher.verify.commit_hashes import CommitFile, of_operation
 
-    def off(op: Any) -> FileHash:
+    def off(op: Any) -> CommitFile:
         got = of_operation(op)
-        return FileHash(got.size, got.sha256, "0" * 40) if op.path_in_repo == "README.md" else got
+        return CommitFile(got.size, got.sha256, "0" * 40) if op.path_in_repo == "README.md" else got
 
     monkeypatch.setattr(push_pr, "of_operation", off)
     result = cli(flux_repo, "--quant", "int8wo", "--low-disk", "--repo-id", "alice/lowdisk-wrong-hash", token="tok_alice")

@@ -28,7 +28,7 @@ from typing import Any
 from publisher import hub
 from publisher.errors import SourceError
 from publisher.stages.plan import Plan
-from publisher.verify.commit_hashes import FileHash, git_blob_id
+from publisher.verify.commit_hashes import CommitFile, git_blob_id
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ def unchanged_files(plan: Plan) -> list[str]:
     return [f for f in plan.base_files if f != "README.md" and not any(f.startswith(f"{name}/") for name in folders)]
 
 
-def base_hashes(plan: Plan, paths: list[str], token: str | None) -> dict[str, FileHash]:
+def base_hashes(plan: Plan, paths: list[str], token: str | None) -> dict[str, CommitFile]:
     """Size, LFS sha256 and git blob id of ``paths`` in the base at its pinned sha (Hub metadata, no download)."""
     src = plan.source
     api = hub.client(token)
@@ -56,7 +56,7 @@ def base_hashes(plan: Plan, paths: list[str], token: str | None) -> dict[str, Fi
     out = {}
     for p in paths:
         i = found[p]
-        out[p] = FileHash(int(i.size), i.lfs.sha256 if i.lfs is not None else None, None if i.lfs is not None else i.blob_id)
+        out[p] = CommitFile(int(i.size), i.lfs.sha256 if i.lfs is not None else None, None if i.lfs is not None else i.blob_id)
     return out
 
 
@@ -159,10 +159,10 @@ class Copied:
 class HubCopy:
     """Copy ``files`` (with their base hashes) from the base repo to ``target`` on a background thread."""
 
-    def __init__(self, plan: Plan, target: str, token: str | None, files: dict[str, FileHash]) -> None:
+    def __init__(self, plan: Plan, target: str, token: str | None, files: dict[str, CommitFile]) -> None:
         self.plan, self.target, self.token, self.files = plan, target, token, files
         self.ops: list[Any] = []  # commit operations, pre-uploaded where LFS
-        self.expected: dict[str, FileHash] = {}
+        self.expected: dict[str, CommitFile] = {}
         self.copied: list[Copied] = []
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -201,7 +201,7 @@ class HubCopy:
         src = self.plan.source
         return hf_hub_url(src.repo_id, path, revision=src.sha)  # type: ignore[arg-type]
 
-    def _regular(self, path: str, want: FileHash) -> None:
+    def _regular(self, path: str, want: CommitFile) -> None:
         from huggingface_hub import CommitOperationAdd
 
         from publisher.streaming.shards import RangeFile
@@ -211,10 +211,10 @@ class HubCopy:
             raise HashMismatch(f"{self.plan.source.display}/{path}: the bytes read do not match the git blob id "
                                f"{want.git_oid} of the base; nothing was copied")
         self.ops.append(CommitOperationAdd(path_in_repo=path, path_or_fileobj=data))
-        self.expected[path] = FileHash(want.size, hashlib.sha256(data).hexdigest(), want.git_oid)
+        self.expected[path] = CommitFile(want.size, hashlib.sha256(data).hexdigest(), want.git_oid)
         self.copied.append(Copied(path, want.size, want.size, False))
 
-    def _lfs(self, path: str, want: FileHash) -> None:
+    def _lfs(self, path: str, want: CommitFile) -> None:
         from huggingface_hub import CommitOperationAdd
         from huggingface_hub.lfs import UploadInfo
 
@@ -245,7 +245,7 @@ class HubCopy:
             source.close()
         self.ops.append(op)
         small = op.path_or_fileobj if isinstance(op.path_or_fileobj, bytes) else None
-        self.expected[path] = FileHash(want.size, want.sha256, git_blob_id(small) if small is not None else None)
+        self.expected[path] = CommitFile(want.size, want.sha256, git_blob_id(small) if small is not None else None)
         self.copied.append(Copied(path, want.size, source.transferred, True))
         log.info("%s (%.1f MB): %s", path, want.size / 1e6, "streamed from the base to the target, sha256 checked"
                  if source.transferred else "the target Hub already holds this object: not transferred")

@@ -20,7 +20,7 @@ from typing import Any
 from publisher import hub
 from publisher.errors import InputError, TargetError, VerificationError
 from publisher.jsonfile import read_object
-from publisher.verify.commit_hashes import FileHash, of_operation
+from publisher.verify.commit_hashes import CommitFile, of_operation
 from publisher.verify.report import VerifyReport
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class PushResult:
     pr_url: str | None
     up_to_date: bool
     created: bool
-    files: dict[str, FileHash] = field(default_factory=dict)  # what the commit must hold: hashes taken before upload
+    files: dict[str, CommitFile] = field(default_factory=dict)  # what the commit must hold: hashes taken before upload
 
 
 def published_state(repo_id: str, token: str | None, revision: str | None = None) -> tuple[str | None, dict[str, Any] | None]:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 
 from publisher import hub
 from publisher.errors import VerificationError
-from publisher.verify.commit_hashes import FileHash, check_commit, of_file, of_operation
+from publisher.verify.commit_hashes import CommitFile, check_commit, of_file, of_operation
 
 if TYPE_CHECKING:
     from publisher.stages.hubcopy import HubCopy
@@ -54,7 +54,7 @@ class ShardUploader:
         self.token = token
         self.ops: dict[str, Any] = {}  # path in repo -> pre-uploaded CommitOperationAdd
         self.sizes: dict[str, int] = {}  # path in repo -> bytes (the local file is gone)
-        self.expected: dict[str, FileHash] = {}  # path in repo -> hashes taken here (what the Hub must report)
+        self.expected: dict[str, CommitFile] = {}  # path in repo -> hashes taken here (what the Hub must report)
         self.checked: dict[str, int] = {}  # component -> tensors checked before upload
         self.classes: dict[str, int] = {}  # component -> quantized layers of the recipe's class
         self.limit = shard_bytes + OVERLAP
@@ -334,7 +334,7 @@ def push_staged(folder: Path, report: VerifyReport, uploader: ShardUploader, *, 
     return PushResult(repo_id, hub.repo_url(repo_id), oid, None, False, created, expected)
 
 
-def _require_hashes(repo_id: str, revision: str, expected: dict[str, FileHash], token: str | None, where: str) -> None:
+def _require_hashes(repo_id: str, revision: str, expected: dict[str, CommitFile], token: str | None, where: str) -> None:
     result = check_commit(repo_id, revision, expected, token)
     if not result.ok:
         raise VerificationError(f"{where} on {repo_id} does not hold the verified bytes: {result.detail}; "

@@ -20,7 +20,7 @@ CHUNK = 8 << 20
 
 
 @dataclass(frozen=True)
-class FileHash:
+class CommitFile:
     """What a file of the commit must be: its size and the hashes known for it (either may be None)."""
 
     size: int
@@ -32,11 +32,11 @@ def git_blob_id(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
-def of_bytes(data: bytes) -> FileHash:
-    return FileHash(len(data), hashlib.sha256(data).hexdigest(), git_blob_id(data))
+def of_bytes(data: bytes) -> CommitFile:
+    return CommitFile(len(data), hashlib.sha256(data).hexdigest(), git_blob_id(data))
 
 
-def of_file(path: Path, small: int = 10 << 20) -> FileHash:
+def of_file(path: Path, small: int = 10 << 20) -> CommitFile:
     """sha256 of a file (one sequential read), and its git blob id when small enough to be a regular file."""
     size = path.stat().st_size
     if size <= small:
@@ -45,21 +45,21 @@ def of_file(path: Path, small: int = 10 << 20) -> FileHash:
     with open(path, "rb", buffering=0) as f:
         while chunk := f.read(CHUNK):
             h.update(chunk)
-    return FileHash(size, h.hexdigest())
+    return CommitFile(size, h.hexdigest())
 
 
-def of_operation(op: Any) -> FileHash:
+def of_operation(op: Any) -> CommitFile:
     """The hashes of a ``CommitOperationAdd`` (a local path or bytes); an LFS upload's sha256 is reused."""
     source = op.path_or_fileobj
     if isinstance(source, bytes):
         return of_bytes(source)
     path = Path(source)
     if op.upload_info.size > (10 << 20):  # never a regular file on the Hub; its sha256 was taken for the upload
-        return FileHash(op.upload_info.size, op.upload_info.sha256.hex())
+        return CommitFile(op.upload_info.size, op.upload_info.sha256.hex())
     return of_file(path)
 
 
-def check_commit(repo_id: str, revision: str, expected: dict[str, FileHash], token: str | None,
+def check_commit(repo_id: str, revision: str, expected: dict[str, CommitFile], token: str | None,
                  component: str = "") -> PathResult:
     """Compare the Hub's record of ``revision`` with ``expected``, file by file; one ``PathResult``."""
     from publisher import hub, loadpath

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from publisher import recipes as recipe_registry
 from publisher.errors import VerificationError
-from publisher.verify.commit_hashes import FileHash, check_commit
+from publisher.verify.commit_hashes import CommitFile, check_commit
 from publisher.verify.full import check_location, quality_against_base
 from publisher.verify.report import PathResult, VerifyReport
 
@@ -58,7 +58,7 @@ def check_pull_request(artifacts: Artifacts, report: VerifyReport, repo_id: str,
 
 
 def check_published(report: VerifyReport, repo_id: str, commit: str, work: Path, token: str | None, *,
-                    files: dict[str, FileHash], recheck: bool = False) -> list[PathResult]:
+                    files: dict[str, CommitFile], recheck: bool = False) -> list[PathResult]:
     """The Hub's hashes of every file of the pushed commit against ``files`` (taken from the verified bytes); with
     ``recheck``, also load the published repo itself and compare with the in-memory model again: the library path,
     or, when the folder was verified streaming, tensor by tensor and block by block over HTTP range reads.
