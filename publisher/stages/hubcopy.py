@@ -12,8 +12,7 @@ byte moves:
 - a **small (regular) file** is read into memory, checked against its git blob id, and committed with the rest.
 
 ``HubCopy`` does this on a thread of its own while the quantization runs, so its network traffic overlaps the
-compute. The base hashes are read here from the Hub's metadata (``get_paths_info``); the plan does not record
-them yet.
+compute. The base hashes are the plan's (``plan.base_hashes``, from the Hub's metadata at plan time).
 """
 
 from __future__ import annotations
@@ -41,23 +40,15 @@ def unchanged_files(plan: Plan) -> list[str]:
     return [f for f in plan.base_files if f != "README.md" and not any(f.startswith(f"{name}/") for name in folders)]
 
 
-def base_hashes(plan: Plan, paths: list[str], token: str | None) -> dict[str, CommitFile]:
-    """Size, LFS sha256 and git blob id of ``paths`` in the base at its pinned sha (Hub metadata, no download)."""
-    src = plan.source
-    api = hub.client(token)
-    infos = hub.call(api.get_paths_info, src.repo_id, paths, revision=src.sha, expand=False,
-                     what=f"reading the file hashes of {src.display}")
-    from huggingface_hub.hf_api import RepoFile
-
-    found = {i.path: i for i in infos if isinstance(i, RepoFile)}
-    missing = [p for p in paths if p not in found]
+def base_hashes(plan: Plan, paths: list[str]) -> dict[str, CommitFile]:
+    """Size and LFS sha256 or git blob id of ``paths`` in the base at its pinned sha: what the plan read from the
+    Hub's metadata (``plan.base_hashes``), which every other read of the base is checked against too."""
+    known = plan.base_hashes
+    missing = [p for p in paths if p not in known]
     if missing:
-        raise SourceError(f"{src.display} does not list {missing[0]}; the base changed under the run, start it again")
-    out = {}
-    for p in paths:
-        i = found[p]
-        out[p] = CommitFile(int(i.size), i.lfs.sha256 if i.lfs is not None else None, None if i.lfs is not None else i.blob_id)
-    return out
+        raise SourceError(f"{plan.source.display} lists no hash for {missing[0]}; start the run again")
+    return {p: CommitFile(known[p].size, known[p].digest if known[p].algo == "sha256" else None,
+                          known[p].digest if known[p].algo == "git-sha1" else None) for p in paths}
 
 
 class HashMismatch(SourceError):

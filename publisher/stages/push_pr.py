@@ -261,7 +261,7 @@ def open_uploader(plan: Plan, target: str, token: str | None, private: bool, roo
     uploader = ShardUploader(target, token, root, tensor_class, shard_size or size_bytes(LOW_DISK_SHARD))
     try:
         if unchanged:
-            uploader.start_copy(HubCopy(plan, target, token, base_hashes(plan, sorted(unchanged), token)))
+            uploader.start_copy(HubCopy(plan, target, token, base_hashes(plan, sorted(unchanged))))
     except BaseException:
         discard(target, token, created)
         raise
