@@ -159,9 +159,28 @@ def child_baseline(a: argparse.Namespace) -> dict:
     src = Path(snapshot_download(REPO, revision=sha, allow_patterns=["transformer/*.json"])) / "transformer"
     shards = HubShards(REPO, sha, "transformer")
     t1 = time.perf_counter()
-    stream_quantize(src, Path(a.dst), library="diffusers", recipe=recipes.get(a.recipe), fetch_shard=shards.open,
-                    progress=False)
-    return {"import": t_import, "quantize_pass": time.perf_counter() - t1}
+    result = stream_quantize(src, Path(a.dst), library="diffusers", recipe=recipes.get(a.recipe), fetch_shard=shards.open,
+                             progress=False)
+    return {"import": t_import, "quantize_pass": time.perf_counter() - t1, "stage_seconds": result.stage_seconds}
+
+
+def _cpu(server_pid: int) -> dict[str, float]:
+    """CPU seconds so far (user + system) of the Hub server process, of this process (the proxy's threads and the
+    samplers) and of the children this process waited for (the runs under test, with their whole process tree)."""
+    import resource
+
+    import psutil
+
+    def total(t: Any) -> float:
+        return float(t.user + t.system)
+
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {"hub": total(psutil.Process(server_pid).cpu_times()), "proxy": total(psutil.Process().cpu_times()),
+            "run": children.ru_utime + children.ru_stime}
+
+
+def _cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: round(after[k] - before[k], 1) for k in before}
 
 
 def run(work: Path, scale: float, recipe: str, baseline: bool) -> dict[str, Any]:
@@ -176,7 +195,11 @@ def run(work: Path, scale: float, recipe: str, baseline: bool) -> dict[str, Any]
     layout = build_layout(work / "pipeline", scale)
     files = virtual_files(layout, work / "virtual-sha256.json")
     setup_s = time.perf_counter() - t0
-    url, server = spawn_server(work / "hubdata", tokens={"tok_bench": "bench"}, env={"HF_HUB_DISABLE_XET": "1"})
+    # --discard-lfs: the Hub checks every upload's size and sha256 and drops its bytes. On a real runner the Hub's
+    # storage is not the runner's disk; here it would be, and its writes (the output again, 22 GB at full size)
+    # would compete with the run's own on a disk that sustains about 130 MB/s (dd with fdatasync).
+    url, server = spawn_server(work / "hubdata", tokens={"tok_bench": "bench"}, env={"HF_HUB_DISABLE_XET": "1"},
+                               discard_lfs=True)
     proxy = CountingProxy(url, _classify).start()
     env = {**os.environ, "HF_ENDPOINT": proxy.url, "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(work / "hf_home"),
            "HF_TOKEN": "tok_bench", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "PYTHONPATH": str(ROOT),
@@ -199,17 +222,21 @@ def run(work: Path, scale: float, recipe: str, baseline: bool) -> dict[str, Any]
         if baseline:
             proxy.reset()
             cmd = [sys.executable, __file__, "--child", "baseline", "--recipe", recipe, "--dst", str(work / "baseline-out")]
+            cpu0 = _cpu(server.pid)
             out, _, code, wall, rss, _ = run_watched(cmd, env, [])
+            cpu = _cpu_delta(cpu0, _cpu(server.pid))
             if code:
                 raise SystemExit(f"the baseline failed ({code})")
-            result["baseline"] = {**json.loads(out.strip().splitlines()[-1]), "wall": wall, "rss": rss,
+            result["baseline"] = {**json.loads(out.strip().splitlines()[-1]), "wall": wall, "rss": rss, "cpu": cpu,
                                   "read": sum(v[2] for k, v in proxy.totals().items() if k[1] == "base read")}
             shutil.rmtree(work / "baseline-out", ignore_errors=True)
             shutil.rmtree(work / "hf_home", ignore_errors=True)
         proxy.reset()
         cmd = [sys.executable, "-m", "publisher.cli", REPO, "--quant", recipe, "--low-disk", "--repo-id", f"{REPO}-{recipe}",
                "--output-dir", str(work / "out"), "--json"]
+        cpu0 = _cpu(server.pid)
         stdout, stderr, code, wall, tree_rss, disk = run_watched(cmd, env, [work / "hf_home", work / "out", work / "tmp"])
+        cpu = _cpu_delta(cpu0, _cpu(server.pid))
         if code:
             raise SystemExit(f"the publish run failed ({code}): {stderr.strip().splitlines()[-3:]}")
         data = json.loads(stdout)
@@ -217,7 +244,7 @@ def run(work: Path, scale: float, recipe: str, baseline: bool) -> dict[str, Any]
         output_bytes = sum(f["size"] for f in data["files"])
         shards = [f["size"] for f in data["files"] if f["name"].startswith("transformer/") and f["name"].endswith(".safetensors")]
         result.update(
-            wall=wall, tree_rss=tree_rss, peak_disk=disk, seconds=data["seconds"], verified=data["verified"],
+            wall=wall, cpu=cpu, tree_rss=tree_rss, peak_disk=disk, seconds=data["seconds"], verified=data["verified"],
             published_check=[(r["path"], r["ok"]) for r in data["published_check"]],
             components=[{k: c[k] for k in ("name", "bytes_before", "bytes_after", "stage_seconds")} for c in data["components"]],
             quality=data["quality"], output_bytes=output_bytes, largest_output_shard=max(shards), output_shards=len(shards),
@@ -247,16 +274,26 @@ def report(r: dict[str, Any]) -> None:
     print(f"  peak RSS of the CLI's process tree {r['tree_rss'] / GIB:.2f} GiB (its own ru_maxrss {r['self_rss'] / GIB:.2f} GiB)")
     stages = ", ".join(f"{k} {v:.1f}s" for k, v in r["seconds"].items())
     print(f"  wall {r['wall']:.1f}s ({stages})")
+    print("  CPU seconds (user + system, 2 cores = 2 CPU s per wall s): " + _cpu_line(r["cpu"], r["wall"]))
     for c in r["components"]:
         print(f"  {c['name']}: " + ", ".join(f"{k} {v:.1f}s" for k, v in c["stage_seconds"].items()))
     if "baseline" in r:
         b = r["baseline"]
         print(f"  quantization pass alone (same base, same proxy, fresh process): {b['quantize_pass']:.1f}s "
               f"(+ imports {b['import']:.1f}s, wall {b['wall']:.1f}s); publish wall / pass = {r['wall'] / b['wall']:.2f}")
+        print("  the pass alone's CPU seconds: " + _cpu_line(b["cpu"], b["wall"]))
+        print("  the pass alone's stages: " + ", ".join(f"{k} {v:.1f}s" for k, v in b["stage_seconds"].items()))
+        print(f"  CPU seconds publish / pass = {sum(r['cpu'].values()) / sum(b['cpu'].values()):.2f}")
     moved = sum(c["transferred"] for c in r["copied"])
     print(f"  unchanged files copied Hub to Hub: {len(r['copied'])}, {gb(moved)} streamed through this machine")
     print(f"  verified {r['verified']}, after the push: {r['published_check']}, quality {r['quality']}")
     print("  traffic (requests, bytes up, bytes down): " + "; ".join(f"{k} {v}" for k, v in r["traffic"].items()))
+
+
+def _cpu_line(cpu: dict[str, float], wall: float) -> str:
+    names = {"run": "the run's process tree", "hub": "loopback Hub", "proxy": "counting proxy (and samplers)"}
+    total = sum(cpu.values())
+    return ", ".join(f"{names[k]} {v:.0f}" for k, v in cpu.items()) + f"; total {total:.0f} = {total / wall:.2f} cores busy"
 
 
 def main() -> None:

@@ -17,6 +17,8 @@ A mismatch raises IntegrityError naming the file and both hashes. Hashing costs 
 from __future__ import annotations
 
 import hashlib
+import threading
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -221,7 +223,15 @@ class SpillingHashedReader(HashedReader):
     again (``finish()`` fails). The spill holds what was read ahead of the cursor and not yet hashed: for
     FLUX.1-dev's transformer in execution order that peaks at 5.44 GB of a 10 GB shard (computed from the
     layout by benchmarks/spill_layout.py), on disk, never in memory. ``finish()`` fetches the bytes nobody
-    asked for (padding, tensors the run does not read) and compares."""
+    asked for (padding, tensors the run does not read) and compares.
+
+    The hashing and spilling run on a thread of their own, in the order the bytes were read, so the caller's next
+    network read overlaps them (measured in a publish: the engine spent half the pass waiting for its reader,
+    which fetched, hashed and spilled one after the other). That thread keeps a view of the caller's buffer until
+    it is hashed or spilled: at most ``PENDING_BYTES`` (or one read) wait for it. Should the caller change a
+    buffer before then, the hash no longer matches and ``finish()`` refuses the file: never a silent pass."""
+
+    PENDING_BYTES = 128 << 20
 
     def __init__(self, inner: Readable, expected: FileHash, label: str, spill_dir: Path) -> None:
         super().__init__(inner, expected, label)
@@ -230,27 +240,83 @@ class SpillingHashedReader(HashedReader):
         self.pending: dict[int, tuple[int, Path]] = {}  # start -> (end, the file holding [start, end))
         self.spilled = 0  # bytes waiting on disk now
         self.peak_spilled = 0
+        self._jobs: deque[tuple[int, memoryview]] = deque()  # (offset, bytes) read, not yet hashed or spilled
+        self._queued = 0
+        self._cv = threading.Condition()
+        self._error: BaseException | None = None
+        self._closing = False
+        self._worker: threading.Thread | None = None  # started by the first read
 
     def readinto(self, view: Any) -> int:
         view = memoryview(view).cast("B")
         self.inner.seek(self.pos)
         n = self.inner.readinto(view) or 0
-        start, end = self.pos, self.pos + n
-        if n and start < self.hashed:
+        if n:
+            self._submit(self.pos, view[:n])
+        self.pos += n
+        return n
+
+    # ---- the hashing thread
+    def _submit(self, start: int, data: memoryview) -> None:
+        with self._cv:
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._run, name="hf-ao-publish-hash", daemon=True)
+                self._worker.start()
+            while self._queued and self._queued + len(data) > self.PENDING_BYTES and self._error is None:
+                self._cv.wait()
+            self._raise()
+            self._jobs.append((start, data))
+            self._queued += len(data)
+            self._cv.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._jobs and not self._closing:
+                    self._cv.wait()
+                if not self._jobs:
+                    return
+                start, data = self._jobs[0]
+                skip = self._closing or self._error is not None
+            try:
+                if not skip:
+                    self._take(start, data)
+            except BaseException as exc:  # handed to the caller by its next read, finish() or close()
+                self._error = exc
+            with self._cv:
+                self._jobs.popleft()
+                self._queued -= len(data)
+                self._cv.notify_all()
+            del data
+
+    def _take(self, start: int, data: memoryview) -> None:
+        """(hashing thread) What a read at ``start`` means for the hash: continue it, spill it, or spoil it."""
+        end = start + len(data)
+        if start < self.hashed:
             self.rewound = True  # handed out again after they were hashed: these bytes are not vouched for
-        elif n and start == self.hashed:
-            self._h.update(view[:n])
+        elif start == self.hashed:
+            self._h.update(data)
             self.hashed = end
             self._drain()
-        elif n:
+        else:
             piece = self.spill_dir / f"{self.prefix}{start}"
             with open(piece, "wb") as fh:
-                fh.write(view[:n])
+                fh.write(data)
             self.pending[start] = (end, piece)
-            self.spilled += n
+            self.spilled += len(data)
             self.peak_spilled = max(self.peak_spilled, self.spilled)
-        self.pos = end
-        return n
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            exc, self._error = self._error, None
+            raise exc
+
+    def settle(self) -> None:
+        """Wait until the hashing thread has taken every read; raise what it ran into."""
+        with self._cv:
+            while self._jobs:
+                self._cv.wait()
+            self._raise()
 
     def _drain(self) -> None:
         """Hash (and delete) the spilled pieces that now continue the cursor."""
@@ -269,12 +335,18 @@ class SpillingHashedReader(HashedReader):
 
     def finish(self, after: str = "nothing was published") -> None:
         """Fetch and hash the gaps nobody read, hash what waits in the spill, compare with the Hub's hash."""
+        self.settle()
         while self.pending:
             self._skip_to(min(self.pending))
             self._drain()
         super().finish(after)
 
     def close(self) -> None:
+        with self._cv:
+            self._closing = True  # what is still queued is dropped: the file is not being checked any more
+            self._cv.notify_all()
+        if self._worker is not None:
+            self._worker.join()
         try:
             for _, piece in self.pending.values():
                 piece.unlink(missing_ok=True)

@@ -114,6 +114,7 @@ def test_spilling_reader_takes_any_order_fetches_each_byte_once_and_hashes_in_fi
     for a, b in order:
         r.seek(a)
         assert r.read(b - a) == data[a:b]
+    r.settle()  # the hashing thread has taken every read
     assert r.peak_spilled >= 5 * 50_000 and list(tmp_path.iterdir())  # the pieces read ahead wait on disk
     r.finish()  # the gaps nobody read are fetched here, once
     assert inner.fetched == len(data) and r.hashed == len(data)
@@ -137,6 +138,28 @@ def test_spilling_reader_takes_any_order_fetches_each_byte_once_and_hashes_in_fi
     with pytest.raises(IntegrityError, match="read out of order"):
         r.finish()
     r.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_spilling_readers_hashing_thread_hands_its_errors_to_the_caller(tmp_path: Path) -> None:
+    """Hashing and spilling run on a thread of their own: what fails there (here: a spill folder that is gone)
+    reaches the caller's next read or finish(), and close() leaves nothing behind."""
+    from publisher.integrity import FileHash, SpillingHashedReader
+
+    data = bytes(range(256)) * 4000
+    good = FileHash("sha256", hashlib.sha256(data).hexdigest(), len(data))
+    r = SpillingHashedReader(CountingFile(data), good, "x", tmp_path / "gone")
+    r.seek(500_000)
+    assert r.read(1000) == data[500_000:501_000]  # handed out at once; its spill fails on the hashing thread
+    with pytest.raises(FileNotFoundError):
+        r.finish()
+    r.close()
+
+    r = SpillingHashedReader(CountingFile(data), good, "x", tmp_path)
+    for at in range(len(data) - 10_000, 0, -10_000):  # back to front: everything but the head is spilled
+        r.seek(at)
+        r.read(10_000)
+    r.close()  # without finish(): the queued reads are dropped, the spilled pieces deleted
     assert list(tmp_path.iterdir()) == []
 
 

@@ -378,3 +378,28 @@ def test_subprocess_persistence_and_from_pretrained(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         assert proc.wait(timeout=10) == 0
+
+
+def test_discard_lfs_checks_records_and_drops_uploads(tmp_path: Path) -> None:
+    """Benchmarks run the Hub with --discard-lfs (its storage is not the runner's disk on a real runner): an LFS
+    upload is still checked and committed with its sha256, a wrong body is still refused, and its bytes are gone."""
+    data = tmp_path / "hubdata"
+    with HubServer(data, tokens=TOKENS, discard_lfs=True) as server:
+        api = api_for(server)
+        api.create_repo("alice/dropped")
+        big = os.urandom(BIG)
+        api.upload_file(path_or_fileobj=big, path_in_repo="big.bin", repo_id="alice/dropped")
+        (sib,) = api.get_paths_info("alice/dropped", ["big.bin"])
+        assert sib.lfs is not None and sib.lfs.sha256 == hashlib.sha256(big).hexdigest() and sib.size == BIG
+        assert not list((data / "blobs").rglob(sib.lfs.sha256))  # recorded, not stored
+        status, _, body = raw(server, "GET", "/alice/dropped/resolve/main/big.bin",
+                              headers={"Authorization": "Bearer tok_alice"})
+        assert status == 410 and b"--discard-lfs" in body
+        api.upload_file(path_or_fileobj=big, path_in_repo="again.bin", repo_id="alice/dropped")  # known: no upload
+        ask = {"operation": "upload", "objects": [{"oid": "0" * 64, "size": 3}]}
+        status, _, body = raw(server, "POST", "/alice/dropped.git/info/lfs/objects/batch", json.dumps(ask).encode(),
+                              {"Authorization": "Bearer tok_alice", "Content-Type": "application/json"})
+        href = json.loads(body)["objects"][0]["actions"]["upload"]["href"]
+        status, _, _ = raw(server, "PUT", href[len(server.url):], b"abc")
+        assert status == 400  # the body does not hash to its oid: refused as before
+        assert not (data / "discarded" / ("0" * 64 + ".json")).exists()

@@ -118,7 +118,7 @@ class HubFile(io.RawIOBase):
             hf_raise_for_status(response)
             if response.status_code != 206 and self.pos:
                 raise OSError(f"{self.name}: the server ignored the byte range (HTTP {response.status_code})")
-            self._chunks = response.iter_bytes(self.CHUNK)
+            self._chunks = response.iter_bytes()  # as they come off the socket: no re-chunking copies (see RangeFile)
         try:
             chunk = next(self._chunks)
         except StopIteration:

@@ -87,9 +87,12 @@ class _Sink:
             exc, self.error = self.error, None
             raise exc
 
-    def submit(self, job: Callable[[], None]) -> None:
+    def submit(self, job: Callable[[], None]) -> float:
+        """Queue ``job``; returns the seconds spent waiting for the writer to take the previous one."""
         self._raise()
+        t0 = time.perf_counter()
         self.jobs.put(job)
+        return time.perf_counter() - t0
 
     def drain(self) -> None:
         """Wait until every submitted job is done (before anything else writes, and at the end)."""
@@ -233,6 +236,8 @@ class _Ctx:
                  on_tensor: Callable[[str, Any, Any], None] | None, sink: _Sink, observer: TensorObserver | None) -> None:
         self.plan, self.outputs, self.seconds, self.digests, self.on_tensor = plan, outputs, seconds, digests, on_tensor
         self.sink, self.observer = sink, observer
+        for k in ("wait_writer", "forward_handoff"):
+            seconds.setdefault(k, 0.0)
         self.partial: dict[str, Any] = {}  # (writer thread) running digests of tensors copied in chunks
 
 
@@ -265,7 +270,7 @@ def _chunk(ctx: _Ctx, item: Item) -> None:
     data = item.raw.view(src_dtype).to(w.dtype) if src_dtype != w.dtype else item.raw.view(src_dtype)
     ctx.seconds["quantize"] += time.perf_counter() - t0
     at = item.chunk_at // src_dtype.itemsize * w.dtype.itemsize
-    ctx.sink.submit(lambda: _write_chunk(ctx, out, at, data, item.last))
+    ctx.seconds["wait_writer"] += ctx.sink.submit(lambda: _write_chunk(ctx, out, at, data, item.last))
 
 
 def _write_chunk(ctx: _Ctx, out: OutTensor, at: int, data: Any, last: bool) -> None:
@@ -291,11 +296,13 @@ def _one(ctx: _Ctx, w: Work, entry: stio.HeaderEntry, raw: Any) -> None:
         value = raw.to(w.dtype)  # element-wise cast: the same bits as chunked
         ctx.seconds["quantize"] += time.perf_counter() - t0
         if ctx.observer is not None:
-            ctx.observer.tensor(w.key, value, value)
-        ctx.sink.submit(lambda: _write(ctx, out.name, None, [out.name], [(out, value)]))
+            _observe(ctx, w.key, value, value)
+        ctx.seconds["wait_writer"] += ctx.sink.submit(lambda: _write(ctx, out.name, None, [out.name], [(out, value)]))
         return
     t1 = time.perf_counter()
+    handoff = ctx.seconds["forward_handoff"]
     parts, meta, subclass, inner = _quantize(ctx, w, raw)
+    handoff = ctx.seconds["forward_handoff"] - handoff  # time the observer held the engine up: not quantizing
     del raw
     t2 = time.perf_counter()
     writes = []
@@ -309,8 +316,17 @@ def _one(ctx: _Ctx, w: Work, entry: stio.HeaderEntry, raw: Any) -> None:
         writes.append((out, t))
     if parts or meta != w.metadata:
         raise QuantizeError(f"torchao's metadata for {w.key} differs from the planned one; use the library path")
-    ctx.seconds["quantize"] += t2 - t1
-    ctx.sink.submit(lambda: _write(ctx, w.key, subclass, inner, writes))
+    ctx.seconds["quantize"] += t2 - t1 - handoff
+    ctx.seconds["wait_writer"] += ctx.sink.submit(lambda: _write(ctx, w.key, subclass, inner, writes))
+
+
+def _observe(ctx: _Ctx, key: str, value: Any, stored: Any) -> None:
+    """Hand a tensor to the observer; the time it takes (its backpressure included) is counted on its own."""
+    if ctx.observer is None:
+        return
+    t0 = time.perf_counter()
+    ctx.observer.tensor(key, value, stored)
+    ctx.seconds["forward_handoff"] += time.perf_counter() - t0
 
 
 def _write(ctx: _Ctx, key: str, subclass: str | None, inner: list[str], writes: list[tuple[OutTensor, Any]]) -> None:
@@ -344,7 +360,7 @@ def _quantize(ctx: _Ctx, w: Work, raw: Any) -> tuple[dict[str, Any], str, str | 
         if ctx.on_tensor is not None:
             ctx.on_tensor(w.key, value, weight)
         if ctx.observer is not None:
-            ctx.observer.tensor(w.key, value, weight.detach())
+            _observe(ctx, w.key, value, weight.detach())
         del value
         flat, meta = flatten_tensor_state_dict({w.key: weight.detach()})  # as state_dict() hands it over
         if type(weight) is torch.Tensor or type(weight) is torch.nn.Parameter:

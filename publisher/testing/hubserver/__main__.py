@@ -36,12 +36,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gated", action="append", default=[], metavar="REPO[=USER1,USER2]",
                         help="gate a model repo (or datasets/ns/name), granting the listed users")
     parser.add_argument("--verbose", action="store_true", help="log every request on stderr")
+    parser.add_argument("--discard-lfs", action="store_true",
+                        help="benchmarks: check every LFS upload's size and sha256, record it, drop its bytes")
     args = parser.parse_args(argv)
 
     tokens = {token: name for name, token in _pairs(args.token, "--token")}
     orgs = {org: [u for u in users.split(",") if u] for org, users in _pairs(args.org, "--org")}
     gated = {repo: [u for u in users.split(",") if u] for repo, users in _pairs(args.gated, "--gated")}
-    server = HubServer(args.data, tokens=tokens, orgs=orgs, port=args.port, gated=gated, verbose=args.verbose)
+    server = HubServer(args.data, tokens=tokens, orgs=orgs, port=args.port, gated=gated, verbose=args.verbose,
+                       discard_lfs=args.discard_lfs)
 
     def _terminate(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt  # unwinds serve_forever so sockets are closed cleanly

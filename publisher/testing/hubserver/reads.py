@@ -239,4 +239,7 @@ class ReadRoutes(HubAccess):
             virtual = self.store.virtual(entry["sha256"])
             if virtual is not None:  # computed as it is sent: a benchmark base that never sits on a disk
                 return Response(status, b"", headers, virtual=virtual.read, file_range=(start, end))
+            if self.store.discarded(entry["sha256"]):
+                raise HubError(410, f"this loopback Hub runs with --discard-lfs: the bytes of {path} were checked "
+                                    "on upload and dropped")
         return Response(status, b"", headers, file=blob, file_range=(start, end), body_fault=fault)

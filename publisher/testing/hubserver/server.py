@@ -241,9 +241,10 @@ class HubServer:
 
     def __init__(self, data_dir: str | os.PathLike[str], tokens: Mapping[str, str] | None = None,
                  orgs: Mapping[str, Any] | None = None, *, port: int = 0,
-                 gated: Mapping[str, Any] | None = None, verbose: bool = False, job_python: str | None = None) -> None:
+                 gated: Mapping[str, Any] | None = None, verbose: bool = False, job_python: str | None = None,
+                 discard_lfs: bool = False) -> None:
         self.data_dir = Path(data_dir)
-        self.store = Store(self.data_dir)
+        self.store = Store(self.data_dir, discard_lfs)
         self.app = HubApp(self.store, tokens, orgs, gated)
         self.app.runner = JobRunner(self.data_dir / "_jobs", job_python)
         self.port, self.verbose = port, verbose
@@ -342,7 +343,8 @@ def wait_for_server(url: str, timeout: float = 30.0) -> None:
 def spawn_server(data_dir: str | os.PathLike[str], tokens: Mapping[str, str] | None = None,
                  orgs: Mapping[str, Any] | None = None, *, port: int = 0,
                  gated: Mapping[str, Any] | None = None, timeout: float = 30.0,
-                 env: Mapping[str, str] | None = None, verbose: bool = False) -> tuple[str, subprocess.Popen]:
+                 env: Mapping[str, str] | None = None, verbose: bool = False,
+                 discard_lfs: bool = False) -> tuple[str, subprocess.Popen]:
     """Start `python -m publisher.testing.hubserver` and wait until it answers. Returns (url, process).
 
     Stop it with proc.terminate()/proc.kill(), then proc.wait(). `tokens` maps token -> user, as in HubServer.
@@ -357,6 +359,8 @@ def spawn_server(data_dir: str | os.PathLike[str], tokens: Mapping[str, str] | N
         cmd += ["--gated", f"{repo}={','.join(users)}" if users else repo]
     if verbose:
         cmd.append("--verbose")
+    if discard_lfs:
+        cmd.append("--discard-lfs")
     project_root = str(Path(__file__).resolve().parents[2])  # so `-m publisher...` imports from any cwd
     full_env = {**os.environ, **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (project_root, full_env.get("PYTHONPATH")) if p)

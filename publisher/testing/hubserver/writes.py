@@ -150,13 +150,14 @@ class WriteRoutes(HubAccess):
                     if received > size:
                         raise HubError(400, f"LFS upload for {oid} is larger than the announced {size} bytes")
                     digest.update(chunk)
-                    fh.write(chunk)
+                    if not self.store.discard_lfs:
+                        fh.write(chunk)
             if fault is not None:
                 return Response(drop=True)
             if received != size or digest.hexdigest() != oid:
                 raise HubError(400, f"LFS upload does not match: got {received} bytes with sha256 "
                                     f"{digest.hexdigest()}, expected {size} bytes with sha256 {oid}")
-            self.store.adopt_tmp(tmp, oid)
+            self.store.adopt_upload(tmp, oid, size)
             adopted = True
             return Response(200)
         finally:
@@ -194,9 +195,9 @@ class WriteRoutes(HubAccess):
                 ops.append(("add", path, make_entry(self.store.put_bytes(data), len(data), False, data)))
             elif key == "lfsFile":
                 oid = str(value.get("oid", ""))
-                if not self.store.has_blob(oid):
+                size = self.store.blob_size(oid)
+                if size is None:
                     raise HubError(422, f"LFS object {oid} for {path} was never uploaded")
-                size = self.store.blob_path(oid).stat().st_size
                 if value.get("size") is not None and int(value["size"]) != size:
                     raise HubError(422, f"LFS object {oid} for {path} has {size} bytes, not {value['size']}")
                 ops.append(("add", path, make_entry(oid, size, True)))
