@@ -308,6 +308,21 @@ def test_low_disk_publish_with_a_bad_shard_deletes_the_new_repo(cli: Any, flux_r
     assert not HfApi(token="tok_alice").repo_exists("alice/lowdisk-bad-shard")
 
 
+def test_the_preflight_counts_the_read_ahead_spill_of_low_disk(cli: Any, flux_repo: str, tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """--low-disk reads in execution order and keeps what it read ahead of each file's hash in the temp folder:
+    the preflight counts it (the largest base weight file) and names TMPDIR when the disk is short."""
+    from collections import namedtuple
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10**6, 10**6 - 1000, 1000))
+    result = cli(flux_repo, "--quant", "int8wo", "--low-disk", "--no-push", "--output-dir", str(tmp_path / "out"))
+    assert result.exit_code == 1, result.output
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("Error: not enough disk") and "read-ahead spill up to" in line and "TMPDIR" in line
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.slow
 def test_low_disk_is_chosen_when_the_download_would_not_fit(cli: Any, flux_repo: str, tmp_path: Path,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:

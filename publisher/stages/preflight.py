@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,12 @@ class Estimate:
     output_bytes: int  # every recipe's repo folder
     peak_memory_bytes: int  # library path: the largest component, bf16 + quantized copy while saving
     low_disk: bool = False  # the quantized components' weights are read by HTTP range, not downloaded
+    # --low-disk: bytes read in execution order ahead of a shard's file-order hash wait in the temp folder
+    # (integrity.SpillingHashedReader). Counted as the largest base weight file of a quantized component: the
+    # spill of one file never exceeds it, and the libraries shard in module order, so execution order finishes
+    # one file before it goes far into the next (FLUX.1-dev: 5.44 GB at most, of a 9.98 GB file, by
+    # benchmarks/spill_layout.py).
+    spill_bytes: int = 0
 
 
 def estimate(plan: Plan, engine: str = "auto", low_disk: bool = False, push: bool = False,
@@ -50,15 +57,17 @@ def estimate(plan: Plan, engine: str = "auto", low_disk: bool = False, push: boo
     if engine == "library":
         # measured: the library path peaks at about 2x the bf16 size (model + torchao's flattening copies)
         return Estimate(download, output, 2 * largest + GiB // 2, low_disk)
+    spill = max((src.sizes.get(f, 0) for f in remote), default=0)
     # streaming: about 1 GiB to quantize; verification reloads the quantized component when it fits,
     # and otherwise checks it tensor by tensor and block by block (--verify-mode auto), in about as much
-    return Estimate(download, output, GiB + GiB // 4, low_disk)
+    return Estimate(download, output, GiB + GiB // 4, low_disk, spill)
 
 
 def _fits(est: Estimate, output_root: Path, cache_dir: Path) -> tuple[Path, int, int] | None:
     """None when both folders have room; else (folder, bytes needed, bytes free) of the first short one."""
     needs: dict[Path, int] = {}
-    for path, size in ((_existing(cache_dir), est.download_bytes), (_existing(output_root), est.output_bytes)):
+    for path, size in ((_existing(cache_dir), est.download_bytes), (_existing(output_root), est.output_bytes),
+                       (_existing(Path(tempfile.gettempdir())), est.spill_bytes)):
         needs[path] = needs.get(path, 0) + size
     # two folders on one filesystem share its free space
     by_device: dict[int, tuple[Path, int]] = {}
@@ -97,8 +106,10 @@ def check(plan: Plan, output_root: Path, cache_dir: Path, engine: str = "auto", 
         path, size, free = short
         raise ResourceError(
             f"not enough disk at {path}: the plan needs about {size / 1e9:.1f} GB "
-            f"(download {est.download_bytes / 1e9:.1f} GB, output {est.output_bytes / 1e9:.1f} GB), "
-            f"{free / 1e9:.1f} GB free; free space or point --output-dir / HF_HOME at a larger disk{hint}"
+            f"(download {est.download_bytes / 1e9:.1f} GB, output {est.output_bytes / 1e9:.1f} GB"
+            + (f", read-ahead spill up to {est.spill_bytes / 1e9:.1f} GB in the temp folder" if est.spill_bytes else "")
+            + f"), {free / 1e9:.1f} GB free; free space or point --output-dir / HF_HOME"
+            + (" / TMPDIR" if est.spill_bytes else "") + f" at a larger disk{hint}"
         )
     total = psutil.virtual_memory().total
     if est.peak_memory_bytes > total:

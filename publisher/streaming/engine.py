@@ -1,6 +1,6 @@
 """Execution: read one checkpoint tensor, quantize or cast it, write it at its planned offset, free it.
 
-Three threads overlap: the reader (feed.py) reads tensor k+1 while this thread quantizes tensor k and the
+Three threads overlap: the reader (feed.py) reads the next tensors while this thread quantizes tensor k and the
 writer hashes and writes tensor k-1. Input shards come in name order (fetched, fully read, released) unless an
 observer asks for another order (a forward pass run during quantization: every shard is then read by HTTP
 range or from local files, tensor by tensor in execution order). Outputs are written with ``seek`` at the

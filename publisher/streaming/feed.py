@@ -1,4 +1,4 @@
-"""The engine's input side: which checkpoint tensor comes next, read one tensor ahead on a thread of its own.
+"""The engine's input side: which checkpoint tensor comes next, read ahead (up to AHEAD_BYTES) on a thread of its own.
 
 Two orders:
 
