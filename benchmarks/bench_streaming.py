@@ -253,11 +253,11 @@ def _text_encoders_for(repo: Path, clip_dim: int, t5_dim: int) -> None:
     import torch
     from transformers import CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-    clip = CLIPTextModel.from_pretrained(repo / "text_encoder")
-    t5 = T5EncoderModel.from_pretrained(repo / "text_encoder_2")
-    wide = {"text_encoder": CLIPTextModel(CLIPTextConfig(**{**clip.config.to_dict(), "hidden_size": clip_dim,
+    clip = CLIPTextConfig.from_pretrained(repo / "text_encoder")  # the tiny encoders' configs, only wider
+    t5 = T5Config.from_pretrained(repo / "text_encoder_2")
+    wide = {"text_encoder": CLIPTextModel(CLIPTextConfig(**{**clip.to_dict(), "hidden_size": clip_dim,
                                                             "intermediate_size": 2 * clip_dim, "projection_dim": clip_dim})),
-            "text_encoder_2": T5EncoderModel(T5Config(**{**t5.config.to_dict(), "d_model": t5_dim, "d_ff": 256}))}
+            "text_encoder_2": T5EncoderModel(T5Config(**{**t5.to_dict(), "d_model": t5_dim, "d_ff": 256}))}
     for name, model in wide.items():
         shutil.rmtree(repo / name)
         model.to(torch.bfloat16).eval().save_pretrained(repo / name)

@@ -63,7 +63,9 @@ class _Sink:
     tensor's read and quantization overlap them (hashlib, file writes and torch kernels release the GIL).
     At most one job waits while one runs: two tensors' bytes at most, whatever the model size."""
 
-    def __init__(self) -> None:
+    def __init__(self, seconds: dict[str, float]) -> None:
+        self.seconds = seconds
+        seconds.setdefault("wait_writer", 0.0)  # the engine waiting for the writer to take a job
         self.jobs: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=1)
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="hf-ao-publish-writer", daemon=True)
@@ -87,12 +89,11 @@ class _Sink:
             exc, self.error = self.error, None
             raise exc
 
-    def submit(self, job: Callable[[], None]) -> float:
-        """Queue ``job``; returns the seconds spent waiting for the writer to take the previous one."""
+    def submit(self, job: Callable[[], None]) -> None:
         self._raise()
         t0 = time.perf_counter()
         self.jobs.put(job)
-        return time.perf_counter() - t0
+        self.seconds["wait_writer"] += time.perf_counter() - t0
 
     def drain(self) -> None:
         """Wait until every submitted job is done (before anything else writes, and at the end)."""
@@ -190,7 +191,7 @@ def execute(plan: Plan, dst: Path, *, fetch_shard: Callable[[str], Any],
 
     bound_heap()
     outputs = _Outputs(dst, plan.files, report, reserve)
-    sink = _Sink()
+    sink = _Sink(seconds)
     ctx = _Ctx(plan, outputs, seconds, digests if digests is not None else {}, on_tensor, sink, observer)
     order = observer.begin([w.key for w in plan.work if w.outputs]) if observer is not None else None
     feed = Feed(plan, fetch_shard, release_shard, order=order,
@@ -236,8 +237,7 @@ class _Ctx:
                  on_tensor: Callable[[str, Any, Any], None] | None, sink: _Sink, observer: TensorObserver | None) -> None:
         self.plan, self.outputs, self.seconds, self.digests, self.on_tensor = plan, outputs, seconds, digests, on_tensor
         self.sink, self.observer = sink, observer
-        for k in ("wait_writer", "forward_handoff"):
-            seconds.setdefault(k, 0.0)
+        seconds.setdefault("forward_handoff", 0.0)
         self.partial: dict[str, Any] = {}  # (writer thread) running digests of tensors copied in chunks
 
 
@@ -270,7 +270,7 @@ def _chunk(ctx: _Ctx, item: Item) -> None:
     data = item.raw.view(src_dtype).to(w.dtype) if src_dtype != w.dtype else item.raw.view(src_dtype)
     ctx.seconds["quantize"] += time.perf_counter() - t0
     at = item.chunk_at // src_dtype.itemsize * w.dtype.itemsize
-    ctx.seconds["wait_writer"] += ctx.sink.submit(lambda: _write_chunk(ctx, out, at, data, item.last))
+    ctx.sink.submit(lambda: _write_chunk(ctx, out, at, data, item.last))
 
 
 def _write_chunk(ctx: _Ctx, out: OutTensor, at: int, data: Any, last: bool) -> None:
@@ -295,9 +295,8 @@ def _one(ctx: _Ctx, w: Work, entry: stio.HeaderEntry, raw: Any) -> None:
         t0 = time.perf_counter()
         value = raw.to(w.dtype)  # element-wise cast: the same bits as chunked
         ctx.seconds["quantize"] += time.perf_counter() - t0
-        if ctx.observer is not None:
-            _observe(ctx, w.key, value, value)
-        ctx.seconds["wait_writer"] += ctx.sink.submit(lambda: _write(ctx, out.name, None, [out.name], [(out, value)]))
+        _observe(ctx, w.key, value, value)
+        ctx.sink.submit(lambda: _write(ctx, out.name, None, [out.name], [(out, value)]))
         return
     t1 = time.perf_counter()
     handoff = ctx.seconds["forward_handoff"]
@@ -317,7 +316,7 @@ def _one(ctx: _Ctx, w: Work, entry: stio.HeaderEntry, raw: Any) -> None:
     if parts or meta != w.metadata:
         raise QuantizeError(f"torchao's metadata for {w.key} differs from the planned one; use the library path")
     ctx.seconds["quantize"] += t2 - t1 - handoff
-    ctx.seconds["wait_writer"] += ctx.sink.submit(lambda: _write(ctx, w.key, subclass, inner, writes))
+    ctx.sink.submit(lambda: _write(ctx, w.key, subclass, inner, writes))
 
 
 def _observe(ctx: _Ctx, key: str, value: Any, stored: Any) -> None:
@@ -359,8 +358,7 @@ def _quantize(ctx: _Ctx, w: Work, raw: Any) -> tuple[dict[str, Any], str, str | 
         weight = comp.quantize_param(w.key, value, device)
         if ctx.on_tensor is not None:
             ctx.on_tensor(w.key, value, weight)
-        if ctx.observer is not None:
-            _observe(ctx, w.key, value, weight.detach())
+        _observe(ctx, w.key, value, weight.detach())
         del value
         flat, meta = flatten_tensor_state_dict({w.key: weight.detach()})  # as state_dict() hands it over
         if type(weight) is torch.Tensor or type(weight) is torch.nn.Parameter:

@@ -129,11 +129,14 @@ class Store:
         p = self.blob_path(sha256)
         if p.is_file():
             return p.stat().st_size
-        dropped = self.root / "discarded" / f"{sha256}.json"
+        dropped = self._discarded(sha256)
         return int(json.loads(dropped.read_text())["size"]) if dropped.is_file() else None
 
+    def _discarded(self, sha256: str) -> Path:
+        return self.root / "discarded" / f"{sha256}.json"
+
     def discarded(self, sha256: str) -> bool:
-        return (self.root / "discarded" / f"{sha256}.json").is_file()
+        return self._discarded(sha256).is_file()
 
     def adopt_upload(self, tmp: str, sha256: str, size: int) -> None:
         """A verified LFS upload: into the blob store, or (``discard_lfs``) recorded by size and dropped."""
@@ -141,7 +144,7 @@ class Store:
             self.adopt_tmp(tmp, sha256)
             return
         os.unlink(tmp)
-        _write_json(self.root / "discarded" / f"{sha256}.json", {"size": size})
+        _write_json(self._discarded(sha256), {"size": size})
 
     def put_bytes(self, data: bytes) -> str:
         sha = hashlib.sha256(data).hexdigest()
