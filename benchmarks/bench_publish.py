@@ -114,15 +114,16 @@ def build_layout(folder: Path, scale: float) -> dict[str, list[tuple[str, list[t
     return layout
 
 
-def virtual_files(layout: dict, cache: Path) -> dict[str, dict[str, Any]]:
-    """The admin request's files: every weight file as a virtual file with its sha256 (computed once, cached)."""
+def virtual_files(layout: dict, cache: Path, noise: bool = False) -> dict[str, dict[str, Any]]:
+    """The admin request's files: every weight file as a virtual file with its sha256 (computed once, cached).
+    ``noise``: data that never repeats (the Xet path deduplicates a repeated pattern; virtual.py)."""
     from publisher.testing.virtual import safetensors_file
 
     known = json.loads(cache.read_text()) if cache.is_file() else {}
     files = {}
     for seed, (name, path, tensors) in enumerate((n, f, t) for n, entries in layout.items() for f, t in entries):
-        vf = safetensors_file(tensors, seed)
-        key = f"{seed}:{vf.size}:{hashlib.sha1(vf.header).hexdigest()}"
+        vf = safetensors_file(tensors, seed, noise=noise)
+        key = f"{seed}:{vf.size}:{hashlib.sha1(vf.header).hexdigest()}" + (":noise" if noise else "")
         if key not in known:
             t0 = time.perf_counter()
             known[key] = vf.sha256()
@@ -328,5 +329,7 @@ def main() -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
-    os.environ["HF_HUB_DISABLE_XET"] = "1"  # the loopback Hub has no Xet storage; read when huggingface_hub is imported
+    # The HTTP path: the counting proxy sees HTTP bytes only (Xet transfers go to hf_xet's CAS, not through it); the
+    # Xet path is measured by benchmarks/bench_xet.py. Read when huggingface_hub is imported.
+    os.environ["HF_HUB_DISABLE_XET"] = "1"
     main()

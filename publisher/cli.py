@@ -7,13 +7,11 @@ subcommands. Heavy libraries are imported inside the stages so `--help` is insta
 from __future__ import annotations
 
 import json
-import os
 import re
 import shlex
 import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlparse
 
 import click
 
@@ -52,20 +50,14 @@ debug_option = click.option(
 quiet_option = click.option("--quiet", is_flag=True, help="Only warnings and errors on stderr.")
 
 
-def _prefer_lfs_for_local_hub() -> None:
-    """A loopback HF_ENDPOINT (our test Hub) has no Xet storage; the switch must be set before
-    huggingface_hub is imported. huggingface.co keeps the client's default."""
-    host = urlparse(os.environ.get("HF_ENDPOINT", "")).hostname or ""
-    if host in ("127.0.0.1", "localhost", "::1"):
-        os.environ.setdefault("HF_HUB_DISABLE_XET", "1")
-
-
 def _start(debug: bool, quiet: bool) -> None:
-    """Before a command imports any library: logging (with the library noise filter) and the Hub switch."""
-    from publisher import logs
+    """Before a command imports any library: logging (with the library noise filter) and hf_xet's memory bound
+    (read when hf_xet starts its first session). Xet itself is huggingface_hub's default, on every Hub that offers
+    it; only the user's own HF_HUB_DISABLE_XET=1 turns it off."""
+    from publisher import logs, xetupload
 
     logs.setup(debug=debug, quiet=quiet)
-    _prefer_lfs_for_local_hub()
+    xetupload.bound_memory()
 
 
 class _DefaultToPublish(click.Group):

@@ -14,8 +14,10 @@ those. Permanent: every other 4xx (401, 403, 404, 412 stale parent...) and anyth
 
 Tries and the first delay come from HF_AO_PUBLISH_RETRIES (total tries, default 4) and
 HF_AO_PUBLISH_RETRY_DELAY (seconds, default 0.5); the delay doubles on each retry, capped at 8 s
-(a longer Retry-After from the Hub, up to 60 s, is honoured).
-Each retry is logged at INFO on the "publisher" logger.
+(a longer Retry-After from the Hub, up to 60 s, is honoured). A 429 whose ``RateLimit`` header (the Hub's
+``"api";r=0;t=SECONDS``, IETF draft) says the window is used up waits until the window resets, at most
+HF_AO_PUBLISH_MAX_RATE_WAIT seconds (default 330: the Hub's windows last up to 5 minutes), with one line saying so.
+Each retry is logged at INFO on the "publisher" logger, a rate-limit wait at WARNING.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ T = TypeVar("T")
 DEFAULT_TRIES = 4
 DEFAULT_DELAY_S = 0.5
 MAX_DELAY_S = 8.0
+MAX_RATE_WAIT_S = 330.0
 TRANSIENT_STATUS = frozenset({408, 425, 429, 500, 502, 503, 504})
 
 
@@ -63,9 +66,21 @@ def is_short_body(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and str(exc).startswith("Consistency check failed")
 
 
+def is_xet_failure(exc: BaseException) -> bool:
+    """An error of hf_xet's transfer (huggingface_hub lets them through as they are): a bare ``OSError`` or
+    ``RuntimeError`` raised from its native code, or one of hf_xet's own classes."""
+    if type(exc) in (OSError, RuntimeError):
+        return True
+    try:
+        import hf_xet
+    except ImportError:  # pragma: no cover - a hard dependency of huggingface_hub
+        return False
+    return isinstance(exc, (hf_xet.XetAuthenticationError, hf_xet.XetObjectNotFoundError))
+
+
 def is_transient(exc: BaseException) -> bool:
     """Worth trying again: the same request may well succeed in a moment."""
-    if is_short_body(exc):
+    if is_short_body(exc) or (type(exc) in (OSError, RuntimeError) and "I/O error" in str(exc)):
         return True
     try:
         from huggingface_hub import errors as hf
@@ -90,6 +105,27 @@ def is_transient(exc: BaseException) -> bool:
     except ImportError:  # pragma: no cover
         pass
     return isinstance(exc, (ConnectionError, TimeoutError))
+
+
+def max_rate_wait() -> float:
+    try:
+        return max(0.0, float(os.environ.get("HF_AO_PUBLISH_MAX_RATE_WAIT", MAX_RATE_WAIT_S)))
+    except ValueError:
+        return MAX_RATE_WAIT_S
+
+
+def rate_limit_wait(exc: BaseException) -> tuple[float, str] | None:
+    """(seconds until the rate-limit window resets, capped by max_rate_wait(); the limit's name) for a 429 whose
+    ``RateLimit`` header says no request is left; None otherwise."""
+    from huggingface_hub.utils import parse_ratelimit_headers
+
+    headers = getattr(getattr(exc, "response", None), "headers", None)
+    if status_of(exc) != 429 or headers is None:
+        return None
+    info = parse_ratelimit_headers(headers)
+    if info is None or info.remaining != 0:
+        return None
+    return min(float(info.reset_in_seconds) + 1.0, max_rate_wait()), str(info.resource_type)
 
 
 def retry_after(exc: BaseException) -> float:
@@ -133,7 +169,13 @@ def call(fn: Callable[..., T], *args: Any, what: str, check: Callable[[], T | No
             if attempt >= tries or not is_transient(exc):
                 raise
             wait = max(min(MAX_DELAY_S, delay * (2 ** (attempt - 1))), retry_after(exc))
-            log.info("%s failed (%s); retrying in %.1f s (try %d of %d)", what, short(exc), wait, attempt + 1, tries)
+            limited = rate_limit_wait(exc)
+            if limited is not None:
+                wait = max(wait, limited[0])
+                log.warning("%s: the Hub's %r rate limit is used up; waiting %.0f s for its window to reset "
+                            "(try %d of %d)", what, limited[1], wait, attempt + 1, tries)
+            else:
+                log.info("%s failed (%s); retrying in %.1f s (try %d of %d)", what, short(exc), wait, attempt + 1, tries)
             time.sleep(wait)
 
 

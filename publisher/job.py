@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from publisher import __version__, unfinished
 from publisher import recipes as recipe_registry
-from publisher.errors import Interrupted, PublishError, ResourceError, RunFailed, TargetError, VerificationError
+from publisher.errors import Interrupted, PublishError, ResourceError, RunFailed, SourceError, TargetError, VerificationError
 from publisher.recipes import Recipe
 from publisher.stages import card, fetch, leftovers, preflight, push_pr
 from publisher.stages import plan as planning
@@ -180,11 +180,15 @@ def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = 
     if req.output_dir is not None:
         leftovers.check_output_dir(req.output_dir)
     src = source_stage.resolve(req.model, req.revision, token)
-    user = None
+    user, who = None, None
     if token:
         from publisher import hub
+        from publisher.tokens import TokenRights
 
-        user = hub.call(hub.client(token).whoami, what="checking the token").get("name")
+        who = hub.call(hub.client(token).whoami, what="checking the token")
+        user = who.get("name")
+        if src.gated and src.repo_id and (reason := TokenRights.of(who).gated_reason(src.repo_id)) is not None:
+            raise SourceError(reason)
     targets = planning.target_ids(src, recipes, req.repo_id, user)
     options = {"components": req.components, "exclude": req.exclude}
     plan = planning.build_plan(
@@ -193,7 +197,7 @@ def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = 
     )
     if req.push:  # after the base checks, in the order the preflight promises
         for target in targets.values():
-            pushing.check_writable(str(target), token)  # a push has a token, so every target is named
+            pushing.check_writable(str(target), token, who)  # a push has a token, so every target is named
     return plan
 
 

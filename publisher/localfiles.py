@@ -4,8 +4,9 @@ outside them.
 Rules (docs/reliability.md, "Hostile input"):
 
 - A link to a regular file is followed only when its target stays inside the folder (or, for a
-  huggingface_hub cache snapshot, inside that repo's ``blobs`` folder, where the cache keeps the bytes); its
-  content is then read as if the file were there. A link that leaves, dangles or loops is refused, by name.
+  huggingface_hub cache snapshot, inside that repo's ``blobs`` folder, where the cache keeps the bytes, or the
+  cache-wide shared blob store that Xet downloads link those blobs to); its content is then read as if the file
+  were there. A link that leaves, dangles or loops is refused, by name.
 - A linked folder is refused wherever it points (it would make files appear twice, or pull in a tree).
 - Special files (FIFOs, sockets, devices) are refused by name and never opened: a FIFO opened for reading would
   block forever. Every open is ``O_NONBLOCK | O_NOFOLLOW`` on the resolved path and checked with ``fstat``, so a
@@ -27,14 +28,21 @@ SKIPPED_DIRS = (".git", ".cache")  # never part of a model: git's store, hugging
 _SHOWN = 3  # names quoted in one error line
 
 
+SHARED_BLOBS_MARKER = ".huggingface-shared-blobs"  # huggingface_hub marks its shared blob store with this file
+
+
 def allowed_roots(folder: Path) -> tuple[Path, ...]:
     """Where links under ``folder`` may point: the folder itself and, for a huggingface_hub cache snapshot
-    (``.../models--org--name/snapshots/<sha>``), the repo's ``blobs`` folder."""
+    (``<cache>/models--org--name/snapshots/<sha>``), the repo's ``blobs`` folder and the cache's shared blob store
+    (``<cache>/blobs``, where a Xet download's bytes live; huggingface_hub marks it with a file of its own)."""
     root = Path(os.path.realpath(folder))
     roots = [root]
     blobs = root.parent.parent / "blobs"
     if root.parent.name == "snapshots" and blobs.is_dir():
         roots.append(Path(os.path.realpath(blobs)))
+        shared = root.parent.parent.parent / "blobs"
+        if (shared / SHARED_BLOBS_MARKER).is_file():
+            roots.append(Path(os.path.realpath(shared)))
     return tuple(roots)
 
 

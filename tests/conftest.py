@@ -3,6 +3,11 @@
 huggingface_hub reads HF_ENDPOINT, HF_HOME and HF_HUB_DISABLE_XET when it is imported, so they are
 set here, at conftest import, before any test module imports it. The server is the project's own
 (publisher.testing.hubserver); the client is the real, unmodified huggingface_hub.
+
+Transfers run as users have them: through Xet (huggingface_hub's default; the loopback Hub serves it), with
+``resolve/`` redirecting LFS files to a second origin, and LFS objects above MULTIPART_THRESHOLD uploaded in
+parts when Xet is off. ``HF_AO_TEST_TRANSFER=lfs`` runs a session with ``HF_HUB_DISABLE_XET=1`` (plain LFS and
+HTTP): ``make test`` runs the tests marked ``transfer`` that way too, so each of them passes in both modes.
 """
 
 from __future__ import annotations
@@ -29,7 +34,14 @@ HUB_URL = f"http://127.0.0.1:{HUB_PORT}"
 for _var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "HF_TOKEN_PATH", "HF_HUB_CACHE", "TRANSFORMERS_CACHE"):
     os.environ.pop(_var, None)
 os.environ["HF_ENDPOINT"] = HUB_URL
-os.environ["HF_HUB_DISABLE_XET"] = "1"
+TRANSFER = os.environ.get("HF_AO_TEST_TRANSFER", "xet")
+if TRANSFER not in ("xet", "lfs"):
+    raise RuntimeError(f"HF_AO_TEST_TRANSFER must be xet or lfs, not {TRANSFER!r}")
+if TRANSFER == "lfs":
+    os.environ["HF_HUB_DISABLE_XET"] = "1"
+else:
+    os.environ.pop("HF_HUB_DISABLE_XET", None)
+MULTIPART_THRESHOLD = 1 << 20  # the tiny FLUX transformer (2.1 MB) goes up in parts; its text encoders in one PUT
 os.environ["HF_HOME"] = str(_SESSION_DIR / "hf_home")
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
@@ -62,7 +74,8 @@ ORGS = {"acme": ["alice"]}
 def hub() -> Any:
     from publisher.testing.hubserver import HubServer
 
-    server = HubServer(_SESSION_DIR / "hub-data", tokens=TOKENS, orgs=ORGS, port=HUB_PORT)
+    server = HubServer(_SESSION_DIR / "hub-data", tokens=TOKENS, orgs=ORGS, port=HUB_PORT,
+                       multipart_threshold=MULTIPART_THRESHOLD, multipart_chunk=MULTIPART_THRESHOLD // 2)
     server.start()
     yield server
     server.stop()
@@ -86,6 +99,35 @@ def tiny_llama_dir() -> Path:
     from publisher.testing.tiny import build_tiny_llama
 
     return build_tiny_llama(_SESSION_DIR / "models" / "tiny-llama")
+
+
+def download_fault(hub: Any, how: str, match: str, *, at: int = 0, count: int = 1) -> str:
+    """Damage downloads where this session's downloads flow: hf_xet's CAS with Xet (the file's first xorb; ``at`` is
+    ignored), the HTTP body with Xet off (``at``: the byte flipped, or where the body is cut). ``how``: "flip" or
+    "truncate". Returns the fault kind that ``hub.faults_fired`` will count."""
+    if TRANSFER == "xet":
+        hub.set_fault(**{f"xet_{how}": True}, match=match, count=count)
+        return f"xet_{how}"
+    hub.set_fault(**{"flip_byte_at" if how == "flip" else "truncate_body_at": at}, match=match, count=count)
+    return how
+
+
+def distinct_copy(src: Path, dst: Path, salt: int) -> Path:
+    """A copy of a model folder whose safetensors weights differ from ``src``'s (one value changed per file), so that
+    no cache holds them yet: with Xet, huggingface_hub's cache-wide shared blob store deduplicates files by content
+    across repos, and a test of what a download does needs a download to happen."""
+    import safetensors.torch
+
+    shutil.copytree(src, dst)
+    for path in sorted(dst.rglob("*.safetensors")):
+        with safetensors.safe_open(str(path), "pt") as f:
+            metadata = f.metadata()
+        tensors = safetensors.torch.load_file(str(path))
+        name = next(k for k, t in sorted(tensors.items()) if t.is_floating_point() and t.numel() > 1)
+        tensors[name] = tensors[name].clone()
+        tensors[name].view(-1)[0] += salt * 2.0**-6
+        safetensors.torch.save_file(tensors, str(path), metadata=metadata)
+    return dst
 
 
 def seed(repo_id: str, folder: Path, token: str, **kwargs: Any) -> str:

@@ -144,7 +144,7 @@ def test_token_scope() -> None:
     with pytest.raises(TargetError, match="read-only"):
         preflight.check_token_can_run_jobs(_who("read"), "alice")
     other = {"scoped": [{"entity": {"name": "acme", "type": "org"}, "permissions": ["job.write"]}]}
-    with pytest.raises(TargetError, match="cannot start Jobs in alice \\(no job.write permission\\)"):
+    with pytest.raises(TargetError, match="no job.write permission on alice, so it cannot start Jobs in alice"):
         preflight.check_token_can_run_jobs(_who("fineGrained", **other), "alice")
 
 

@@ -58,6 +58,7 @@ def _assert_token_only_a_secret(hub: Any, job_id: str, token: str) -> None:
     assert token not in json.dumps({"env": info.environment, "cmd": info.command, "secrets": info.secrets})
 
 
+@pytest.mark.transfer
 @pytest.mark.slow
 def test_publish_tiny_flux_on_two_parallel_jobs_and_attach_again(cli: Any, hub: Any, flux_repo: str) -> None:
     started = time.monotonic()

@@ -263,7 +263,7 @@ def outcomes(hub: Any, tiny_llama_dir: Path, tiny_flux_dir: Path, tmp_path_facto
         plan.append({"id": case.id, "sandbox": str(sandbox / "run"), "args": args, "token": token, "timeout": 120})
     (root / "plan.json").write_text(json.dumps(plan))
     store_before = {(r["id"], json.dumps(r["refs"], sort_keys=True)) for r in hub.store.list_repos("model")}
-    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(root / "hf_home"), "HF_HUB_DISABLE_XET": "1",
+    env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_HOME": str(root / "hf_home"),
            "PYTHONPATH": os.pathsep.join(p for p in (str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")) if p)}
     env.pop("HF_TOKEN", None)
     proc = subprocess.run([sys.executable, str(Path(__file__).with_name("hostile_worker.py")), str(root / "plan.json"),

@@ -98,7 +98,8 @@ def _admin(url: str, method: str = "GET", body: dict | None = None) -> dict:
 
 
 def _cli_env(hf_home: Path, token: str | None, endpoint: str | None = None) -> dict[str, str]:
-    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_DISABLE_XET": "1",
+    # the session's transfer mode (HF_HUB_DISABLE_XET or not) is inherited
+    env = {**os.environ, "HF_HOME": str(hf_home),
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     env.pop("HF_TOKEN", None)
     if token:
@@ -192,6 +193,7 @@ def test_rerun_is_a_noop_and_a_changed_input_makes_a_described_commit(cli: Any, 
 
 
 # ---- --create-pr ---------------------------------------------------------------------------------
+@pytest.mark.transfer
 @pytest.mark.slow
 def test_create_pr_opens_one_pr_and_a_changed_rerun_updates_it(cli: Any, hub: Any, llama_repo: str) -> None:
     repo = "alice/rel-pr"
@@ -225,6 +227,7 @@ def test_create_pr_opens_one_pr_and_a_changed_rerun_updates_it(cli: Any, hub: An
 
 
 # ---- the Hub goes away in the middle of the push; and the token is never written -------------------
+@pytest.mark.transfer
 @pytest.mark.slow
 def test_hub_stopped_mid_commit_then_rerun_completes_and_token_is_never_written(
         tiny_llama_dir: Path, tmp_path: Path) -> None:
@@ -443,6 +446,53 @@ def test_retry_classifies_errors_and_stays_bounded(monkeypatch: pytest.MonkeyPat
     calls.clear()
     # the check before a retry ends the loop when the first try had landed after all
     assert hub.call(flaky(http(503), 1), what="t", check=lambda: "landed") == "landed" and len(calls) == 1
+
+
+def test_a_429_with_the_hubs_ratelimit_header_waits_out_the_window(monkeypatch: pytest.MonkeyPatch,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    import httpx2
+    from huggingface_hub.errors import HfHubHTTPError
+
+    from publisher import hub
+
+    def limited(reset: int, left: int = 0) -> HfHubHTTPError:
+        headers = {"RateLimit": f'"api";r={left};t={reset}', "RateLimit-Policy": '"fixed window";"api";q=500;w=300'}
+        response = httpx2.Response(429, headers=headers, request=httpx2.Request("GET", "http://127.0.0.1/api/x"))
+        return HfHubHTTPError("429 Too Many Requests", response=response)
+
+    assert hub.rate_limit_wait(limited(42)) == (43.0, "api")  # one second past the reset
+    assert hub.rate_limit_wait(limited(42, left=3)) is None and hub.rate_limit_wait(ValueError()) is None
+    assert hub.rate_limit_wait(limited(3000)) == (hub.MAX_RATE_WAIT_S, "api")  # bounded
+    monkeypatch.setenv("HF_AO_PUBLISH_MAX_RATE_WAIT", "0.2")
+    monkeypatch.setenv("HF_AO_PUBLISH_RETRY_DELAY", "0")
+    slept: list[float] = []
+    monkeypatch.setattr(hub.time, "sleep", slept.append)
+    calls: list[int] = []
+
+    def once() -> str:
+        calls.append(1)
+        if len(calls) == 1:
+            raise limited(250)
+        return "ok"
+
+    with caplog.at_level("INFO", logger="publisher"):
+        assert hub.call(once, what="reading x") == "ok"
+    assert slept == [0.2]
+    (line,) = [r.getMessage() for r in caplog.records if "rate limit" in r.getMessage()]
+    assert line.startswith("reading x: the Hub's 'api' rate limit is used up; waiting 0 s")
+
+
+@pytest.mark.slow
+def test_a_rate_limited_api_call_during_a_run_waits_and_the_run_goes_on(cli: Any, hub: Any, llama_repo: str,
+                                                                         tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    hub.set_fault(status=429, match=f"/api/models/{llama_repo}", ratelimit_reset=1, count=1)
+    t0 = time.monotonic()
+    result = cli(llama_repo, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "out"), "--json")
+    assert result.exit_code == 0, result.output
+    assert hub.faults_fired == {"status": 1} and time.monotonic() - t0 >= 2  # reset (1 s) + 1 s margin
+    assert [line for line in result.stderr.splitlines() if "rate limit is used up" in line][0].startswith(
+        f"reading {llama_repo}: the Hub's 'api' rate limit is used up; waiting 2 s")
 
 
 def test_messages_for_unreachable_hub_and_full_disk() -> None:

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FAST_TRIES, seed
+from conftest import FAST_TRIES, TRANSFER, distinct_copy, download_fault, seed
 
 TRIES = FAST_TRIES
 WEIGHTS = "model.safetensors"
@@ -179,34 +179,72 @@ def test_git_blob_ids_and_the_state_file_form(tmp_path: Path) -> None:
 
 # ---- downloads -------------------------------------------------------------------------------------------
 @pytest.mark.slow
-def test_a_flipped_byte_in_a_download_is_refused_then_a_rerun_publishes(cli: Any, hub: Any, tiny_llama_dir: Path) -> None:
+@pytest.mark.transfer
+def test_a_flipped_byte_in_a_download_is_refused_then_a_rerun_publishes(cli: Any, hub: Any, tiny_llama_dir: Path,
+                                                                        tmp_path: Path) -> None:
     base, target = "meta/integ-download", "alice/integ-download"
-    sha = seed(base, tiny_llama_dir, "tok_meta")
-    size = (tiny_llama_dir / WEIGHTS).stat().st_size
-    want = hashlib.sha256((tiny_llama_dir / WEIGHTS).read_bytes()).hexdigest()
-    hub.set_fault(flip_byte_at=size // 2, match=f"/{base}/resolve/")  # same size, same ETag, one byte off
+    model = distinct_copy(tiny_llama_dir, tmp_path / "model", salt=1)  # bytes no cache holds yet
+    sha = seed(base, model, "tok_meta")
+    size = (model / WEIGHTS).stat().st_size
+    want = hashlib.sha256((model / WEIGHTS).read_bytes()).hexdigest()
+    # same size, same ETag, one byte off; with Xet the run downloads a file again outside the shared store before it
+    # gives up (downloads.py), so both downloads are damaged
+    kind = download_fault(hub, "flip", f"/{base}/resolve/", at=size // 2, count=2 if TRANSFER == "xet" else 1)
     result = cli(base, "--quant", "int8wo", "--repo-id", target, token="tok_alice")
     assert result.exit_code == 1, result.output
     line = _error_line(result.stderr)
-    assert f"{WEIGHTS} of {base}@{sha[:12]}" in line and "download again" in line
-    assert f"sha256 {_flipped_sha256(tiny_llama_dir / WEIGHTS, size // 2)}, but the Hub reports {want}" in line
+    assert f"{WEIGHTS} of {base}@{sha[:12]}" in line and "download again" in line and f"but the Hub reports {want}" in line
+    if TRANSFER == "lfs":
+        assert f"sha256 {_flipped_sha256(model / WEIGHTS, size // 2)}, but" in line
     assert "removed from the cache" in line and not _api().repo_exists(target)
     assert _cached(base, WEIGHTS) == [] and want not in _blobs(base)  # the snapshot link and its blob are gone
+    assert hub.faults_fired == {kind: 2 if TRANSFER == "xet" else 1}
     # the fault is gone: the same command downloads the file afresh and publishes, recording the base's hashes
     result = cli(base, "--quant", "int8wo", "--repo-id", target, "--json", token="tok_alice")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["pushed"] and want in _blobs(base)
     state = json.loads(Path(_api().hf_hub_download(target, "hf_ao_publish.json")).read_text())
     assert state["base_files"][WEIGHTS] == {"sha256": want, "size": size}
-    cfg = (tiny_llama_dir / "config.json").read_bytes()
+    cfg = (model / "config.json").read_bytes()
     assert state["base_files"]["config.json"]["git_blob"] == hashlib.sha1(b"blob %d\0" % len(cfg) + cfg).hexdigest()
 
 
 @pytest.mark.slow
+@pytest.mark.skipif(TRANSFER != "xet", reason="huggingface_hub's shared blob store holds Xet downloads only")
+def test_a_bad_shared_cache_copy_is_never_deleted_and_the_repo_gets_its_own(hub: Any, tiny_llama_dir: Path,
+                                                                             tmp_path: Path) -> None:
+    """Two repos with the same file share one store entry in the cache. When its bytes are not the Hub's, the repair
+    removes only this repo's links, downloads the file again outside the shared store and keeps it as this repo's
+    own blob; the shared file (which other repos' snapshots point at) stays where it is."""
+    from publisher.downloads import download
+    from publisher.integrity import hashes_of
+
+    model = distinct_copy(tiny_llama_dir, tmp_path / "model", salt=2)
+    first, second = "meta/integ-shared-a", "meta/integ-shared-b"
+    hashes = {}
+    for repo in (first, second):
+        sha = seed(repo, model, "tok_meta")
+        hashes[repo] = (sha, hashes_of(_api().model_info(repo, revision=sha, files_metadata=True).siblings))
+    want = hashes[first][1][WEIGHTS].digest
+    download_fault(hub, "flip", f"/{first}/resolve/")  # one damaged Xet download, published into the shared store
+    folder = download(first, hashes[first][0], [WEIGHTS], hashes[first][1], "tok_meta")
+    own = folder / WEIGHTS
+    assert hashlib.sha256(own.read_bytes()).hexdigest() == want and not Path(os.readlink(own)).is_symlink()
+    (store,) = (Path(os.environ["HF_HOME"]) / "hub" / "blobs").glob(f"*/{_api().get_paths_info(first, [WEIGHTS])[0].xet_hash}")
+    assert store.is_file() and hashlib.sha256(store.read_bytes()).hexdigest() != want  # left alone, not deleted
+    # the other repo links the same (bad) shared file: refused for it too, and it gets a good copy of its own
+    folder = download(second, hashes[second][0], [WEIGHTS], hashes[second][1], "tok_meta")
+    assert hashlib.sha256((folder / WEIGHTS).read_bytes()).hexdigest() == want and store.is_file()
+    assert hub.faults_fired == {"xet_flip": 1}
+
+
+@pytest.mark.slow
+@pytest.mark.transfer
 def test_truncated_and_dropped_downloads_are_retried_or_fail_in_one_line(cli: Any, hub: Any, tiny_llama_dir: Path,
                                                                          tmp_path: Path) -> None:
     base = "meta/integ-short"
-    sha = seed(base, tiny_llama_dir, "tok_meta")
+    model = distinct_copy(tiny_llama_dir, tmp_path / "model", salt=3)
+    sha = seed(base, model, "tok_meta")
     # a short body on every try: retried, then one line (before any weight is read, nothing is written)
     hub.set_fault(truncate_body_at=10, match=f"/{base}/resolve/", count=TRIES)
     result = cli(base, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "a"))
@@ -215,15 +253,29 @@ def test_truncated_and_dropped_downloads_are_retried_or_fail_in_one_line(cli: An
     assert f"of {base}@" in line and f"the body was cut short on each of {TRIES} tries" in line
     assert "re-run the same command" in line and not (tmp_path / "a").exists()
     hub.clear_faults()
-    # one short body and one connection dropped mid-body: both retried, and the run verifies
+    if TRANSFER == "xet":  # the weights come through hf_xet: a broken transfer on every try is one line too
+        download_fault(hub, "truncate", f"/{base}/resolve/{sha}/{WEIGHTS}", count=TRIES)
+        result = cli(base, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "x"))
+        assert result.exit_code == 1
+        line = _error_line(result.stderr)
+        assert f"downloading {WEIGHTS} of {base}@{sha[:12]} through Xet failed on each of {TRIES} tries" in line
+        assert "HF_HUB_DISABLE_XET=1" in line and not (tmp_path / "x").exists()
+        hub.clear_faults()
+    # one short body and one transfer cut in the middle: both retried, and the run verifies
     hub.set_fault(truncate_body_at=10, match=f"/{base}/resolve/")  # the first file read (config.json, at plan time)
-    hub.set_fault(drop_body_after_bytes=1000, match=f"/{base}/resolve/{sha}/{WEIGHTS}")  # the run reads at the sha
+    if TRANSFER == "xet":
+        download_fault(hub, "truncate", f"/{base}/resolve/{sha}/{WEIGHTS}")
+    else:
+        hub.set_fault(drop_body_after_bytes=1000, match=f"/{base}/resolve/{sha}/{WEIGHTS}")  # the run reads at the sha
     result = cli(base, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "b"), "--json")
     assert result.exit_code == 0, result.output
-    assert json.loads(result.stdout)["verified"] and hub.faults_fired == {"truncate": 1, "drop_body": 1}
+    assert json.loads(result.stdout)["verified"]
+    assert hub.faults_fired == {"truncate": 1, "xet_truncate" if TRANSFER == "xet" else "drop_body": 1}
 
 
 @pytest.mark.slow
+@pytest.mark.transfer
+@pytest.mark.skipif(TRANSFER != "lfs", reason="an HTTP download's resume; a Xet download is reassembled by hf_xet")
 def test_a_resumed_download_through_a_proxy_that_ignores_range_is_started_over(hub: Any) -> None:
     """huggingface_hub resumes a cut download with a Range once it wrote a 10 MiB chunk; a proxy that answers with the
     whole file then makes it start over (never append the wrong bytes), and the hash check confirms it."""
@@ -245,8 +297,9 @@ def test_a_resumed_download_through_a_proxy_that_ignores_range_is_started_over(h
     assert hub.faults_fired == {"drop_body": 1, "ignore_range": 1}
 
 
-# ---- --low-disk range reads ------------------------------------------------------------------------------
+# ---- --low-disk range reads (through the resolve redirect to the storage bridge) --------------------------
 @pytest.mark.slow
+@pytest.mark.transfer
 def test_a_flipped_byte_in_a_range_read_stops_the_run_before_the_commit(cli: Any, hub: Any, tiny_llama_dir: Path) -> None:
     base, target = "meta/integ-range", "alice/integ-range"
     sha = seed(base, tiny_llama_dir, "tok_meta")
@@ -267,6 +320,7 @@ def test_a_flipped_byte_in_a_range_read_stops_the_run_before_the_commit(cli: Any
 
 
 @pytest.mark.slow
+@pytest.mark.transfer
 def test_range_reads_resume_short_and_dropped_bodies_and_refuse_an_ignored_range(cli: Any, hub: Any,
                                                                                   tiny_llama_dir: Path,
                                                                                   tmp_path: Path) -> None:
@@ -313,11 +367,13 @@ def published(hub: Any, tiny_flux_dir: Path) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.transfer
 def test_verify_target_refuses_a_flipped_byte_then_passes(cli: Any, hub: Any, published: str) -> None:
     import shutil
 
     shutil.rmtree(Path(os.environ["HF_HOME"]) / "hub" / f"models--{published.replace('/', '--')}", ignore_errors=True)
-    hub.set_fault(flip_byte_at=-1, match=f"/{FLUX_WEIGHTS}")  # only this test downloads now
+    # only this test downloads the published weights (with Xet: the first download and the one outside the store)
+    download_fault(hub, "flip", f"/{FLUX_WEIGHTS}", at=-1, count=2 if TRANSFER == "xet" else 1)
     result = cli("verify", published)
     assert result.exit_code == 1, result.output
     line = _error_line(result.stderr)

@@ -22,6 +22,7 @@ def _torchao_classes(model: Any) -> set[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.transfer
 def test_publish_flux_pipeline_and_load_it_back(cli: Any, flux_repo: str) -> None:
     import torch
     from diffusers import DiffusionPipeline
@@ -53,6 +54,33 @@ def test_publish_flux_pipeline_and_load_it_back(cli: Any, flux_repo: str) -> Non
     assert _torchao_classes(pipe.text_encoder_2) == set()
     image = pipe("a cat", num_inference_steps=2, height=64, width=64, generator=torch.Generator().manual_seed(0)).images[0]
     assert image.size == (64, 64)
+
+
+# What a successful run may print besides our own lines: nothing from the libraries. These marks catch the
+# third-party lines seen on the Hub's transfer paths (huggingface_hub's Xet fallback, hf_xet, its progress bars).
+THIRD_PARTY = ("Xet Storage", "Falling back", "hf_xet", "huggingface_hub", "Warning", "warning:", "deprecated",
+               "Failed to load", "Traceback")
+
+
+@pytest.mark.slow
+@pytest.mark.transfer
+def test_a_publish_through_the_hub_prints_only_our_own_lines(hub: Any, flux_repo: str, tmp_path: Path) -> None:
+    """The real CLI in a fresh process (so hf_xet's own output would show): downloads, a --low-disk push with files
+    copied Hub to Hub, and a plain push, in this session's transfer mode. stderr holds our lines only."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "HF_TOKEN": "tok_alice", "HF_HOME": str(tmp_path / "home"), "TMPDIR": str(tmp_path)}
+    env.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)  # as a user runs it: progress bars go to stderr, warnings must not
+    for extra, target in ((["--low-disk"], "alice/quiet-low-disk"), ([], "alice/quiet-plain")):
+        proc = subprocess.run([sys.executable, "-m", "publisher.cli", flux_repo, "--quant", "int8wo", "--repo-id", target,
+                               *extra, *SMALL], env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        lines = [line for line in proc.stderr.replace("\r", "\n").splitlines() if line.strip()]
+        noisy = [line for line in lines if any(mark in line for mark in THIRD_PARTY) and "%|" not in line]
+        assert not noisy, noisy
+        assert f"published {target}" in proc.stderr
 
 
 @pytest.mark.slow

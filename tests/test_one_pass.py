@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import seed
+from conftest import TRANSFER, seed
 
 from publisher import recipes
 
@@ -178,19 +178,22 @@ def test_a_pull_request_whose_files_are_not_the_verified_bytes_is_closed(cli: An
 
 # ------------------------------------------------------------------ the unchanged files, Hub to Hub
 
-def _base_with_a_virtual_text_encoder(hub: Any, tiny_flux_dir: Path, repo: str, *, wrong_sha: bool = False) -> int:
+def _base_with_a_virtual_text_encoder(hub: Any, tiny_flux_dir: Path, repo: str, *, wrong_sha: bool = False,
+                                      salt: int = 7) -> int:
     """Seed ``repo`` and replace its text encoder's weights with a virtual file: an LFS object the Hub's store does not
-    hold (its bytes are computed as they are served), so a copy must move it. Returns its size."""
+    hold (its bytes are computed as they are served), so a copy must move it; once a copy has moved it, the Hub holds
+    it, so each test that needs a copy to happen takes its own ``salt``. Returns its size."""
     from publisher.testing.virtual import safetensors_file
 
     seed(repo, tiny_flux_dir, "tok_bfl")
-    vf = safetensors_file([("text_model.w", (512, 1024)), ("text_model.b", (1024,))], seed=7)
+    vf = safetensors_file([("text_model.w", (512, 1024)), ("text_model.b", (1024,))], seed=salt)
     sha = vf.sha256() if not wrong_sha else hashlib.sha256(b"something else").hexdigest()
     hub.app.add_virtual({"repo_id": repo, "files": {"text_encoder/model.safetensors": {**vf.to_json(), "sha256": sha}}})
     return vf.size
 
 
 @pytest.mark.slow
+@pytest.mark.transfer
 def test_an_object_the_target_hub_lacks_streams_from_the_base_with_its_sha256_checked(cli: Any, hub: Any, tiny_flux_dir: Path,
                                                                                       tmp_path: Path) -> None:
     from huggingface_hub import HfApi
@@ -205,7 +208,10 @@ def test_an_object_the_target_hub_lacks_streams_from_the_base_with_its_sha256_ch
     data = json.loads(result.stdout)
     copied = {c["path"]: c for c in data["copied_from_base"]}
     assert copied["text_encoder/model.safetensors"]["transferred"] == size  # streamed through, once
-    assert copied["vae/diffusion_pytorch_model.safetensors"]["transferred"] == 0  # the Hub held it already
+    vae = copied["vae/diffusion_pytorch_model.safetensors"]
+    # LFS: the target's batch answers that this Hub holds the object, nothing moves; Xet: hf_xet chunks every byte
+    # (the Hub's dedup then keeps them from being stored twice), as huggingface_hub's own uploads do
+    assert vae["transferred"] == (0 if TRANSFER == "lfs" else vae["size"])
     assert not (out / "text_encoder").exists()
     info = {s.rfilename: s for s in HfApi().model_info("alice/virtual-copy", files_metadata=True).siblings or []}
     assert info["text_encoder/model.safetensors"].lfs.sha256 == safetensors_file(  # type: ignore[union-attr]
@@ -214,6 +220,7 @@ def test_an_object_the_target_hub_lacks_streams_from_the_base_with_its_sha256_ch
 
 
 @pytest.mark.slow
+@pytest.mark.transfer
 def test_base_bytes_that_do_not_match_their_oid_are_never_published(cli: Any, hub: Any, tiny_flux_dir: Path) -> None:
     """The base's metadata announces one sha256 and its bytes have another: the copy stops before the last byte,
     the run fails naming the file, and the repo made for it is deleted."""
@@ -226,6 +233,49 @@ def test_base_bytes_that_do_not_match_their_oid_are_never_published(cli: Any, hu
     assert last.startswith("Error: bfl/tiny-flux-corrupt@") and "text_encoder/model.safetensors" in last
     assert "its metadata says" in last and "stopped before its last bytes" in last
     assert not HfApi(token="tok_alice").repo_exists("alice/corrupt-copy")
+
+
+@pytest.mark.slow
+@pytest.mark.transfer
+def test_a_byte_flipped_in_one_part_of_a_copied_file_stops_the_copy(cli: Any, hub: Any, tiny_flux_dir: Path,
+                                                                    fast_retries: None) -> None:
+    """The virtual text encoder (1 MiB, an object the target Hub lacks) goes Hub to Hub: in parts with Xet off (the
+    session's Hub asks for multipart above 1 MiB: three parts of 512 KiB), through hf_xet's stream otherwise. A byte
+    flipped on its way from the base, inside the second part, stops the copy before its completion: nothing is
+    committed, the repo made for it is gone."""
+    from huggingface_hub import HfApi
+
+    base, target = "bfl/copy-flip", "alice/copy-flip"
+    _base_with_a_virtual_text_encoder(hub, tiny_flux_dir, base, salt=8)
+    weights = "text_encoder/model.safetensors"
+    hub.set_fault(flip_byte_at=600_000, match=weights)  # part 2; only the copy reads that far into the file
+    hub.app.seen.clear()
+    result = cli(base, "--quant", "int8wo", "--low-disk", "--repo-id", target, token="tok_alice")
+    assert result.exit_code == 1, result.output
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: ") and weights in last and "stopped before its last bytes" in last
+    assert hub.faults_fired == {"flip": 1} and not HfApi(token="tok_alice").repo_exists(target)
+    info = HfApi(token="tok_bfl").model_info(base, files_metadata=True)
+    oid = next(s.lfs.sha256 for s in info.siblings or [] if s.rfilename == weights and s.lfs is not None)
+    sent = [path for _, path, _ in hub.app.seen if path.startswith("/_lfs/") and oid in path]
+    if TRANSFER == "lfs":  # its parts went up, its completion never did
+        assert any("/_lfs/part/" in p for p in sent) and not any("/_lfs/complete/" in p for p in sent)
+    else:
+        assert sent == []  # no LFS at all: the copy streamed through Xet
+
+
+@pytest.mark.slow
+@pytest.mark.transfer
+@pytest.mark.skipif(TRANSFER != "lfs", reason="a part sent again is the LFS multipart path")
+def test_a_part_sent_again_is_read_and_checked_again(cli: Any, hub: Any, tiny_flux_dir: Path, fast_retries: None) -> None:
+    """A part upload cut mid-body is sent again by huggingface_hub (its slice read once more from the base); the
+    copy checks those bytes against the first read and completes."""
+    base, target = "bfl/copy-retry", "alice/copy-retry"
+    _base_with_a_virtual_text_encoder(hub, tiny_flux_dir, base, salt=9)
+    hub.set_fault(drop_upload_after_bytes=100_000, match="/_lfs/part/")  # the first part of the text encoder's copy
+    result = cli(base, "--quant", "int8wo", "--low-disk", "--repo-id", target, "--json", token="tok_alice")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["pushed"] and hub.faults_fired == {"drop_upload": 1}
 
 
 # ------------------------------------------------------------------ options

@@ -62,7 +62,7 @@ class Run:
     def __init__(self, root: Path, *args: str, token: str | None = "tok_alice") -> None:
         self.tmp, self.hf_home = root / "tmp", root / "hf_home"
         self.tmp.mkdir(parents=True)
-        env = {**os.environ, "TMPDIR": str(self.tmp), "HF_HOME": str(self.hf_home), "HF_HUB_DISABLE_XET": "1",
+        env = {**os.environ, "TMPDIR": str(self.tmp), "HF_HOME": str(self.hf_home),
                "HF_AO_PUBLISH_RETRIES": "2", "HF_AO_PUBLISH_RETRY_DELAY": "0.05",
                "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
         env.pop("HF_TOKEN", None)

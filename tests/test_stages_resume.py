@@ -27,6 +27,7 @@ def _interrupted_run(cli: Any, args: list[str], monkeypatch: pytest.MonkeyPatch,
     monkeypatch.setattr(publish, "verify", real_verify)
 
 
+@pytest.mark.transfer
 @pytest.mark.slow
 def test_interrupted_run_reuses_finished_components(cli: Any, tiny_llama_dir: Path, tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:

@@ -1,11 +1,12 @@
 """The loopback Hub server, exercised with the REAL huggingface_hub client (and transformers/diffusers).
 
-huggingface_hub reads HF_HUB_DISABLE_XET and HF_ENDPOINT once, at import time. XET must be off (the
-server speaks LFS, not Xet), so it is set here before the import; other test modules may have imported
-the client first, which is why tests/conftest.py sets it too. If nothing set HF_ENDPOINT yet it defaults
-to a dead loopback port, so a call that forgets `endpoint=` fails fast instead of reaching huggingface.co.
-These tests use their own server (fixture `srv`, not conftest's session `hub`), so every call passes
-`endpoint=srv.url` explicitly; subprocesses (transformers, diffusers) get HF_ENDPOINT in their environment.
+huggingface_hub reads HF_HUB_DISABLE_XET and HF_ENDPOINT once, at import time; tests/conftest.py sets the
+session's transfer mode (Xet by default, plain LFS with HF_AO_TEST_TRANSFER=lfs). If nothing set HF_ENDPOINT yet
+it defaults to a dead loopback port, so a call that forgets `endpoint=` fails fast instead of reaching
+huggingface.co. These tests use their own server (fixture `srv`, not conftest's session `hub`), so every call
+passes `endpoint=srv.url` explicitly; subprocesses (transformers, diffusers) get HF_ENDPOINT in their environment.
+The protocol tests that must not depend on the session's mode speak it directly (raw HTTP, hf_xet).
+Xet, multipart, the storage bridge, rate limits and fine-grained tokens: tests/test_testing_hubserver_paths.py.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
-os.environ["HF_HUB_DISABLE_XET"] = "1"
 os.environ.setdefault("HF_ENDPOINT", "http://127.0.0.1:9")
 
 import pytest  # noqa: E402
@@ -40,15 +40,21 @@ from huggingface_hub.errors import (  # noqa: E402
     RevisionNotFoundError,
 )
 
-# Self-tests of the test infrastructure: in the full run, not in `make test-fast`.
-pytestmark = pytest.mark.slow
+# Self-tests of the test infrastructure: in the full run, not in `make test-fast`; the real client's side of the
+# protocol differs by transfer mode, so they run in both.
+pytestmark = [pytest.mark.slow, pytest.mark.transfer]
 
 from publisher.testing.hubserver import HubServer, spawn_server  # noqa: E402
 
 TOKENS = {"tok_alice": "alice", "tok_bob": "bob", "tok_carol": "carol"}
 ORGS = {"acme": ["alice"]}
 BIG = 10 * 1024 * 1024 + 123  # just over the LFS size threshold
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # loopback: never through a proxy
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: object, **kwargs: object) -> None:
+        return None  # a 302 is the answer under test, not something to follow
+
+
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())  # loopback: never a proxy
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +83,8 @@ def new_repo(srv: HubServer, name: str, **kwargs: object) -> str:
 
 def raw(srv: HubServer, method: str, path: str, body: bytes | None = None,
         headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-    req = urllib.request.Request(srv.url + path, data=body, method=method, headers=headers or {})
+    url = path if path.startswith("http") else srv.url + path  # a full URL: the storage bridge's
+    req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
     try:
         with _OPENER.open(req, timeout=10) as r:
             return r.status, dict(r.headers), r.read()
@@ -147,9 +154,11 @@ def test_resolve_headers_and_range(srv: HubServer) -> None:
     assert status == 200 and headers["X-Repo-Commit"] == commit.oid and "X-Xet-Hash" not in headers
     git_sha1 = hashlib.sha1(b"blob 10\0" + b"0123456789").hexdigest()
     assert headers["ETag"].strip('"') == git_sha1 and headers["Content-Length"] == "10"
+    # An LFS file: 302 to the storage bridge (another origin), the metadata on the redirect itself.
     status, headers, _ = raw(srv, "HEAD", f"/{repo_id}/resolve/{commit.oid}/w.safetensors", headers=auth)
+    assert status == 302 and headers["Location"].startswith(srv.bridge_url + "/_bridge/")
     assert headers["X-Linked-Etag"].strip('"') == hashlib.sha256(weights).hexdigest()
-    assert headers["X-Linked-Size"] == "4096"
+    assert headers["X-Linked-Size"] == "4096" and headers["X-Repo-Commit"] == commit.oid
     status, headers, body = raw(srv, "GET", f"/{repo_id}/resolve/main/digits.txt",
                                 headers={**auth, "Range": "bytes=3-5"})
     assert status == 206 and body == b"345" and headers["Content-Range"] == "bytes 3-5/10"
@@ -270,8 +279,9 @@ def test_gated_repo(srv: HubServer, tmp_path: Path) -> None:
     srv.set_gated(repo_id, granted_users=["carol"])
     assert api_for(srv, "tok_bob").model_info(repo_id).gated == "auto"  # metadata stays visible
     for i, token in enumerate((False, "tok_bob")):
-        with pytest.raises(GatedRepoError):
+        with pytest.raises(GatedRepoError) as exc:
             hf_hub_download(repo_id, "config.json", endpoint=srv.url, token=token, cache_dir=tmp_path / f"d{i}")
+        assert exc.value.response.status_code == (401 if token is False else 403)  # anonymous: 401, as on the Hub
     for i, token in enumerate(("tok_carol", "tok_alice")):  # granted user, and the owner
         hf_hub_download(repo_id, "config.json", endpoint=srv.url, token=token, cache_dir=tmp_path / f"ok{i}")
     # The admin endpoint does the same for a server running in another process.
@@ -328,12 +338,12 @@ def test_dropped_upload_leaves_no_blob(srv: HubServer) -> None:
     conn.request("PUT", f"{href.path}?{href.query}", body=iter([data[:7000], data[7000:]]), encode_chunked=True)
     assert conn.getresponse().status == 200 and blob.read_bytes() == data
     conn.close()
-    # The real client retries a dropped PUT (after ~1 s) and the push still succeeds.
-    srv.set_fault(drop_upload_after_bytes=1000, count=1)
-    weights = os.urandom(20_000)
-    api_for(srv).upload_file(path_or_fileobj=weights, path_in_repo="w.safetensors", repo_id=repo_id)
-    assert srv.faults_fired["drop_upload"] == 2  # the raw drop above, then this one
-    assert srv.store.blob_path(hashlib.sha256(weights).hexdigest()).read_bytes() == weights
+    if os.environ.get("HF_HUB_DISABLE_XET") == "1":  # the client's LFS path: it retries a dropped PUT (after ~1 s)
+        srv.set_fault(drop_upload_after_bytes=1000, count=1)
+        weights = os.urandom(20_000)
+        api_for(srv).upload_file(path_or_fileobj=weights, path_in_repo="w.safetensors", repo_id=repo_id)
+        assert srv.faults_fired["drop_upload"] == 2  # the raw drop above, then this one
+        assert srv.store.blob_path(hashlib.sha256(weights).hexdigest()).read_bytes() == weights
 
 
 def test_subprocess_persistence_and_from_pretrained(tmp_path: Path) -> None:
@@ -365,7 +375,7 @@ def test_subprocess_persistence_and_from_pretrained(tmp_path: Path) -> None:
         assert api.model_info("alice/tiny").sha == head and len(api.list_repo_commits("alice/tiny")) == 4
         with pytest.raises(GatedRepoError):
             hf_hub_download("acme/gated", "config.json", endpoint=url, token="tok_bob", cache_dir=tmp_path / "c")
-        env = {**os.environ, "HF_ENDPOINT": url, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": "tok_alice",
+        env = {**os.environ, "HF_ENDPOINT": url, "HF_TOKEN": "tok_alice",
                "HF_HOME": str(tmp_path / "hf_home"), "HF_HUB_DISABLE_TELEMETRY": "1"}
         code = ("from transformers import AutoConfig\n"
                 "c = AutoConfig.from_pretrained('alice/tiny')\n"
@@ -392,8 +402,10 @@ def test_discard_lfs_checks_records_and_drops_uploads(tmp_path: Path) -> None:
         (sib,) = api.get_paths_info("alice/dropped", ["big.bin"])
         assert sib.lfs is not None and sib.lfs.sha256 == hashlib.sha256(big).hexdigest() and sib.size == BIG
         assert not list((data / "blobs").rglob(sib.lfs.sha256))  # recorded, not stored
-        status, _, body = raw(server, "GET", "/alice/dropped/resolve/main/big.bin",
-                              headers={"Authorization": "Bearer tok_alice"})
+        status, headers, _ = raw(server, "GET", "/alice/dropped/resolve/main/big.bin",
+                                 headers={"Authorization": "Bearer tok_alice"})
+        assert status == 302 and "X-Xet-Hash" not in headers  # dropped: not in the Xet store either
+        status, _, body = raw(server, "GET", headers["Location"])
         assert status == 410 and b"--discard-lfs" in body
         api.upload_file(path_or_fileobj=big, path_in_repo="again.bin", repo_id="alice/dropped")  # known: no upload
         ask = {"operation": "upload", "objects": [{"oid": "0" * 64, "size": 3}]}

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import seed
+from conftest import TRANSFER, seed
 
 pytestmark = pytest.mark.slow  # a self-test of the test infrastructure
 
@@ -81,6 +81,8 @@ def test_ignore_range_answers_200_with_the_whole_file(hub: Any, repo: str, tiny_
     assert _get(repo, {"Range": "bytes=8-15"}).status_code == 206
 
 
+@pytest.mark.transfer
+@pytest.mark.skipif(TRANSFER != "lfs", reason="huggingface_hub's HTTP download; a Xet download is hf_xet's (test_testing_hubserver_paths)")
 def test_client_retries_a_dropped_body(hub: Any, repo: str, tiny_flux_dir: Path, tmp_path: Path) -> None:
     """huggingface_hub tries a cut download again by itself (resuming with a Range once it has written bytes)."""
     from huggingface_hub import hf_hub_download

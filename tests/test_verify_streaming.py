@@ -190,6 +190,7 @@ def _ranged_bytes(hub: Any, prefix: str) -> int:
     return total
 
 
+@pytest.mark.transfer
 @pytest.mark.slow
 def test_low_disk_publish_reads_by_range_uploads_shards_and_merges_a_checked_pr(cli: Any, hub: Any, tiny_flux_dir: Path,
                                                                                  tmp_path: Path) -> None:

@@ -61,18 +61,12 @@ def check_flavor(recipes: Sequence[Recipe], name: str, flavors: Sequence[Flavor]
 
 def check_token_can_run_jobs(who: dict[str, Any], namespace: str) -> None:
     """A read token cannot publish; a fine-grained token needs the job.write permission on ``namespace``."""
-    access = (who.get("auth") or {}).get("accessToken") or {}
-    role = access.get("role")
-    if role == "read":
+    from publisher.tokens import TokenRights
+
+    rights = TokenRights.of(who)
+    if rights.role == "read":
         raise TargetError(f"the Hub token is read-only; a remote publish needs a token that can write and start Jobs "
                           f"(create one at {TOKENS_URL}) and set HF_TOKEN")
-    if role != "fineGrained":
-        return
-    grained = access.get("fineGrained") or {}
-    permissions = set(grained.get("global") or [])
-    for scope in grained.get("scoped") or []:
-        if (scope.get("entity") or {}).get("name") == namespace:
-            permissions |= set(scope.get("permissions") or [])
-    if "job.write" not in permissions:
-        raise TargetError(f"this fine-grained token cannot start Jobs in {namespace} (no job.write permission); add "
-                          f"\"Start and manage Jobs on your behalf\" to it at {TOKENS_URL}, or use another token")
+    reason = rights.require("job.write", namespace, f"start Jobs in {namespace}")
+    if reason is not None:
+        raise TargetError(reason)

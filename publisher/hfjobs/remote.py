@@ -60,10 +60,14 @@ def torch_for(flavor: Flavor) -> dict[str, str]:
 
 
 def _job_env() -> dict[str, str]:
+    import os
+
     env = {"PYTHONUNBUFFERED": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
     endpoint = hub.endpoint()
     if endpoint != "https://huggingface.co":  # a private Hub deployment (or the tests' loopback Hub)
         env["HF_ENDPOINT"] = endpoint
+    if os.environ.get("HF_HUB_DISABLE_XET"):  # the user's choice of transfer path holds for the job too
+        env["HF_HUB_DISABLE_XET"] = os.environ["HF_HUB_DISABLE_XET"]
     return env
 
 

@@ -4,11 +4,11 @@ Text encoders, VAE, tokenizers, scheduler and licence files are the same bytes i
 each of them the base's metadata (at the pinned sha) gives the size and the sha256 (LFS) or git blob id before a
 byte moves:
 
-- an **LFS file** becomes a commit operation whose upload source is the base file itself, read over HTTP in
-  chunks (``HubFile``); huggingface_hub's own pre-upload then asks the target's LFS batch endpoint, which answers
-  without an upload action when that Hub already holds the object (same Hub, same oid: nothing is transferred),
-  and otherwise the bytes stream from the base to the target with their sha256 checked on the way (a mismatch
-  aborts the upload before its last chunk, so the target never receives a wrong object);
+- an **LFS file** is read over HTTP (``HubFile``, which checks every byte it hands out against the base's sha256
+  whatever order they are read in, and stops before the last bytes of a file whose hash is wrong). Through Xet (the
+  Hub's default) the bytes stream into hf_xet (``xetupload``), which hashes what it chunks; that digest must be the
+  base's oid before the file joins the commit. With Xet off, huggingface_hub's LFS pre-upload reads the same
+  ``HubFile`` (in parts when the Hub asks for multipart); its LFS batch skips an object the target already holds;
 - a **small (regular) file** is read into memory, checked against its git blob id, and committed with the rest.
 
 ``HubCopy`` does this on a thread of its own while the quantization runs, so its network traffic overlaps the
@@ -21,10 +21,11 @@ import hashlib
 import io
 import logging
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from publisher import hub
+from publisher import hub, xetupload
 from publisher.errors import SourceError
 from publisher.stages.plan import Plan
 from publisher.verify.commit_hashes import CommitFile, git_blob_id
@@ -56,21 +57,38 @@ class HashMismatch(SourceError):
 
 
 class HubFile(io.RawIOBase):
-    """A base file as an upload source: reads stream it over HTTP (one ``Range`` request per run of sequential
-    reads; ``seek`` goes anywhere, as a retried upload does). The bytes of a run that starts at 0 are hashed as
-    they pass, and the last read raises ``HashMismatch`` instead of returning the final bytes when their sha256
-    is not the expected oid, so the upload never completes with wrong bytes."""
+    """A base file as an upload source, read over HTTP, every byte it hands out vouched for whatever order the
+    uploader reads in: sequential (a single PUT, a Xet stream), part by part after seeking to the end and back
+    (huggingface_hub's multipart ``SliceFileObj``), a part sent again after a failed try, or parts in parallel.
 
-    CHUNK = 1 << 20
+    Bytes are fetched in aligned ``BLOCK``s (one ``Range`` request per run of sequential blocks). The first time a
+    block comes in file order it extends the file's running sha256, and the hash states before and after it are kept
+    (a sha256 state is a few hundred bytes); a block fetched again is hashed from its kept starting state and must end
+    in the same state, so a retried part cannot bring other bytes; a read ahead of the hash first fetches and hashes
+    the blocks before it. The read that completes the file's hash raises ``HashMismatch`` instead of returning its
+    bytes when the sha256 is not the base's oid, and so does every read after it: the upload never completes."""
+
+    BLOCK = 1 << 20
 
     def __init__(self, url: str, token: str | None, size: int, sha256: str, name: str) -> None:
         self.url, self.token, self.size, self.sha256, self.name = url, token, size, sha256, name
         self.pos = 0
-        self.digest: Any = None  # the sha256 of the run that started at byte 0, while it runs in order
-        self.transferred = 0  # bytes fetched (retries included): 0 when the target already held the object
+        self.transferred = 0  # bytes fetched (re-reads included): 0 when the target already held the object
+        self.failure: HashMismatch | None = None
+        self._digest = hashlib.sha256()
+        self._before: list[Any] = []  # block k -> the hash state before it (a copy)
+        self._after: list[str] = []  # block k -> the digest of the state after it
+        self._lock = threading.Lock()  # parallel parts read through one object
         self._stream: Any = None
         self._chunks: Any = None
-        self._buffer: memoryview | bytes = b""
+        self._next = -1  # the block the open stream delivers next
+        self._pending = b""
+        self._block = (-1, b"")  # the last block handed out from
+
+    @property
+    def hashed(self) -> int:
+        """Bytes [0, hashed) went through the file's hash in order."""
+        return min(len(self._after) * self.BLOCK, self.size)
 
     def readable(self) -> bool:
         return True
@@ -82,57 +100,94 @@ class HubFile(io.RawIOBase):
         return self.pos
 
     def seek(self, pos: int, whence: int = 0) -> int:
-        target = {0: pos, 1: self.pos + pos, 2: self.size + pos}[whence]
-        if target != self.pos:
-            self._close_stream()
-            self.digest = None  # out of order: only a run from byte 0 is checked
-            self.pos = target
+        self.pos = {0: pos, 1: self.pos + pos, 2: self.size + pos}[whence]
         return self.pos
 
     def readinto(self, view: Any) -> int:
         want = min(len(view), self.size - self.pos)
         if want <= 0:
             return 0
-        if self.pos == 0:
-            self.digest = hashlib.sha256()
-        if not self._buffer:
-            self._buffer = memoryview(self._next_chunk())
-        data, self._buffer = self._buffer[:want], self._buffer[want:]  # views: no copy of the rest of the chunk
-        if self.digest is not None:
-            self.digest.update(data)
-            if self.pos + len(data) == self.size and self.digest.hexdigest() != self.sha256:
-                got, self.digest = self.digest.hexdigest(), None
-                raise HashMismatch(f"{self.name}: the bytes read from the base have sha256 {got}, its metadata "
-                                   f"says {self.sha256}; the upload was stopped before its last bytes")
-        memoryview(view).cast("B")[: len(data)] = data
-        self.pos += len(data)
-        return len(data)
+        with self._lock:
+            index = self.pos // self.BLOCK
+            data = self._block[1] if self._block[0] == index else self._verified(index)
+            self._block = (index, data)
+        start = self.pos - index * self.BLOCK
+        n = min(want, len(data) - start)
+        memoryview(view).cast("B")[:n] = data[start:start + n]
+        self.pos += n
+        return n
 
-    def _next_chunk(self) -> bytes:
+    def _verified(self, index: int) -> bytes:
+        """Block ``index``, fetched and checked (the blocks before it are hashed first when the hash is behind)."""
+        if self.failure is not None:
+            raise self.failure
+        while len(self._after) < index:
+            self._absorb(len(self._after), self._fetch(len(self._after)))
+        data = self._fetch(index)
+        if index == len(self._after):
+            self._absorb(index, data)
+        else:
+            again = self._before[index].copy()
+            again.update(data)
+            if again.hexdigest() != self._after[index]:
+                self.failure = HashMismatch(f"{self.name}: bytes {index * self.BLOCK}-{index * self.BLOCK + len(data) - 1}"
+                                            " differ from the first read of them; the upload was stopped")
+                raise self.failure
+        return data
+
+    def _absorb(self, index: int, data: bytes) -> None:
+        self._before.append(self._digest.copy())
+        self._digest.update(data)
+        self._after.append(self._digest.copy().hexdigest())
+        if self.hashed == self.size and self._digest.hexdigest() != self.sha256:
+            self.failure = HashMismatch(f"{self.name}: the bytes read from the base have sha256 {self._digest.hexdigest()}, "
+                                        f"its metadata says {self.sha256}; the upload was stopped before its last bytes")
+            raise self.failure
+
+    def _fetch(self, index: int) -> bytes:
+        """One whole block from the network: from the open stream when it is there, else a new ``Range`` request."""
         from huggingface_hub.utils import build_hf_headers, hf_raise_for_status, http_stream_backoff
 
-        if self._chunks is None:
-            headers = {**build_hf_headers(token=self.token or None), "Range": f"bytes={self.pos}-{self.size - 1}"}
+        start = index * self.BLOCK
+        length = min(self.BLOCK, self.size - start)
+        if self._next != index:
+            self._close_stream()
+            headers = {**build_hf_headers(token=self.token or None), "Range": f"bytes={start}-{self.size - 1}"}
             self._stream = http_stream_backoff("GET", self.url, headers=headers)
             response = self._stream.__enter__()
             hf_raise_for_status(response)
-            if response.status_code != 206 and self.pos:
+            if response.status_code != 206 and start:
                 raise OSError(f"{self.name}: the server ignored the byte range (HTTP {response.status_code})")
-            self._chunks = response.iter_bytes()  # as they come off the socket: no re-chunking copies (see RangeFile)
-        try:
-            chunk = next(self._chunks)
-        except StopIteration:
-            raise OSError(f"{self.name}: the base file ended at byte {self.pos} of {self.size}") from None
-        self.transferred += len(chunk)
-        return chunk
+            self._chunks = response.iter_bytes()  # as they come off the socket (see RangeFile)
+        parts, got = [self._pending] if self._pending else [], len(self._pending)
+        while got < length:
+            try:
+                chunk = next(self._chunks)
+            except StopIteration:
+                raise OSError(f"{self.name}: the base file ended at byte {start + got} of {self.size}") from None
+            self.transferred += len(chunk)
+            parts.append(chunk)
+            got += len(chunk)
+        data = b"".join(parts)
+        self._pending, self._next = data[length:], index + 1
+        return data[:length]
 
     def _close_stream(self) -> None:
-        self._buffer = b""
+        self._pending, self._next = b"", -1
         if self._stream is not None:
             try:
                 self._stream.__exit__(None, None, None)
             finally:
                 self._stream = self._chunks = None
+
+    def chunks(self) -> Iterator[bytes]:
+        """The whole file in order, block by block, each checked as above (a Xet stream upload's source)."""
+        self.seek(0)
+        for index in range((self.size + self.BLOCK - 1) // self.BLOCK):
+            with self._lock:
+                data = self._verified(index)
+            yield data
+            self.pos = index * self.BLOCK + len(data)
 
     def close(self) -> None:
         self._close_stream()
@@ -206,37 +261,75 @@ class HubCopy:
         self.copied.append(Copied(path, want.size, want.size, False))
 
     def _lfs(self, path: str, want: CommitFile) -> None:
-        from huggingface_hub import CommitOperationAdd
-        from huggingface_hub.lfs import UploadInfo
-
         from publisher.streaming.shards import RangeFile
 
         assert want.sha256 is not None
         name = f"{self.plan.source.display}/{path}"
         sample = RangeFile(self._url(path), self.token, name).read(min(512, want.size))  # the pre-upload's sniff
         source = HubFile(self._url(path), self.token, want.size, want.sha256, name)
-        op = CommitOperationAdd(path_in_repo=path, path_or_fileobj=b"")  # reads nothing: the source is set below
-        op.path_or_fileobj = io.BufferedReader(source, buffer_size=HubFile.CHUNK)
-        op.upload_info = UploadInfo(size=want.size, sample=sample, sha256=bytes.fromhex(want.sha256))
-        api = hub.client(self.token)
         try:
-            try:
-                hub.call(api.preupload_lfs_files, self.target, additions=[op], free_memory=False,
-                         what=f"copying {path} from {self.plan.source.display} to {self.target}")
-            except RuntimeError as exc:  # huggingface_hub wraps what the upload source raised
-                if isinstance(exc.__cause__, HashMismatch):
-                    raise exc.__cause__ from None
-                raise
-            if op._upload_mode != "lfs":  # the target takes it as a small regular file: commit it from memory
-                data = RangeFile(self._url(path), self.token, name).read(want.size)
-                if hashlib.sha256(data).hexdigest() != want.sha256:
-                    raise HashMismatch(f"{name}: the bytes read from the base do not hash to its oid {want.sha256}")
-                op = CommitOperationAdd(path_in_repo=path, path_or_fileobj=data)
+            op = self._through_xet(path, want, sample, source) if xetupload.enabled() else \
+                self._through_lfs(path, want, sample, source)
         finally:
             source.close()
         self.ops.append(op)
-        small = op.path_or_fileobj if isinstance(op.path_or_fileobj, bytes) else None
+        small = op.path_or_fileobj if isinstance(op.path_or_fileobj, bytes) and op.path_or_fileobj else None
         self.expected[path] = CommitFile(want.size, want.sha256, git_blob_id(small) if small is not None else None)
         self.copied.append(Copied(path, want.size, source.transferred, True))
         log.info("%s (%.1f MB): %s", path, want.size / 1e6, "streamed from the base to the target, sha256 checked"
                  if source.transferred else "the target Hub already holds this object: not transferred")
+
+    def _through_xet(self, path: str, want: CommitFile, sample: bytes, source: HubFile) -> Any:
+        """The Hub's default path: the checked bytes are streamed into hf_xet, which hashes what it chunks; the commit
+        names that digest, and only after it matched the base's oid (the reader has checked it too)."""
+        assert want.sha256 is not None
+        what = f"copying {path} from {self.plan.source.display} to {self.target}"
+        done = hub.call(self._stream_once, path, source, what=what)
+        if done.sha256 != want.sha256 or done.size != want.size:
+            raise HashMismatch(f"{source.name}: hf_xet hashed the {done.size} bytes it uploaded to sha256 {done.sha256}, "
+                               f"the base's oid is {want.sha256} ({want.size} bytes); nothing was committed")
+        return xetupload.uploaded_operation(path, want.size, want.sha256, sample)
+
+    def _stream_once(self, path: str, source: HubFile) -> xetupload.Uploaded:
+        def checked() -> Iterator[bytes]:
+            for block in source.chunks():
+                if self._stop.is_set():
+                    raise RuntimeError("the copy was cancelled")
+                yield block
+
+        try:
+            return xetupload.upload_stream(self.target, checked(), token=self.token, name=path)
+        except RuntimeError as exc:  # hf_xet wraps what the source raised
+            if source.failure is not None:
+                raise source.failure from None
+            raise OSError(f"uploading {path} to {self.target} through Xet failed: {exc}") from exc
+
+    def _through_lfs(self, path: str, want: CommitFile, sample: bytes, source: HubFile) -> Any:
+        """With Xet off (HF_HUB_DISABLE_XET=1): huggingface_hub's LFS upload reads the file object (in parts when
+        the Hub asks for multipart); its LFS batch skips an object the target Hub already holds."""
+        from huggingface_hub import CommitOperationAdd
+        from huggingface_hub.lfs import UploadInfo
+
+        from publisher.streaming.shards import RangeFile
+
+        assert want.sha256 is not None
+        op = CommitOperationAdd(path_in_repo=path, path_or_fileobj=b"")  # reads nothing: the source is set below
+        op.path_or_fileobj = io.BufferedReader(source, buffer_size=HubFile.BLOCK)
+        op.upload_info = UploadInfo(size=want.size, sample=sample, sha256=bytes.fromhex(want.sha256))
+        api = hub.client(self.token)
+        try:
+            hub.call(api.preupload_lfs_files, self.target, additions=[op], free_memory=False,
+                     what=f"copying {path} from {self.plan.source.display} to {self.target}")
+        except Exception:
+            if source.failure is not None:  # huggingface_hub wraps (or retries past) what the source raised
+                raise source.failure from None
+            raise
+        if source.failure is not None:
+            raise source.failure
+        if op._upload_mode == "lfs":
+            return op
+        # the target takes it as a small regular file: commit it from memory
+        data = RangeFile(self._url(path), self.token, source.name).read(want.size)
+        if hashlib.sha256(data).hexdigest() != want.sha256:
+            raise HashMismatch(f"{source.name}: the bytes read from the base do not hash to its oid {want.sha256}")
+        return CommitOperationAdd(path_in_repo=path, path_or_fileobj=data)

@@ -20,7 +20,7 @@ from typing import Any
 from publisher import hub
 from publisher.errors import InputError, TargetError, VerificationError
 from publisher.jsonfile import read_object
-from publisher.verify.commit_hashes import CommitFile, of_operation
+from publisher.verify.commit_hashes import CommitFile, check_uploaded, of_file
 from publisher.verify.report import VerifyReport
 
 log = logging.getLogger(__name__)
@@ -128,9 +128,12 @@ def push(
     repo_url = hub.call(api.create_repo, repo_id, private=private, exist_ok=True, what=f"creating {repo_id}")
     try:
         additions, ops = commit_operations(api, repo_id, folder, head)
+        ours = {op.path_in_repo: of_file(Path(op.path_or_fileobj)) for op in additions}  # the verified files' bytes
         # LFS uploads first, on their own: a retried commit then re-sends only the commit, not the weights.
         hub.call(api.preupload_lfs_files, repo_id, additions=additions, revision=revision,
                    create_pr=create_pr and not pr, free_memory=False, what=f"uploading the weights to {repo_id}")
+        for op in additions:
+            check_uploaded(op, ours[op.path_in_repo], repo_id)
 
         def landed() -> tuple[str, str | None] | None:
             """Before re-sending a commit: did the previous try land although its answer was lost?
@@ -163,9 +166,8 @@ def push(
         if created:
             hub.delete_repo_quietly(repo_id, token)
         raise
-    # the LFS sha256 were taken for the upload; small files are hashed from the bytes that were committed
-    files = {op.path_in_repo: of_operation(op) for op in additions}
-    return PushResult(repo_id, str(repo_url), oid, pr_url, False, created, files)
+    # hashed here from the verified files, and equal to what the uploader read (check_uploaded)
+    return PushResult(repo_id, str(repo_url), oid, pr_url, False, created, ours)
 
 
 def commit_operations(api: Any, repo_id: str, folder: Path, head: str | None,
@@ -188,11 +190,16 @@ def _pr_url(repo_id: str, pr: tuple[int, str] | None) -> str | None:
     return hub.pr_url(repo_id, pr[0] if pr else None)
 
 
-def check_writable(repo_id: str, token: str | None) -> str:
-    """Preflight: the token is valid and can write to the target namespace. Returns the user name."""
+def check_writable(repo_id: str, token: str | None, who: dict[str, Any] | None = None) -> str:
+    """Preflight: the token is valid and may create or write the target (its namespace membership and, for a
+    read-only or fine-grained token, its permissions). ``who``: whoami-v2's answer, when already read. Returns the
+    user name."""
+    from publisher.tokens import TokenRights
+
     if not token:
         raise TargetError("pushing needs a Hub token with write access; set HF_TOKEN (or pass --token), or use --no-push")
-    who = hub.call(hub.client(token).whoami, what="checking the token")
+    api = hub.client(token)
+    who = who if who is not None else hub.call(api.whoami, what="checking the token")
     namespace = repo_id.split("/")[0]
     orgs = {o.get("name") for o in who.get("orgs", [])}
     if namespace != who.get("name") and namespace not in orgs:
@@ -200,9 +207,12 @@ def check_writable(repo_id: str, token: str | None) -> str:
             f"the token of {who.get('name')} cannot write to the namespace {namespace!r} of {repo_id}; "
             f"use --repo-id {who.get('name')}/... or a token of a member of {namespace}"
         )
-    role = ((who.get("auth") or {}).get("accessToken") or {}).get("role")
-    if role == "read":
-        raise TargetError("the Hub token is read-only; create a token with write access and set HF_TOKEN")
+    rights = TokenRights.of(who)
+    # Creating a repo takes repo.write on its namespace; an existing repo also takes it granted on the repo alone.
+    reason = rights.require("repo.write", namespace, f"create {repo_id}")
+    if reason is not None and not (rights.allows("repo.write", repo_id)
+                                   and hub.call(api.repo_exists, repo_id, what=f"checking {repo_id}")):
+        raise TargetError(reason)
     return str(who.get("name"))
 
 

@@ -2,8 +2,9 @@
 
 Each finished safetensors shard of a streamed component is checked tensor by tensor against the
 digests the engine recorded in memory (torchao's own unflatten, the recipe's class, bit for bit), hashed
-(sha256: the LFS oid the Hub must then report for it), pre-uploaded to the target repo's LFS storage
-(``HfApi.preupload_lfs_files``: no commit) and deleted. That happens on a thread of its own (the shipper), so
+(sha256: the LFS oid the Hub must then report for it), pre-uploaded to the target repo's storage
+(``HfApi.preupload_lfs_files``: no commit; through Xet by default, whose own sha256 of the bytes it read must be the
+same) and deleted. That happens on a thread of its own (the shipper), so
 the upload of shard k overlaps the quantization of what follows; the disk budget (``reserve``) makes the engine's
 writer wait when the shard being shipped plus what has been written since would exceed one shard plus
 ``OVERLAP``. A tensor whose parts span two shards is checked when its last shard is finished; the earlier shard
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from publisher import hub
 from publisher.errors import VerificationError
-from publisher.verify.commit_hashes import CommitFile, check_commit, of_file, of_operation
+from publisher.verify.commit_hashes import CommitFile, check_commit, check_uploaded, of_file, of_operation
 
 if TYPE_CHECKING:
     from publisher.stages.hubcopy import HubCopy
@@ -144,10 +145,11 @@ class ShardUploader:
         t0 = time.perf_counter()
         hashes = of_file(path)
         t1 = time.perf_counter()
+        # No preset sha256: the uploader hashes what it reads (hf_xet while chunking), and that must be ours.
         op = CommitOperationAdd(path_in_repo=rel, path_or_fileobj=str(path))
-        op.upload_info.sha256 = bytes.fromhex(hashes.sha256)  # type: ignore[arg-type]  # taken just above
         hub.call(self.api.preupload_lfs_files, self.repo_id, additions=[op], free_memory=False,
                  what=f"uploading {rel} to {self.repo_id}")
+        check_uploaded(op, hashes, self.repo_id)
         self.seconds["hash"] += t1 - t0
         self.seconds["upload"] += time.perf_counter() - t1
         size = path.stat().st_size
@@ -302,20 +304,20 @@ def push_staged(folder: Path, report: VerifyReport, uploader: ShardUploader, *, 
         raise VerificationError(f"refusing to push {repo_id}: verification failed ({report.summary()})")
     head, _ = published_state(repo_id, token)
     additions, ops = commit_operations(api, repo_id, folder, head, list(uploader.ops.values()))
+    expected = {**uploader.expected, **{op.path_in_repo: of_operation(op) for op in additions}}  # before any upload
     pr_num: int | None = None
     try:
         info = hub.call(api.create_commit, repo_id, ops, commit_message=f"hf-ao-publish: {message}",
                         commit_description=description, create_pr=True, what=f"opening a pull request on {repo_id}")
         pr_num, pr_ref = info.pr_num, info.pr_revision
-        expected = {**uploader.expected, **{op.path_in_repo: of_operation(op) for op in additions}}
         log.info("committed to %s as pull request #%s; checking it before it is merged", repo_id, pr_num)
         _require_hashes(repo_id, info.oid, expected, token, f"pull request #{pr_num}")
         rewritten = check(info.oid)
         if rewritten:
             update = [CommitOperationAdd(path_in_repo=p.relative_to(folder).as_posix(), path_or_fileobj=str(p)) for p in rewritten]
+            expected.update({op.path_in_repo: of_operation(op) for op in update})
             hub.call(api.create_commit, repo_id, update, commit_message="hf-ao-publish: verification results",
                      revision=pr_ref, parent_commit=info.oid, what=f"updating pull request #{pr_num} on {repo_id}")
-            expected.update({op.path_in_repo: of_operation(op) for op in update})
         pr_url = hub.pr_url(repo_id, pr_num)
         if create_pr:
             oid = hub.call(api.repo_info, repo_id, revision=pr_ref, what=f"reading {repo_id}").sha

@@ -35,6 +35,7 @@ class Source:
     # Hub only: every file's sha256 (LFS) or git blob id as the Hub reports it at the pinned sha; every download
     # and range read of the base is compared with it before use (publisher.integrity)
     hashes: dict[str, FileHash] = field(default_factory=dict)
+    gated: bool = False  # Hub only: its files need accepted terms (and, for a fine-grained token, gated read access)
 
     @property
     def files(self) -> list[str]:
@@ -146,6 +147,7 @@ def resolve(model_id: str, revision: str | None, token: str | None) -> Source:
         card_data=card,
         endpoint=constants.ENDPOINT,
         hashes=hashes_of(info.siblings),
+        gated=bool(getattr(info, "gated", False)),
     )
 
 

@@ -8,6 +8,10 @@ imports it).
 Tensor data is bfloat16 throughout: a 16 MiB pattern of finite values of magnitude 2^-7 to 2^-5 with random signs
 and mantissas, repeated from an offset that depends on the seed. The pattern is element-aligned (the data section
 of a safetensors file starts at an 8-byte boundary), so every tensor holds ordinary bf16 numbers.
+
+With ``noise``, the values are of the same kind but never repeat (each 1 MiB block of the data drawn from its own
+seed): a repeated pattern is what Xet's content-defined chunking deduplicates, so a file meant to cost what a real
+checkpoint costs on the Xet path (bytes stored, transferred, buffered) takes ``noise``.
 """
 
 from __future__ import annotations
@@ -55,11 +59,30 @@ def header_bytes(tensors: list[tuple[str, tuple[int, ...]]], metadata: dict[str,
     return struct.pack("<Q", len(body)) + body, offset
 
 
+NOISE_BLOCK = 1 << 20
+
+
+@functools.lru_cache(maxsize=1)
+def _high_bytes() -> bytes:
+    return bytes((b & 0x80) | 60 for b in range(256))  # a random sign, exponent 120 or 121: finite and normal
+
+
+def noise_block(seed: int, index: int) -> bytes:
+    """Data block ``index`` of a noise file: NOISE_BLOCK bytes of bf16 values, from their own seed."""
+    rng = random.Random(seed * 1_000_003 + index)
+    n = NOISE_BLOCK // 2
+    out = bytearray(NOISE_BLOCK)
+    out[0::2] = rng.randbytes(n)
+    out[1::2] = rng.randbytes(n).translate(_high_bytes())
+    return bytes(out)
+
+
 @dataclass(frozen=True)
 class VirtualFile:
     header: bytes
     size: int  # the whole file
     seed: int
+    noise: bool = False  # data that never repeats (see the module's docstring)
 
     @property
     def salt(self) -> int:
@@ -75,6 +98,12 @@ class VirtualFile:
                 yield self.header[pos:stop]
                 pos = stop
                 continue
+            if self.noise:
+                index, at = divmod(pos - head, NOISE_BLOCK)
+                n = min(end + 1 - pos, NOISE_BLOCK - at)
+                yield noise_block(self.seed, index)[at:at + n]
+                pos += n
+                continue
             at = (pos - head + self.salt) % PATTERN_BYTES
             n = min(end + 1 - pos, CHUNK, PATTERN_BYTES - at)
             yield pattern()[at:at + n]
@@ -87,13 +116,16 @@ class VirtualFile:
         return h.hexdigest()
 
     def to_json(self) -> dict[str, object]:
-        return {"header": base64.b64encode(self.header).decode(), "size": self.size, "seed": self.seed}
+        return {"header": base64.b64encode(self.header).decode(), "size": self.size, "seed": self.seed,
+                "noise": self.noise}
 
     @classmethod
     def from_json(cls, data: dict[str, object]) -> VirtualFile:
-        return cls(base64.b64decode(str(data["header"])), int(str(data["size"])), int(str(data["seed"])))
+        return cls(base64.b64decode(str(data["header"])), int(str(data["size"])), int(str(data["seed"])),
+                   bool(data.get("noise", False)))
 
 
-def safetensors_file(tensors: list[tuple[str, tuple[int, ...]]], seed: int, metadata: dict[str, str] | None = None) -> VirtualFile:
+def safetensors_file(tensors: list[tuple[str, tuple[int, ...]]], seed: int, metadata: dict[str, str] | None = None,
+                     noise: bool = False) -> VirtualFile:
     header, data = header_bytes(tensors, metadata)
-    return VirtualFile(header, len(header) + data, seed)
+    return VirtualFile(header, len(header) + data, seed, noise)

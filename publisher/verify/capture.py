@@ -82,6 +82,8 @@ def _from_pipeline(folder: Path, pipeline_class: str, wanted: set[str], work: Pa
     recorded, failure = _record(pipe, metas, wanted)
     out: dict[str, ForwardInputs] = {}
     for name, (kwargs, how) in recorded.items():
+        if _has_meta(kwargs):  # a model whose weights are not on disk (--low-disk) is on the meta device, and the
+            continue           # pipeline moves its inputs there: a text encoder then gets seeded token ids (below)
         out[name] = _saved(kwargs, how, work / f"inputs-{name}.safetensors")
     for name in wanted - set(recorded):
         if name in DENOISERS:
@@ -229,6 +231,18 @@ def _record(pipe: Any, metas: dict[str, Any], wanted: set[str]) -> tuple[dict[st
                                                     "(their weights go Hub to Hub, unread)" if stand_ins else ""))
         return {n: (c, how) for n, c in calls.items() if n in wanted}, None
     return {}, error
+
+
+def _has_meta(v: Any) -> bool:
+    import torch
+
+    if isinstance(v, torch.Tensor):
+        return bool(v.is_meta)
+    if isinstance(v, dict):
+        return any(_has_meta(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return any(_has_meta(x) for x in v)
+    return False
 
 
 def _hook(model: Any, name: str, calls: dict[str, dict[str, Any]], stop: bool) -> Any:

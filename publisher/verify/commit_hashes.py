@@ -48,15 +48,28 @@ def of_file(path: Path, small: int = 10 << 20) -> CommitFile:
     return CommitFile(size, h.hexdigest())
 
 
+def check_uploaded(op: Any, ours: CommitFile, repo_id: str) -> None:
+    """After a pre-upload: the sha256 the uploader computed from the bytes it read (hf_xet while chunking, or
+    huggingface_hub before an LFS upload) must be the one taken here of the verified file; the commit names that
+    digest, so a mismatch is refused before anything is committed."""
+    from publisher.errors import VerificationError
+
+    if getattr(op, "_upload_mode", None) != "lfs":
+        return  # a regular file is committed from its bytes; the Hub's git blob id is checked after the commit
+    got = op.upload_info.sha256.hex()
+    if got != ours.sha256 or op.upload_info.size != ours.size:
+        raise VerificationError(f"{op.path_in_repo}: the uploader read {op.upload_info.size} bytes with sha256 {got} "
+                                f"for {repo_id}, but the verified file has sha256 {ours.sha256} ({ours.size} bytes); "
+                                "nothing was committed")
+
+
 def of_operation(op: Any) -> CommitFile:
-    """The hashes of a ``CommitOperationAdd`` (a local path or bytes); an LFS upload's sha256 is reused."""
+    """The hashes of a ``CommitOperationAdd``'s own bytes (a local path or bytes), taken here: never the sha256 an
+    uploader reported (hf_xet's), which is what these are checked against."""
     source = op.path_or_fileobj
     if isinstance(source, bytes):
         return of_bytes(source)
-    path = Path(source)
-    if op.upload_info.size > (10 << 20):  # never a regular file on the Hub; its sha256 was taken for the upload
-        return CommitFile(op.upload_info.size, op.upload_info.sha256.hex())
-    return of_file(path)
+    return of_file(Path(source))
 
 
 def check_commit(repo_id: str, revision: str, expected: dict[str, CommitFile], token: str | None,

@@ -1,5 +1,5 @@
 """CLI: python -m publisher.testing.hubserver --data DIR --port N [--token NAME=TOKEN ...] [--org ORG=U1,U2 ...]
-[--gated REPO[=U1,U2] ...] [--verbose]
+[--gated REPO[=U1,U2] ...] [--scope TOKEN=ROLE|JSON ...] [--multipart-threshold BYTES] [--verbose]
 
 Runs the loopback Hub in the foreground and prints its base URL on stdout once it is bound (port 0
 picks a free one), so a parent process can read one line and use it as HF_ENDPOINT.
@@ -8,6 +8,7 @@ picks a free one), so a parent process can read one line and use it as HF_ENDPOI
 from __future__ import annotations
 
 import argparse
+import json
 import signal
 import sys
 from typing import Any
@@ -38,13 +39,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="log every request on stderr")
     parser.add_argument("--discard-lfs", action="store_true",
                         help="benchmarks: check every LFS upload's size and sha256, record it, drop its bytes")
+    parser.add_argument("--scope", action="append", default=[], metavar="TOKEN=ROLE|JSON",
+                        help="a token's role: read, or a fine-grained token's JSON permissions (repeatable)")
+    parser.add_argument("--multipart-threshold", type=int, default=None, metavar="BYTES",
+                        help="LFS objects above this size are uploaded in parts (default: never)")
     args = parser.parse_args(argv)
 
     tokens = {token: name for name, token in _pairs(args.token, "--token")}
     orgs = {org: [u for u in users.split(",") if u] for org, users in _pairs(args.org, "--org")}
     gated = {repo: [u for u in users.split(",") if u] for repo, users in _pairs(args.gated, "--gated")}
+    scopes = {token: (value if value in ("read", "write") else json.loads(value))
+              for token, value in _pairs(args.scope, "--scope")}
     server = HubServer(args.data, tokens=tokens, orgs=orgs, port=args.port, gated=gated, verbose=args.verbose,
-                       discard_lfs=args.discard_lfs)
+                       discard_lfs=args.discard_lfs, scopes=scopes, multipart_threshold=args.multipart_threshold)
 
     def _terminate(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt  # unwinds serve_forever so sockets are closed cleanly

@@ -43,7 +43,7 @@ class HubApp(ReadRoutes, WriteRoutes, JobRoutes):
         if (fault := self.faults.take("delay", req.method, req.path)) is not None:
             time.sleep(fault.delay_s)
         if (fault := self.faults.take("status", req.method, req.path)) is not None:
-            raise HubError(fault.status, f"Injected fault: HTTP {fault.status}")
+            raise HubError(fault.status, f"Injected fault: HTTP {fault.status}", headers=fault.headers())
         if head == "_lfs":
             return self.lfs_put(req, parts[1:])
         req.user = self.authenticate(req)
@@ -84,6 +84,8 @@ class HubApp(ReadRoutes, WriteRoutes, JobRoutes):
             return self.preupload(req, repo_type, repo_id, unquote(rest[0]))
         if key == ("POST", "commit") and len(rest) == 1:
             return self.commit(req, repo_type, repo_id, unquote(rest[0]))
+        if m == "GET" and action in ("xet-read-token", "xet-write-token") and len(rest) == 1:
+            return self.xet_token(req, repo_type, repo_id, action.split("-")[1], unquote(rest[0]))
         if action in ("branch", "tag") and m in ("POST", "DELETE") and len(rest) == 1:
             return self.branch_or_tag(req, repo_type, repo_id, action, unquote(rest[0]))
         if key == ("PUT", "settings"):
@@ -131,13 +133,16 @@ class HubApp(ReadRoutes, WriteRoutes, JobRoutes):
 
     def add_virtual(self, body: dict) -> Response:
         """Commit virtual LFS files to an existing repo's main branch: {"repo_id", "files": {path: {"header", "size",
-        "seed", "sha256"}}}. The sha256 is taken as given (a wrong one makes a base whose bytes fail their oid)."""
+        "seed", "sha256"}}, "xet"?: bool}. The sha256 is taken as given (a wrong one makes a base whose bytes fail
+        their oid). With "xet", the bytes are also uploaded into the Xet store (on disk, once), so that downloads take
+        huggingface_hub's Xet path as they do on huggingface.co; without it they are served by HTTP only."""
         from publisher.testing.hubserver.storage import make_entry, validate_path
 
         repo_type, ops = body.get("repo_type", "model"), []
         for path, spec in (body.get("files") or {}).items():
             sha = str(spec.get("sha256", ""))
-            self.store.add_virtual(sha, {k: spec[k] for k in ("header", "size", "seed")})
-            ops.append(("add", validate_path(path), make_entry(sha, int(spec["size"]), True)))
+            self.store.add_virtual(sha, {k: spec[k] for k in ("header", "size", "seed", "noise") if k in spec})
+            xet_hash = self.into_store(sha) if body.get("xet") else None
+            ops.append(("add", validate_path(path), make_entry(sha, int(spec["size"]), True, xet_hash=xet_hash)))
         sha = self.store.apply_commit(repo_type, str(body.get("repo_id")), "main", ops, "Add virtual files", "", "admin")
         return json_response({"commit": sha})

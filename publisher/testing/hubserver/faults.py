@@ -7,10 +7,12 @@ which is how tests drive a server running as a subprocess.
 Spec keys (one fault kind per rule):
     commit_status: int            answer this status on POST .../commit/... (the commit is NOT applied,
                                   unless "apply": true, which simulates a commit whose response was lost)
-    drop_upload_after_bytes: int  on an LFS PUT, read this many body bytes, then close the connection
-                                  without answering (nothing is stored)
+    drop_upload_after_bytes: int  on an LFS PUT (a whole object or one part; optional `match` on its path, e.g.
+                                  "/_lfs/part/"), read this many body bytes, then close the connection without
+                                  answering (nothing is stored)
     status: int + match: str      answer this status on any request whose path contains `match`
-                                  (optional "method": "POST")
+                                  (optional "method": "POST"; optional "ratelimit_reset": seconds, which adds the
+                                  Hub's `RateLimit: "api";r=0;t=N` and `RateLimit-Policy` headers, as on a 429)
     delay_s: float + match: str   sleep before handling matching requests (to kill a server mid-push)
     count: int = 1                how many requests the rule affects
 
@@ -23,6 +25,12 @@ applied where the bytes are written to the socket, after the status line and hea
     drop_body_after_bytes: int    announce the full length, send this many bytes, then cut the connection
     ignore_range: true            answer a Range request with 200 and the whole file
 
+Xet downloads (hf_xet reads the CAS itself; the fault acts on the snapshot a read token hands out, xet.py):
+    xet_flip: true                the file's first xorb is served with one byte flipped (hf_xet does not check chunk
+                                  contents: the download succeeds with one wrong byte)
+    xet_truncate: true            the file's first xorb is served cut in half (the download fails)
+  `match` is tested against the file's resolve path at the revision the read token was asked for.
+
 Why here and not in a separate proxy process: huggingface_hub reads HF_ENDPOINT once, at import, so the in-process
 tests (the `cli` fixture) can only reach a fault through the session's Hub; these rules sit exactly where a proxy
 would act (status and headers untouched, the body bytes changed), reuse the count/match/fired bookkeeping, and
@@ -32,6 +40,7 @@ reach a spawned server through the same admin endpoint.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -40,6 +49,7 @@ from typing import Any
 @dataclass
 class Fault:
     kind: str  # "commit_status" | "drop_upload" | "status" | "delay" | "flip" | "truncate" | "drop_body" | "ignore_range"
+    #            | "xet_flip" | "xet_truncate"
     count: int = 1
     status: int = 503
     drop_after: int = 0
@@ -48,6 +58,13 @@ class Fault:
     method: str = ""
     apply: bool = False
     offset: int = 0  # body faults: the byte to flip, or how many body bytes are sent
+    ratelimit_reset: int | None = None  # status faults: seconds until the rate-limit window resets
+
+    def headers(self) -> dict[str, str]:
+        if self.ratelimit_reset is None:
+            return {}
+        return {"RateLimit": f'"api";r=0;t={self.ratelimit_reset}',
+                "RateLimit-Policy": '"fixed window";"api";q=500;w=300'}
 
 
 @dataclass
@@ -57,6 +74,7 @@ class FaultInjector:
     rules: list[Fault] = field(default_factory=list)
     fired: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _last: dict[str, float] = field(default_factory=dict, repr=False)  # kind -> when it last fired (monotonic)
 
     def add(self, spec: dict[str, Any]) -> Fault:
         count = int(spec.get("count", 1))
@@ -65,9 +83,11 @@ class FaultInjector:
         if spec.get("commit_status") is not None:
             fault = Fault("commit_status", count, status=int(spec["commit_status"]), apply=bool(spec.get("apply")))
         elif spec.get("drop_upload_after_bytes") is not None:
-            fault = Fault("drop_upload", count, drop_after=int(spec["drop_upload_after_bytes"]))
+            fault = Fault("drop_upload", count, drop_after=int(spec["drop_upload_after_bytes"]), match=match)
         elif spec.get("status") is not None and match:
-            fault = Fault("status", count, status=int(spec["status"]), match=match, method=method)
+            reset = spec.get("ratelimit_reset")
+            fault = Fault("status", count, status=int(spec["status"]), match=match, method=method,
+                          ratelimit_reset=None if reset is None else int(reset))
         elif spec.get("delay_s") is not None and match:
             fault = Fault("delay", count, delay_s=float(spec["delay_s"]), match=match, method=method)
         elif spec.get("flip_byte_at") is not None:
@@ -78,10 +98,12 @@ class FaultInjector:
             fault = Fault("drop_body", count, match=match, method="GET", offset=max(0, int(spec["drop_body_after_bytes"])))
         elif spec.get("ignore_range"):
             fault = Fault("ignore_range", count, match=match, method="GET")
+        elif spec.get("xet_flip") or spec.get("xet_truncate"):
+            fault = Fault("xet_flip" if spec.get("xet_flip") else "xet_truncate", count, match=match, method="GET")
         else:
             raise ValueError(f"Unknown fault spec {spec!r}: expected commit_status, drop_upload_after_bytes, "
-                             "status/delay_s with match, flip_byte_at, truncate_body_at, drop_body_after_bytes "
-                             "or ignore_range")
+                             "status/delay_s with match, flip_byte_at, truncate_body_at, drop_body_after_bytes, "
+                             "ignore_range, xet_flip or xet_truncate")
         if fault.count < 1:
             raise ValueError("count must be >= 1")
         with self._lock:
@@ -92,6 +114,7 @@ class FaultInjector:
         with self._lock:
             self.rules.clear()
             self.fired.clear()
+            self._last.clear()
 
     def take(self, kind: str, method: str = "", path: str = "",
              applies: Callable[[Fault], bool] | None = None) -> Fault | None:
@@ -106,8 +129,15 @@ class FaultInjector:
                 if rule.count <= 0:
                     self.rules.remove(rule)
                 self.fired[kind] = self.fired.get(kind, 0) + 1
+                self._last[kind] = time.monotonic()
                 return rule
         return None
+
+    def pending(self, *kinds: str) -> bool:
+        """Whether a rule of one of ``kinds`` is set, or one fired in the last minute."""
+        with self._lock:
+            recent = any(time.monotonic() - self._last.get(k, -1e9) < 60 for k in kinds)
+            return recent or any(r.kind in kinds for r in self.rules)
 
     def take_body(self, path: str, start: int, end: int, size: int) -> Fault | None:
         """The body fault for a GET of file bytes [start, end] (inclusive) of a `size`-byte file, if any.

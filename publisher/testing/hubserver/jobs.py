@@ -260,6 +260,7 @@ class JobRoutes(HubAccess):
         namespace = parts[0]
         if not self.is_member(req.user, namespace):
             raise HubError(403, f"You don't have the rights to run jobs in '{namespace}'")
+        self.require_permission(req, "job.write", namespace)
         if n == 1 and m == "POST":
             return self.create_job(req, namespace)
         if n == 1 and m == "GET":

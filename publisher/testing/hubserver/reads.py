@@ -1,15 +1,24 @@
-"""Read-only endpoints: whoami, repo info, tree, refs, commits, paths-info, resolve (file download)."""
+"""Read-only endpoints: whoami, repo info, tree, refs, commits, paths-info, resolve (file download), Xet tokens.
+
+``resolve/`` answers as huggingface.co does: a regular (git) file directly; an LFS file with 302 to a signed URL on
+the storage bridge, another origin (bridge.py), carrying its metadata (``X-Linked-Etag``, ``X-Linked-Size``) and,
+for a Xet-backed file, ``X-Xet-Hash`` plus the ``Link: <.../xet-read-token/{sha}>; rel="xet-auth"`` through which
+huggingface_hub downloads it with hf_xet instead.
+"""
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import re
+import time
 from collections.abc import Iterable
 from typing import Any
 from urllib.parse import parse_qs
 
 from publisher.testing.hubserver.access import HubAccess
-from publisher.testing.hubserver.storage import HubError
+from publisher.testing.hubserver.faults import FaultInjector
+from publisher.testing.hubserver.storage import HubError, Store
 from publisher.testing.hubserver.wire import Request, Response, json_response
 
 _RANGE_RE = re.compile(r"^bytes=(\d*)-(\d*)$")
@@ -50,6 +59,8 @@ def file_json(path: str, entry: dict) -> dict:
     out: dict[str, Any] = {"type": "file", "path": path, "size": entry["size"], "oid": entry["oid"]}
     if entry["lfs"]:
         out["lfs"] = {"oid": entry["sha256"], "size": entry["size"], "pointerSize": entry["pointerSize"]}
+    if entry.get("xet_hash"):
+        out["xetHash"] = entry["xet_hash"]
     return out
 
 
@@ -100,7 +111,7 @@ class ReadRoutes(HubAccess):
         orgs = [{"type": "org", "name": o, "fullname": o, "roleInOrg": "write"} for o in self.orgs_of(req.user)]
         return json_response({
             "type": "user", "id": req.user, "name": req.user, "fullname": req.user, "orgs": orgs,
-            "auth": {"type": "access_token", "accessToken": {"displayName": "hubserver", "role": "write"}},
+            "auth": {"type": "access_token", "accessToken": self.access_token(req.token)},
         })
 
     def validate_yaml(self, req: Request) -> Response:
@@ -132,7 +143,7 @@ class ReadRoutes(HubAccess):
         return card
 
     def repo_info(self, req: Request, repo_type: str, repo_id: str, rev: str) -> Response:
-        meta = self.readable_repo(repo_type, repo_id, req.user)
+        meta = self.readable_repo(repo_type, repo_id, req)
         commit = self.store.resolve(meta, rev)
         blobs = req.flag("blobs")
         siblings = []
@@ -161,13 +172,13 @@ class ReadRoutes(HubAccess):
         return json_response(info)
 
     def tree(self, req: Request, repo_type: str, repo_id: str, rev: str, path: str) -> Response:
-        meta = self.readable_repo(repo_type, repo_id, req.user)
+        meta = self.readable_repo(repo_type, repo_id, req)
         commit = self.store.resolve(meta, rev)
         # One page only: pagination (Link: rel="next") is optional for the client.
         return json_response(list_tree(commit["tree"], path, req.flag("recursive")))
 
     def paths_info(self, req: Request, repo_type: str, repo_id: str, rev: str) -> Response:
-        meta = self.readable_repo(repo_type, repo_id, req.user)
+        meta = self.readable_repo(repo_type, repo_id, req)
         commit = self.store.resolve(meta, rev)
         if "json" in (req.headers.get("Content-Type") or ""):
             paths = req.json().get("paths", [])
@@ -176,7 +187,7 @@ class ReadRoutes(HubAccess):
         return json_response(paths_info(commit["tree"], [paths] if isinstance(paths, str) else paths))
 
     def refs(self, req: Request, repo_type: str, repo_id: str) -> Response:
-        meta = self.readable_repo(repo_type, repo_id, req.user)
+        meta = self.readable_repo(repo_type, repo_id, req)
         out: dict[str, list] = {"branches": [], "tags": [], "converts": []}
         prs = []
         for ref, sha in sorted(meta["refs"].items()):
@@ -191,7 +202,7 @@ class ReadRoutes(HubAccess):
         return json_response(out)
 
     def commits(self, req: Request, repo_type: str, repo_id: str, rev: str) -> Response:
-        meta = self.readable_repo(repo_type, repo_id, req.user)
+        meta = self.readable_repo(repo_type, repo_id, req)
         out = []
         for c in self.store.history(meta, rev):
             message = c["title"] + (f"\n\n{c['message']}" if c["message"] else "")
@@ -202,44 +213,67 @@ class ReadRoutes(HubAccess):
             out.append(item)
         return json_response(out)
 
+    bridge_url: str = ""  # the storage bridge's origin (set by the server once it is bound)
+
     def resolve(self, req: Request, repo_type: str, repo_id: str, rev: str, path: str) -> Response:
-        meta = self.readable_repo(repo_type, repo_id, req.user)
-        self.check_gate(meta, req.user)
+        meta = self.readable_repo(repo_type, repo_id, req)
+        self.check_gate(meta, req)
         commit = self.store.resolve(meta, rev)
         entry = commit["tree"].get(path)
         if entry is None:
             raise HubError(404, f"Entry not found: {path} at {rev}", "EntryNotFound")
-        size = entry["size"]
         headers = {
-            "Content-Type": "application/octet-stream", "Accept-Ranges": "bytes",
             "X-Repo-Commit": commit["id"],  # required: the client caches snapshots by commit sha
-            # Git blob sha1 for regular files, sha256 for LFS ones, like the Hub. Never X-Xet-Hash.
+            # Git blob sha1 for regular files, sha256 for LFS ones, like the Hub.
             "ETag": f'"{entry["sha256"] if entry["lfs"] else entry["oid"]}"',
         }
-        if entry["lfs"]:
-            headers.update({"X-Linked-Etag": f'"{entry["sha256"]}"', "X-Linked-Size": str(size)})
-        start, end, status = 0, size - 1, 200
-        rng = req.headers.get("Range")
-        if rng and req.method == "GET" and self.faults.take("ignore_range", "GET", req.path):
-            rng = None  # a faulty proxy: the whole file, 200
-        if rng and req.method == "GET":
-            m = _RANGE_RE.match(rng.strip())
-            if m and (m.group(1) or m.group(2)):
-                if m.group(1):
-                    start, end = int(m.group(1)), min(int(m.group(2) or size - 1), size - 1)
-                else:  # suffix range: the last N bytes
-                    start = max(size - int(m.group(2)), 0)
-                if start >= size or start > end:
-                    return Response(416, b"", {"Content-Range": f"bytes */{size}", **headers})
-                status = 206
-                headers["Content-Range"] = f"bytes {start}-{end}/{size}"
-        fault = self.faults.take_body(req.path, start, end, size) if req.method == "GET" else None
-        blob = self.store.blob_path(entry["sha256"])
-        if not blob.is_file():
-            virtual = self.store.virtual(entry["sha256"])
-            if virtual is not None:  # computed as it is sent: a benchmark base that never sits on a disk
-                return Response(status, b"", headers, virtual=virtual.read, file_range=(start, end))
-            if self.store.discarded(entry["sha256"]):
-                raise HubError(410, f"this loopback Hub runs with --discard-lfs: the bytes of {path} were checked "
-                                    "on upload and dropped")
-        return Response(status, b"", headers, file=blob, file_range=(start, end), body_fault=fault)
+        if not entry["lfs"]:
+            return serve_range(req, self.store, self.faults, entry["sha256"], entry["size"], headers, req.path)
+        headers.update({"X-Linked-Etag": f'"{entry["sha256"]}"', "X-Linked-Size": str(entry["size"]),
+                        "Location": self.signed_url(req.path, entry["sha256"])})
+        if entry.get("xet_hash"):
+            token_url = f"{req.base_url}/api/{repo_type}s/{repo_id}/xet-read-token/{commit['id']}"
+            headers.update({"X-Xet-Hash": entry["xet_hash"], "Link": f'<{token_url}>; rel="xet-auth"'})
+        return Response(302, b"", headers)
+
+    def signed_url(self, resolve_path: str, oid: str) -> str:
+        """A storage-bridge URL for one object, valid for an hour; its signature is the only credential it takes. The
+        path repeats the resolve path, so fault rules that match a file's resolve path also match its bridge reads."""
+        where = f"/_bridge{resolve_path}"
+        exp = int(time.time()) + 3600
+        return f"{self.bridge_url}{where}?oid={oid}&exp={exp}&sig={bridge_sig(self.store, where, oid, exp)}"
+
+
+def bridge_sig(store: Store, where: str, oid: str, exp: int) -> str:
+    return hmac.new(store.secret, f"bridge:{where}:{oid}:{exp}".encode(), hashlib.sha256).hexdigest()
+
+
+def serve_range(req: Request, store: Store, faults: FaultInjector, sha256: str, size: int, headers: dict[str, str],
+                fault_path: str) -> Response:
+    """A file's bytes (HEAD, GET, or GET with ``Range``), with the body faults that match ``fault_path``."""
+    headers = {"Content-Type": "application/octet-stream", "Accept-Ranges": "bytes", **headers}
+    start, end, status = 0, size - 1, 200
+    rng = req.headers.get("Range")
+    if rng and req.method == "GET" and faults.take("ignore_range", "GET", fault_path):
+        rng = None  # a faulty proxy: the whole file, 200
+    if rng and req.method == "GET":
+        m = _RANGE_RE.match(rng.strip())
+        if m and (m.group(1) or m.group(2)):
+            if m.group(1):
+                start, end = int(m.group(1)), min(int(m.group(2) or size - 1), size - 1)
+            else:  # suffix range: the last N bytes
+                start = max(size - int(m.group(2)), 0)
+            if start >= size or start > end:
+                return Response(416, b"", {"Content-Range": f"bytes */{size}", **headers})
+            status = 206
+            headers["Content-Range"] = f"bytes {start}-{end}/{size}"
+    fault = faults.take_body(fault_path, start, end, size) if req.method == "GET" else None
+    blob = store.blob_path(sha256)
+    if not blob.is_file():
+        virtual = store.virtual(sha256)
+        if virtual is not None:  # computed as it is sent: a benchmark base that never sits on a disk
+            return Response(status, b"", headers, virtual=virtual.read, file_range=(start, end), body_fault=fault)
+        if store.discarded(sha256):
+            raise HubError(410, f"this loopback Hub runs with --discard-lfs: the bytes of {fault_path} were checked "
+                                "on upload and dropped")
+    return Response(status, b"", headers, file=blob, file_range=(start, end), body_fault=fault)

@@ -7,6 +7,7 @@ so a test can kill it in the middle of a push and restart it on the same data fo
 
 from __future__ import annotations
 
+import json
 import os
 import selectors
 import socket
@@ -24,6 +25,7 @@ from urllib.parse import parse_qs, urlsplit
 
 from publisher.testing.hubserver.access import parse_type_prefixed
 from publisher.testing.hubserver.app import HubApp
+from publisher.testing.hubserver.bridge import BridgeApp
 from publisher.testing.hubserver.jobs import JobRunner
 from publisher.testing.hubserver.storage import HubError, Store
 from publisher.testing.hubserver.wire import Request, Response, error_response
@@ -162,31 +164,42 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         if req.method == "HEAD":
             return
-        if resp.virtual is not None and resp.file_range is not None:
-            for data in resp.virtual(*resp.file_range):  # a virtual file: its bytes are computed as they are sent
-                self.wfile.write(data)
-            return
-        if resp.file is None:
+        if resp.virtual is None and resp.file is None:
             self.wfile.write(resp.body)
             return
-        left, pos = send, start
+        pos = start
+        for data in self._body(resp, start, send):
+            if fault is not None and fault.kind == "flip" and pos <= fault.offset < pos + len(data):
+                changed = bytearray(data)
+                changed[fault.offset - pos] ^= 0xFF
+                data = bytes(changed)
+            self.wfile.write(data)
+            pos += len(data)
+        if fault is not None and fault.kind == "drop_body":
+            self.wfile.flush()
+            self._abort()  # the announced length never arrives
+
+    @staticmethod
+    def _body(resp: Response, start: int, send: int) -> Iterator[bytes]:
+        """``send`` bytes of the file (or of the virtual file, computed as they go) from ``start``."""
+        if resp.virtual is not None:
+            left = send
+            for data in resp.virtual(start, start + send - 1) if send else ():
+                yield data[:left]
+                left -= len(data)
+                if left <= 0:
+                    return
+            return
+        assert resp.file is not None
+        left = send
         with open(resp.file, "rb") as fh:
             fh.seek(start)
             while left > 0:
                 data = fh.read(min(_CHUNK, left))
                 if not data:
-                    break
-                if fault is not None and fault.kind == "flip" and pos <= fault.offset < pos + len(data):
-                    changed = bytearray(data)
-                    changed[fault.offset - pos] ^= 0xFF
-                    data = bytes(changed)
-                self.wfile.write(data)
+                    return
+                yield data
                 left -= len(data)
-                pos += len(data)
-        if fault is not None and fault.kind == "drop_body":
-            self.wfile.flush()
-            self._abort()  # the announced length never arrives
-
 
     def _write_stream(self, resp: Response) -> None:
         """A body of unknown length (server-sent events): chunked, each piece sent as soon as it is made."""
@@ -208,7 +221,7 @@ class _HTTPServer(ThreadingHTTPServer):
     request_queue_size = 64  # the client opens several upload connections at once
     allow_reuse_address = True  # a restarted server can take the same --port right away
 
-    def __init__(self, port: int, app: HubApp, verbose: bool) -> None:
+    def __init__(self, port: int, app: HubApp | BridgeApp, verbose: bool) -> None:
         self.app, self.verbose = app, verbose
         self._conns: set[socket.socket] = set()
         self._conns_lock = threading.Lock()
@@ -237,19 +250,29 @@ class _HTTPServer(ThreadingHTTPServer):
 
 
 class HubServer:
-    """In-process loopback Hub. `with HubServer(tmp, tokens={"tok_alice": "alice"}) as hub: hub.url`."""
+    """In-process loopback Hub. `with HubServer(tmp, tokens={"tok_alice": "alice"}) as hub: hub.url`.
+
+    ``scopes``: token -> "read", or a fine-grained token's ``fineGrained`` object (access.py); other tokens write.
+    ``multipart_threshold``: LFS objects above this many bytes are uploaded in parts of ``multipart_chunk`` bytes
+    (None: never). LFS files are served through a second origin, the storage bridge (``bridge_url``)."""
 
     def __init__(self, data_dir: str | os.PathLike[str], tokens: Mapping[str, str] | None = None,
                  orgs: Mapping[str, Any] | None = None, *, port: int = 0,
                  gated: Mapping[str, Any] | None = None, verbose: bool = False, job_python: str | None = None,
-                 discard_lfs: bool = False) -> None:
+                 discard_lfs: bool = False, scopes: Mapping[str, Any] | None = None,
+                 multipart_threshold: int | None = None, multipart_chunk: int | None = None) -> None:
         self.data_dir = Path(data_dir)
         self.store = Store(self.data_dir, discard_lfs)
-        self.app = HubApp(self.store, tokens, orgs, gated)
+        self.app = HubApp(self.store, tokens, orgs, gated, scopes)
         self.app.runner = JobRunner(self.data_dir / "_jobs", job_python)
+        self.app.multipart_threshold = multipart_threshold
+        if multipart_chunk is not None:
+            self.app.multipart_chunk = multipart_chunk
+        self.bridge_app = BridgeApp(self.store, self.app.faults, self.app.seen)
         self.port, self.verbose = port, verbose
         self._httpd: _HTTPServer | None = None
-        self._thread: threading.Thread | None = None
+        self._bridge: _HTTPServer | None = None
+        self._threads: list[threading.Thread] = []
 
     @property
     def url(self) -> str:
@@ -257,40 +280,59 @@ class HubServer:
             raise RuntimeError("HubServer is not started")
         return self._httpd.url
 
+    @property
+    def bridge_url(self) -> str:
+        if self._bridge is None:
+            raise RuntimeError("HubServer is not started")
+        return self._bridge.url
+
     def bind(self) -> str:
         if self._httpd is None:
+            self._bridge = _HTTPServer(0, self.bridge_app, self.verbose)
             self._httpd = _HTTPServer(self.port, self.app, self.verbose)
+            self.app.bridge_url = self._bridge.url
         return self._httpd.url
 
+    def _serve_in_thread(self, httpd: _HTTPServer, name: str) -> None:
+        thread = threading.Thread(target=httpd.serve_forever, kwargs={"poll_interval": 0.1}, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
     def start(self) -> str:
-        """Serve in a daemon thread; returns the base URL (use it as HF_ENDPOINT)."""
+        """Serve in daemon threads; returns the base URL (use it as HF_ENDPOINT)."""
         self.bind()
-        assert self._httpd is not None
-        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.1},
-                                        name="hubserver", daemon=True)
-        self._thread.start()
+        assert self._httpd is not None and self._bridge is not None
+        self._serve_in_thread(self._bridge, "hubserver-bridge")
+        self._serve_in_thread(self._httpd, "hubserver")
         return self.url
 
     def serve_forever(self) -> None:
         """Serve in the calling thread (the CLI); returns after stop() or KeyboardInterrupt."""
         self.bind()
-        assert self._httpd is not None
+        assert self._httpd is not None and self._bridge is not None
+        self._serve_in_thread(self._bridge, "hubserver-bridge")
         try:
             self._httpd.serve_forever(poll_interval=0.2)
         finally:
-            self._httpd.close_all()
-            self._httpd.server_close()
+            for httpd in (self._bridge, self._httpd):
+                if httpd is self._bridge:
+                    httpd.shutdown()
+                httpd.close_all()
+                httpd.server_close()
 
     def stop(self) -> None:
         self.app.runner.stop_all()
-        if self._httpd is None:
-            return
-        if self._thread is not None:
-            self._httpd.shutdown()
-            self._thread.join(timeout=10)
-            self._httpd.close_all()
-            self._httpd.server_close()
-        self._httpd = self._thread = None
+        for httpd in (self._httpd, self._bridge):
+            if httpd is None:
+                continue
+            if self._threads:
+                httpd.shutdown()
+            httpd.close_all()
+            httpd.server_close()
+        for thread in self._threads:
+            thread.join(timeout=10)
+        self._httpd = self._bridge = None
+        self._threads = []
 
     def __enter__(self) -> HubServer:
         self.start()
@@ -316,8 +358,11 @@ class HubServer:
         """Gate an existing repo; only its namespace members and `granted_users` may download files."""
         self.app.set_gated(repo_type, repo_id, mode, list(granted_users))
 
-    def add_token(self, token: str, user: str) -> None:
+    def add_token(self, token: str, user: str, scope: Any = None) -> None:
+        """Accept ``token`` as ``user``; ``scope``: "read" or a fine-grained object (None: a write token)."""
         self.app.tokens[token] = user
+        if scope is not None:
+            self.app.scopes[token] = scope
 
     @property
     def jobs(self) -> JobRunner:
@@ -344,7 +389,8 @@ def spawn_server(data_dir: str | os.PathLike[str], tokens: Mapping[str, str] | N
                  orgs: Mapping[str, Any] | None = None, *, port: int = 0,
                  gated: Mapping[str, Any] | None = None, timeout: float = 30.0,
                  env: Mapping[str, str] | None = None, verbose: bool = False,
-                 discard_lfs: bool = False) -> tuple[str, subprocess.Popen]:
+                 discard_lfs: bool = False, scopes: Mapping[str, Any] | None = None,
+                 multipart_threshold: int | None = None) -> tuple[str, subprocess.Popen]:
     """Start `python -m publisher.testing.hubserver` and wait until it answers. Returns (url, process).
 
     Stop it with proc.terminate()/proc.kill(), then proc.wait(). `tokens` maps token -> user, as in HubServer.
@@ -361,6 +407,10 @@ def spawn_server(data_dir: str | os.PathLike[str], tokens: Mapping[str, str] | N
         cmd.append("--verbose")
     if discard_lfs:
         cmd.append("--discard-lfs")
+    for token, scope in (scopes or {}).items():
+        cmd += ["--scope", f"{token}={json.dumps(scope)}"]
+    if multipart_threshold is not None:
+        cmd += ["--multipart-threshold", str(multipart_threshold)]
     project_root = str(Path(__file__).resolve().parents[2])  # so `-m publisher...` imports from any cwd
     full_env = {**os.environ, **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (project_root, full_env.get("PYTHONPATH")) if p)

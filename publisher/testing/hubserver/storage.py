@@ -48,9 +48,11 @@ _DEFAULT_GITATTRIBUTES = (
 class HubError(Exception):
     """An error that maps 1:1 onto an HTTP answer (status, X-Error-Code, X-Error-Message, JSON body)."""
 
-    def __init__(self, status: int, message: str, code: str | None = None, extra: dict | None = None) -> None:
+    def __init__(self, status: int, message: str, code: str | None = None, extra: dict | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.code, self.extra = status, message, code, extra or {}
+        self.headers = headers or {}
 
 
 def now_iso() -> str:
@@ -66,11 +68,13 @@ def lfs_pointer(sha256: str, size: int) -> bytes:
     return f"version https://git-lfs.github.com/spec/v1\noid sha256:{sha256}\nsize {size}\n".encode()
 
 
-def make_entry(sha256: str, size: int, lfs: bool, data: bytes | None = None) -> dict[str, Any]:
-    """A tree entry. For LFS files git stores the pointer, so the git oid is the pointer's blob sha1."""
+def make_entry(sha256: str, size: int, lfs: bool, data: bytes | None = None, xet_hash: str | None = None) -> dict[str, Any]:
+    """A tree entry. For LFS files git stores the pointer, so the git oid is the pointer's blob sha1; ``xet_hash``:
+    the file's hash in the Xet store (None: its bytes are not there, e.g. dropped by ``discard_lfs``)."""
     if lfs:
         pointer = lfs_pointer(sha256, size)
-        return {"sha256": sha256, "size": size, "lfs": True, "oid": git_blob_sha1(pointer), "pointerSize": len(pointer)}
+        return {"sha256": sha256, "size": size, "lfs": True, "oid": git_blob_sha1(pointer), "pointerSize": len(pointer),
+                "xet_hash": xet_hash}
     assert data is not None
     return {"sha256": sha256, "size": size, "lfs": False, "oid": git_blob_sha1(data)}
 

@@ -22,6 +22,7 @@ class Request:
     read_body: Callable[[], bytes]
     iter_body: Callable[[], Iterator[bytes]]
     user: str | None = None
+    token: str | None = None
 
     def q(self, name: str, default: str | None = None) -> str | None:
         values = self.query.get(name)
@@ -58,7 +59,7 @@ def json_response(obj: Any, status: int = 200, headers: dict[str, str] | None = 
 def error_response(err: HubError) -> Response:
     # The message must fit in one latin-1 header line; the JSON body carries it too (the client shows both).
     msg = err.message.replace("\n", " ").encode("latin-1", "replace").decode("latin-1")
-    headers = {"X-Error-Message": msg}
+    headers = {"X-Error-Message": msg, **err.headers}
     if err.code:
         headers["X-Error-Code"] = err.code
     return json_response({"error": err.message, **err.extra}, err.status, headers)

@@ -4,21 +4,20 @@ from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
-import hmac
 import json
-import os
 import re
+import secrets
+import time
 
-from publisher.testing.hubserver.access import HubAccess
+from publisher.testing.hubserver.lfs import LfsRoutes
 from publisher.testing.hubserver.storage import HubError, make_entry, validate_path, validate_repo_id
 from publisher.testing.hubserver.wire import Request, Response, json_response
+from publisher.testing.hubserver.xet import READ_TOKEN_S, cas_url
 
 LFS_THRESHOLD = 10 * 1024 * 1024
 LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".onnx", ".msgpack", ".h5", ".model",
                 ".zip", ".tar", ".gz", ".png", ".jpg")
 _BRANCH_RE = re.compile(r"^(?!refs/)(?!.*\.\.)[A-Za-z0-9._/-]{1,200}$")
-_LFS_JSON = {"Content-Type": "application/vnd.git-lfs+json"}
 
 
 def upload_mode(path: str, size: int, sample: bytes) -> str:
@@ -27,7 +26,7 @@ def upload_mode(path: str, size: int, sample: bytes) -> str:
     return "regular"
 
 
-class WriteRoutes(HubAccess):
+class WriteRoutes(LfsRoutes):
     # ---- repos -------------------------------------------------------------------------------
     def create_repo(self, req: Request) -> Response:
         body = req.json()
@@ -37,7 +36,7 @@ class WriteRoutes(HubAccess):
         repo_id = f"{body.get('organization') or req.user}/{body.get('name')}"
         validate_repo_id(repo_id)
         url = self.repo_url(req, repo_type, repo_id)
-        self.require_writer(req.user, repo_id.split("/")[0], f"create a repo under '{repo_id.split('/')[0]}'")
+        self.require_writer(req, repo_id.split("/")[0], f"create a repo under '{repo_id.split('/')[0]}'")
         private = body.get("visibility") == "private" or bool(body.get("private"))
         try:
             self.store.create_repo(repo_type, repo_id, private, req.user)
@@ -54,14 +53,14 @@ class WriteRoutes(HubAccess):
         body = req.json()
         repo_type = body.get("type") or "model"
         repo_id = f"{body.get('organization') or req.user}/{body.get('name')}"
-        self.readable_repo(repo_type, repo_id, req.user)
-        self.require_writer(req.user, repo_id.split("/")[0], f"delete {repo_id}")
+        self.readable_repo(repo_type, repo_id, req)
+        self.require_writer(req, repo_id.split("/")[0], f"delete {repo_id}", repo_id)
         self.store.delete_repo(repo_type, repo_id)
         return json_response({})
 
     def settings(self, req: Request, repo_type: str, repo_id: str) -> Response:
-        self.readable_repo(repo_type, repo_id, req.user)
-        self.require_writer(req.user, repo_id.split("/")[0], f"change the settings of {repo_id}")
+        self.readable_repo(repo_type, repo_id, req)
+        self.require_writer(req, repo_id.split("/")[0], f"change the settings of {repo_id}", repo_id)
         body, changes = req.json(), {}
         if "private" in body:
             changes["private"] = bool(body["private"])
@@ -74,19 +73,55 @@ class WriteRoutes(HubAccess):
 
     # ---- commit access -----------------------------------------------------------------------
     def require_commit_access(self, req: Request, meta: dict, rev: str, create_pr: bool) -> None:
-        """Members write anywhere; other authenticated readers may open PRs and push to their own PRs."""
-        ns = meta["id"].split("/")[0]
-        if self.is_member(req.user, ns) or (req.user is not None and create_pr):
+        """Members write anywhere; other authenticated readers may open PRs and push to their own PRs. Either way the
+        token needs ``repo.write`` on the repo or its namespace (a fine-grained token opening a PR on someone else's
+        repo: ``discussion.write``)."""
+        ns, repo_id = meta["id"].split("/")[0], meta["id"]
+        if self.is_member(req.user, ns):
+            self.require_writer(req, ns, f"commit to {repo_id}", repo_id)
             return
-        pr = re.fullmatch(r"refs/pr/(\d+)", rev)
-        if pr and req.user is not None:
-            nums = [d for d in meta["discussions"] if d["num"] == int(pr.group(1))]
-            if nums and nums[0]["author"] == req.user:
+        if req.user is not None:
+            pr = re.fullmatch(r"refs/pr/(\d+)", rev)
+            own_pr = pr is not None and any(d["num"] == int(pr.group(1)) and d["author"] == req.user
+                                            for d in meta["discussions"])
+            if create_pr or own_pr:
+                if not (self.granted(req, "repo.write", repo_id) or self.granted(req, "discussion.write", repo_id)):
+                    self.require_permission(req, "discussion.write", repo_id)
                 return
-        self.require_writer(req.user, ns, f"commit to {meta['id']}")
+        self.require_writer(req, ns, f"commit to {repo_id}", repo_id)
+
+    def xet_token(self, req: Request, repo_type: str, repo_id: str, kind: str, rev: str) -> Response:
+        """``xet-write-token`` / ``xet-read-token``: a CAS folder for this token alone (xet.py says why), as the JSON
+        and the headers through which huggingface_hub and hf_xet connect. Writing needs commit access to ``rev`` (a PR's
+        upload asks ``.../xet-write-token/None?create_pr=1``); reading gets a snapshot of the store, with the Xet body
+        faults (``xet_flip`` / ``xet_truncate``) that match a file of that revision applied to its copy."""
+        meta = self.readable_repo(repo_type, repo_id, req)
+        if kind == "write":
+            create_pr = req.flag("create_pr") or rev == "None"
+            self.require_commit_access(req, meta, "main" if rev == "None" else rev, create_pr)
+            folder = self.xet.new_incoming()
+        else:
+            self.check_gate(meta, req)
+            tree = self.store.resolve(meta, rev)["tree"]
+            paths = {e["xet_hash"]: f"/{repo_id}/resolve/{rev}/{p}" for p, e in tree.items() if e.get("xet_hash")}
+
+            def corrupt(xet_hash: str) -> str | None:
+                for how in ("flip", "truncate"):
+                    if self.faults.take(f"xet_{how}", "GET", paths.get(xet_hash, "")) is not None:
+                        return how
+                return None
+
+            folder = self.xet.snapshot(paths, corrupt)
+        # While Xet faults are set, a read token is already inside huggingface_hub's 60 s safety margin, so the
+        # client asks for a new one (a new snapshot) for each download: a fault with count=1 damages one download.
+        lifetime = 60 if self.faults.pending("xet_flip", "xet_truncate") else READ_TOKEN_S
+        exp = int(time.time()) + lifetime
+        token = secrets.token_hex(16)
+        return json_response({"accessToken": token, "exp": exp, "casUrl": cas_url(folder)}, headers={
+            "X-Xet-Cas-Url": cas_url(folder), "X-Xet-Access-Token": token, "X-Xet-Token-Expiration": str(exp)})
 
     def preupload(self, req: Request, repo_type: str, repo_id: str, rev: str) -> Response:
-        meta = self.readable_repo(repo_type, repo_id, req.user)
+        meta = self.readable_repo(repo_type, repo_id, req)
         create_pr = req.flag("create_pr")
         self.require_commit_access(req, meta, rev, create_pr)
         tree = self.store.resolve(meta, rev)["tree"]
@@ -104,73 +139,13 @@ class WriteRoutes(HubAccess):
             out.append({"path": f["path"], "uploadMode": mode, "shouldIgnore": False, "oid": oid})
         return json_response({"files": out})
 
-    # ---- LFS ---------------------------------------------------------------------------------
-    def _lfs_sig(self, oid: str, size: int) -> str:
-        return hmac.new(self.store.secret, f"{oid}:{size}".encode(), hashlib.sha256).hexdigest()
-
-    def lfs_batch(self, req: Request, repo_type: str, repo_id: str) -> Response:
-        self.readable_repo(repo_type, repo_id, req.user)
-        if req.user is None:
-            raise HubError(401, "You must be authenticated to upload LFS objects (no token sent)")
-        body = req.json()
-        if body.get("operation") != "upload":
-            raise HubError(400, "Only the 'upload' LFS operation is supported; download through resolve/")
-        objects = []
-        for obj in body.get("objects", []):
-            oid, size = str(obj.get("oid", "")), obj.get("size")
-            if not re.fullmatch(r"[0-9a-f]{64}", oid) or not isinstance(size, int) or size < 0:
-                objects.append({"oid": oid, "size": size, "error": {"code": 422, "message": "Invalid oid or size"}})
-            elif self.store.has_blob(oid, size):
-                objects.append({"oid": oid, "size": size})  # no "actions": the client skips the upload
-            else:
-                # The client PUTs without Authorization (it expects a presigned URL): sign oid+size instead.
-                href = f"{req.base_url}/_lfs/upload/{oid}?size={size}&sig={self._lfs_sig(oid, size)}"
-                objects.append({"oid": oid, "size": size, "authenticated": True,
-                                "actions": {"upload": {"href": href, "expires_in": 86400}}})
-        return json_response({"transfer": "basic", "objects": objects, "hash_algo": "sha256"}, headers=_LFS_JSON)
-
-    def lfs_put(self, req: Request, parts: list[str]) -> Response:
-        if req.method != "PUT" or len(parts) != 2 or parts[0] != "upload":
-            raise HubError(404, f"Not found: {req.path}")
-        oid, size_s, sig = parts[1], req.q("size") or "", req.q("sig") or ""
-        if not size_s.isdigit() or not hmac.compare_digest(sig, self._lfs_sig(oid, int(size_s))):
-            raise HubError(403, "Invalid or missing signature on the LFS upload URL")
-        size = int(size_s)
-        fault = self.faults.take("drop_upload", "PUT", req.path)
-        fd, tmp = self.store.new_tmp()
-        adopted, received, digest = False, 0, hashlib.sha256()
-        try:
-            # Stream to a temp file and only rename into the blob store once size and sha256 match:
-            # a dropped connection or a bad body can never leave a stored blob behind.
-            with os.fdopen(fd, "wb") as fh:
-                for chunk in req.iter_body():
-                    if fault is not None and received + len(chunk) >= fault.drop_after:
-                        return Response(drop=True)
-                    received += len(chunk)
-                    if received > size:
-                        raise HubError(400, f"LFS upload for {oid} is larger than the announced {size} bytes")
-                    digest.update(chunk)
-                    if not self.store.discard_lfs:
-                        fh.write(chunk)
-            if fault is not None:
-                return Response(drop=True)
-            if received != size or digest.hexdigest() != oid:
-                raise HubError(400, f"LFS upload does not match: got {received} bytes with sha256 "
-                                    f"{digest.hexdigest()}, expected {size} bytes with sha256 {oid}")
-            self.store.adopt_upload(tmp, oid, size)
-            adopted = True
-            return Response(200)
-        finally:
-            if not adopted:
-                os.unlink(tmp)
-
     # ---- commit ------------------------------------------------------------------------------
     def commit(self, req: Request, repo_type: str, repo_id: str, rev: str) -> Response:
         fault = self.faults.take("commit_status", "POST", req.path)
         if fault is not None and not fault.apply:
             req.read_body()
             raise HubError(fault.status, f"Injected fault: commit answered HTTP {fault.status}")
-        meta = self.readable_repo(repo_type, repo_id, req.user)
+        meta = self.readable_repo(repo_type, repo_id, req)
         create_pr = req.flag("create_pr")
         self.require_commit_access(req, meta, rev, create_pr)
         try:
@@ -194,13 +169,8 @@ class WriteRoutes(HubAccess):
                     raise HubError(400, f"{path} is larger than 10 MiB: upload it through LFS")
                 ops.append(("add", path, make_entry(self.store.put_bytes(data), len(data), False, data)))
             elif key == "lfsFile":
-                oid = str(value.get("oid", ""))
-                size = self.store.blob_size(oid)
-                if size is None:
-                    raise HubError(422, f"LFS object {oid} for {path} was never uploaded")
-                if value.get("size") is not None and int(value["size"]) != size:
-                    raise HubError(422, f"LFS object {oid} for {path} has {size} bytes, not {value['size']}")
-                ops.append(("add", path, make_entry(oid, size, True)))
+                size = value.get("size")
+                ops.append(("add", path, self.lfs_entry(str(value.get("oid", "")), None if size is None else int(size), path)))
             elif key in ("deletedFile", "deletedFolder"):
                 ops.append(("delete_file" if key == "deletedFile" else "delete_folder", path))
             else:
@@ -227,8 +197,8 @@ class WriteRoutes(HubAccess):
 
     # ---- refs --------------------------------------------------------------------------------
     def branch_or_tag(self, req: Request, repo_type: str, repo_id: str, kind: str, name: str) -> Response:
-        meta = self.readable_repo(repo_type, repo_id, req.user)
-        self.require_writer(req.user, meta["id"].split("/")[0], f"create or delete a {kind} in {repo_id}")
+        meta = self.readable_repo(repo_type, repo_id, req)
+        self.require_writer(req, meta["id"].split("/")[0], f"create or delete a {kind} in {repo_id}", repo_id)
         if req.method == "DELETE":
             self.store.delete_ref(repo_type, repo_id, f"refs/{'heads' if kind == 'branch' else 'tags'}/{name}")
             return json_response({})
@@ -253,7 +223,7 @@ class WriteRoutes(HubAccess):
         return out
 
     def discussions(self, req: Request, repo_type: str, repo_id: str, rest: list[str]) -> Response:
-        meta = self.readable_repo(repo_type, repo_id, req.user)
+        meta = self.readable_repo(repo_type, repo_id, req)
         if not rest and req.method == "GET":
             kind, status, author = req.q("type"), req.q("status"), req.q("author")
             items = [self.discussion_json(meta, d) for d in reversed(meta["discussions"])
@@ -279,7 +249,7 @@ class WriteRoutes(HubAccess):
             return json_response(self.discussion_json(meta, d, details=True))
         if rest[1:] == ["status"] and req.method == "POST":
             if req.user != d["author"]:
-                self.require_writer(req.user, repo_id.split("/")[0], f"change the status of #{num}")
+                self.require_writer(req, repo_id.split("/")[0], f"change the status of #{num}", repo_id)
             new = str(req.json().get("status", ""))
             if new not in ("open", "closed"):
                 raise HubError(400, "status must be 'open' or 'closed'")
@@ -288,6 +258,6 @@ class WriteRoutes(HubAccess):
                                                 "createdAt": d["createdAt"], "author": {"name": req.user},
                                                 "data": {"status": new}}})
         if rest[1:] == ["merge"] and req.method == "POST":
-            self.require_writer(req.user, repo_id.split("/")[0], f"merge #{num}")
+            self.require_writer(req, repo_id.split("/")[0], f"merge #{num}", repo_id)
             return json_response({"commitOid": self.store.merge_pr(repo_type, repo_id, num, req.user or "")})
         raise HubError(404, f"Unknown discussion route {req.method} {'/'.join(rest)}")
