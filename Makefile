@@ -1,5 +1,6 @@
 # One command each: `make demo` (offline demo) and `make test` (lint, types, the test suite). Both set up .venv.
-# `make test-fast`: the gates and the unit tier (no end-to-end publish).
+# `make test-fast`: the gates and the unit tier (no end-to-end publish). `make demo-serve`: the demo, then its local
+# Hub keeps serving (until Ctrl-C) with the environment lines that run the card's snippets against it.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -21,7 +22,7 @@ TORCH_SPEC := torch==$(TORCH_VERSION)+$(TORCH_BUILD)
 TORCH_INDEX := https://download.pytorch.org/whl/$(TORCH_BUILD)
 endif
 
-.PHONY: setup demo lint test test-fast bench clean
+.PHONY: setup demo demo-serve lint test test-fast bench clean
 
 setup: $(VENV)/.installed
 
@@ -40,6 +41,9 @@ $(VENV)/.installed: pyproject.toml
 
 demo: setup
 	$(BIN)/python -m publisher.testing.demo
+
+demo-serve: setup
+	$(BIN)/python -m publisher.testing.demo --serve
 
 # The gates: ruff (pyflakes, import order, likely bugs) and mypy on the package, ruff on the rest.
 lint: setup
