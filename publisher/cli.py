@@ -6,7 +6,6 @@ subcommands. Heavy libraries are imported inside the stages so `--help` is insta
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -17,7 +16,7 @@ from urllib.parse import urlparse
 
 import click
 
-from publisher import __version__
+from publisher import __version__, clijson
 from publisher import recipes as recipe_registry
 
 if TYPE_CHECKING:  # types only: the job and its stages are imported when a command runs
@@ -68,9 +67,10 @@ def _start(debug: bool, quiet: bool) -> None:
     _prefer_lfs_for_local_hub()
 
 
-class _DefaultToPublish(click.Group):
+class _DefaultToPublish(clijson.JsonErrors, click.Group):
     """`hf-ao-publish MODEL ...` means `hf-ao-publish publish MODEL ...`; the group's own options
-    (--help, --version) and its subcommands keep their meaning."""
+    (--help, --version) and its subcommands keep their meaning. With --json every error, a usage error included,
+    also leaves its JSON object on stdout (publisher.clijson)."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         own = {opt for param in self.get_params(ctx) for opt in (*param.opts, *param.secondary_opts)}
@@ -154,7 +154,7 @@ def recipes_cmd(as_json: bool) -> None:
 
     flavors, source = hardware.available()
     if as_json:
-        click.echo(json.dumps([r.to_dict(flavors) for r in recipe_registry.all_recipes()], indent=2))
+        clijson.emit([r.to_dict(flavors) for r in recipe_registry.all_recipes()])
     else:
         click.echo(recipes_text(flavors=flavors, source=source))
 
@@ -176,6 +176,9 @@ def recipes_cmd(as_json: bool) -> None:
 @click.option("--create-pr", is_flag=True, help="Open (or update) a pull request on the target instead of committing to main.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow bases that need remote code (review it first).")
 @click.option("--keep-going", is_flag=True, help="With several recipes, publish those that succeed even if one fails.")
+@click.option("--force", is_flag=True,
+              help="Publish even when the target is up to date (same base sha, recipe, options, card options and "
+                   "versions): quantize, verify, write the card and commit whatever differs from the target.")
 @verify_env_option
 @compat_option
 @click.option("--sample-prompt", default=None, help="Prompt used in the card's usage snippet.")
@@ -209,7 +212,7 @@ def recipes_cmd(as_json: bool) -> None:
 @quiet_option
 def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | None, exclude: tuple[str, ...], repo_id: str | None,
                 revision: str | None, private: bool, token: str | None, output_dir: Path | None, no_push: bool,
-                create_pr: bool, trust_remote_code: bool, keep_going: bool, verify_envs: tuple[str, ...],
+                create_pr: bool, trust_remote_code: bool, keep_going: bool, force: bool, verify_envs: tuple[str, ...],
                 compat: tuple[str, ...], sample_prompt: str | None, sample_steps: int, sample_size: int,
                 allow_unquantized: bool, benchmark: bool, engine: Engine, low_disk: bool | None,
                 max_shard_size: str | None, recheck_published: bool, verify_mode: Mode, on_hf_jobs: str | None,
@@ -282,15 +285,16 @@ def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | 
         allow_unquantized=allow_unquantized,
         max_shard_size=max_shard_size,
         recheck_published=recheck_published,
+        force=force,
         command=_command_line(ctx),
     )
     if on_hf_jobs is not None:
         from publisher.hfjobs import remote
 
         jobs = remote.JobsRequest(req, on_hf_jobs, hf_jobs_timeout, tuple(_command_args(ctx, _NOT_FOR_JOBS)))
-        _report(_run_failed_json(as_json, debug, remote.publish, jobs), as_json, keep_going)
+        _report(_run_failed_json(as_json, debug, remote.publish, jobs), as_json, keep_going, force)
         return
-    _report(_run_failed_json(as_json, debug, run, req), as_json, keep_going)
+    _report(_run_failed_json(as_json, debug, run, req), as_json, keep_going, force)
 
 
 def _run_failed_json(as_json: bool, debug: bool, fn: Any, *args: Any) -> Any:
@@ -302,7 +306,7 @@ def _run_failed_json(as_json: bool, debug: bool, fn: Any, *args: Any) -> Any:
 
         stopped = failure.__context__  # the library error the failure was mapped from
         if as_json and isinstance(stopped, RunFailed) and stopped.results:
-            _print_json(stopped.results)  # what each recipe had come to, for machines
+            _print_json(stopped.results, failure)  # what each recipe had come to, for machines
         raise
 
 
@@ -359,12 +363,13 @@ def verify_cmd(target: str, revision: str | None, token: str | None, verify_envs
     with tempfile.TemporaryDirectory(prefix="hf-ao-verify-") as work:
         report = _run_mapped(debug, verify_target, target, Path(work), envs=verify_envs, compat=compat, token=token,
                              revision=revision, requantize=not no_requantize)
+    failure = None if report.passed else _Failure(f"verification of {target} failed: {report.summary()}", 1)
     if as_json:
-        click.echo(json.dumps(report.to_dict(), indent=2))
+        clijson.emit({**report.to_dict(), **({"error": failure.message, "exit_code": 1} if failure else {})})
     else:
         click.echo(text_table(report))
-    if not report.passed:
-        raise _Failure(f"verification of {target} failed: {report.summary()}", 1)
+    if failure:
+        raise failure
     measured = f"; other environments: {report.compat_counts()}" if report.compat else ""
     click.echo(f"{target}: all {len(report.results)} load checks passed{measured}", err=True)
 
@@ -382,7 +387,7 @@ def _command_line(ctx: click.Context) -> str:
     """The command that made the repo, rebuilt from the parsed options (defaults left out) for the
     card: reproducible, and the token (or any secret) is never part of it. Values read from an environment
     variable (HF_AO_PUBLISH_COMPAT) were not typed, so they are left out too."""
-    skip = {"token", "debug", "quiet", "as_json", "output_dir", "hf_jobs_timeout", "attach"}
+    skip = {"token", "debug", "quiet", "as_json", "output_dir", "hf_jobs_timeout", "attach", "force"}
     return shlex.join(["hf-ao-publish", *_command_args(ctx, skip)])
 
 
@@ -413,22 +418,30 @@ def _command_args(ctx: click.Context, skip: set[str]) -> list[str]:
     return parts
 
 
-def _print_json(outcomes: list[Any]) -> None:
+def _print_json(outcomes: list[Any], failure: _Failure | None = None) -> None:
+    """The --json result; a failed run's also carries the error line and the exit code (the one recipe's own error,
+    when it has one)."""
     payload = outcomes[0].to_json() if len(outcomes) == 1 else {
         "results": [o.to_json() for o in outcomes], "verified": all(o.verified for o in outcomes),
     }
-    click.echo(json.dumps(payload, indent=2))
+    if failure is not None:
+        payload["error"] = payload.get("error") or failure.message
+        payload["exit_code"] = failure.exit_code
+    clijson.emit(payload)
 
 
-def _report(outcomes: list[Any], as_json: bool, keep_going: bool) -> None:
+def _report(outcomes: list[Any], as_json: bool, keep_going: bool, force: bool = False) -> None:
     failed = [o for o in outcomes if o.error]
+    failure = _Failure(f"{len(failed)} of {len(outcomes)} recipes failed", 1) if failed else None
     if as_json:
-        _print_json(outcomes)
+        _print_json(outcomes, failure)
     for o in outcomes:
         if o.error:
             click.echo(f"{o.recipe}: FAILED: {o.error}", err=True)
         elif o.up_to_date:
-            click.echo(f"{o.repo_id} is up to date: {o.url} (commit {o.commit})", err=True)
+            why = ("--force: every file is the same as published" if force else
+                   "same base sha, recipe, options, card options and versions; --force publishes it again")
+            click.echo(f"{o.repo_id} is up to date: {o.url} (commit {o.commit}); nothing was published ({why})", err=True)
         elif o.pushed:
             where = o.pr_url or o.url
             click.echo(f"published {o.repo_id}: {where} (commit {o.commit})", err=True)
@@ -436,8 +449,8 @@ def _report(outcomes: list[Any], as_json: bool, keep_going: bool) -> None:
             click.echo(f"{o.recipe}: verified repo folder at {o.folder} (card: {o.folder}/README.md); not pushed", err=True)
         if not as_json and not o.error:
             click.echo(o.pr_url or o.url or str(o.folder))
-    if failed:
-        raise _Failure(f"{len(failed)} of {len(outcomes)} recipes failed", 1)
+    if failure is not None:
+        raise failure
 
 
 if __name__ == "__main__":

@@ -528,6 +528,12 @@ def test_publish_benchmark(fake_run: list[PublishRequest]) -> None:
     assert result.exit_code == 2 and "--low-disk does not download" in result.stderr
 
 
+def test_publish_force(fake_run: list[PublishRequest]) -> None:
+    assert publish().exit_code == 0 and fake_run[-1].force is False
+    assert publish("--force").exit_code == 0 and fake_run[-1].force is True
+    assert "--force" not in fake_run[-1].command  # the card's command line: --force changes no published byte
+
+
 def test_publish_engine(fake_run: list[PublishRequest]) -> None:
     assert publish().exit_code == 0 and fake_run[-1].engine == "auto"
     assert publish("--engine", "library").exit_code == 0 and fake_run[-1].engine == "library"
