@@ -6,6 +6,7 @@ subcommands. Heavy libraries are imported inside the stages so `--help` is insta
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shlex
@@ -16,8 +17,9 @@ from urllib.parse import urlparse
 
 import click
 
-from publisher import __version__, clijson
+from publisher import __version__, clijson, compat
 from publisher import recipes as recipe_registry
+from publisher.compat import matrix_plan
 
 if TYPE_CHECKING:  # types only: the job and its stages are imported when a command runs
     from collections.abc import Sequence
@@ -40,11 +42,14 @@ verify_env_option = click.option(
     help="Also run the load checks, which must pass, in this environment: a Python interpreter, or a version spec "
          "(diffusers==0.39.0, torchao==0.17.*, transformers==4.57.6,diffusers==0.39.0) that is built as this "
          "environment with those packages replaced and cached. Repeatable.")
+
+
+MATRIX_COST = compat.cost_text()
 compat_option = click.option(
     "--compat", "compat", multiple=True, metavar="ENV", envvar="HF_AO_PUBLISH_COMPAT", show_envvar=True,
     help="Environments measured for the Compatibility table (pass, fail or silently wrong; they never stop a "
-         "publish): default (the recipe's matrix, docs/compatibility.md), none, or a version spec. Repeatable; "
-         "default: default.")
+         "publish): default (the recipe's matrix, docs/compatibility.md), none (skips it), or a version spec. "
+         f"Repeatable; default: default ({MATRIX_COST}).")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 debug_option = click.option(
     "--debug", is_flag=True, help="Show tracebacks, and the library warnings hidden as harmless.")
@@ -334,7 +339,24 @@ def _check_remote_options(ctx: click.Context, timeout: str) -> None:
                                  param_hint="'--hf-jobs-timeout'")
 
 
-@main.command("verify")
+VERIFY_HELP = f"""Check that a torchao-quantized repo (Hub id or folder) reloads along every load path.
+
+Then, unless --compat none, it measures the compatibility matrix, which costs more than the check itself:
+the default matrix has up to {compat.most_environments()} environments, each this one with one torchao, diffusers or
+transformers release replaced, built once from the package index (seconds to a minute each) and cached, then two
+fresh-process reloads of every quantized component in each. That is minutes even for a tiny model (7 min for a 3 MB
+FLUX on a busy 2-core machine, docs/compatibility.md) and several times the check's own reloads for a large one.
+Its outcomes never fail the check; --verify-env environments must pass.
+
+\b
+Example:
+  hf-ao-publish verify alice/FLUX.1-dev-torchao-int8wo --compat none   # the load paths only
+  hf-ao-publish verify alice/FLUX.1-dev-torchao-int8wo
+  hf-ao-publish verify alice/FLUX.1-dev-torchao-int8wo --verify-env diffusers==0.39.0 --compat none
+"""
+
+
+@main.command("verify", help=VERIFY_HELP)
 @click.argument("target")
 @revision_option
 @token_option
@@ -347,14 +369,9 @@ def _check_remote_options(ctx: click.Context, timeout: str) -> None:
 @quiet_option
 def verify_cmd(target: str, revision: str | None, token: str | None, verify_envs: tuple[str, ...], compat: tuple[str, ...],
                no_requantize: bool, as_json: bool, debug: bool, quiet: bool) -> None:
-    """Check that a torchao-quantized repo (Hub id or folder) reloads along every load path.
-
-    \b
-    Example:
-      hf-ao-publish verify alice/FLUX.1-dev-torchao-int8wo
-      hf-ao-publish verify alice/FLUX.1-dev-torchao-int8wo --verify-env diffusers==0.39.0 --compat none
-    """
+    """`hf-ao-publish verify TARGET`; the help text is VERIFY_HELP, which states what the matrix costs."""
     _start(debug, quiet)
+    logging.getLogger("publisher.cli").info("%s", matrix_plan(target, compat, verify_envs))
     import tempfile
 
     from publisher.verify.claims import text_table

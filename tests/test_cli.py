@@ -195,6 +195,22 @@ def test_verify_help() -> None:
         assert option in result.stdout
 
 
+def test_verify_says_what_the_default_matrix_costs_and_how_to_skip_it(fake_verify: dict[str, Any]) -> None:
+    from publisher import compat
+
+    help_text = " ".join(invoke("verify", "--help").stdout.split())
+    assert "unless --compat none, it measures the compatibility matrix, which costs more than the check itself" in help_text
+    most = len([e for e in compat.DEFAULT_MATRIX if e.spec != "torchao==0.18.0"])  # that one is this environment
+    assert f"the default matrix has up to {most} environments" in help_text and "minutes even for a tiny model" in help_text
+    first = invoke("verify", "alice/x", env={"HF_AO_PUBLISH_COMPAT": None}).stderr.splitlines()[0]  # type: ignore[dict-item]
+    assert first.startswith(f"verifying alice/x: every load path in this environment; then the default compatibility "
+                            f"matrix: up to {most} environments")
+    assert first.endswith("minutes even for a tiny model (--compat none skips it)")
+    skipped = invoke("verify", "alice/x", "--compat", "none", "--verify-env", "/venv-a/bin/python").stderr.splitlines()[0]
+    assert skipped == ("verifying alice/x: every load path in this environment and in 1 --verify-env environment(s), "
+                       "which must pass; then no compatibility matrix (--compat none)")
+
+
 def test_verify_target(fake_verify: dict[str, Any]) -> None:
     result = invoke("verify", "alice/tiny-int8wo")
     assert result.exit_code == 0, result.output
