@@ -83,6 +83,10 @@ class _DefaultToPublish(clijson.JsonErrors, click.Group):
             args = ["publish", *args]
         return super().parse_args(ctx, args)
 
+    def format_usage(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        super().format_usage(ctx, formatter)  # the commands' form, then publish's own, which needs no command name
+        formatter.write(f"       {ctx.command_path} [publish] MODEL_ID --quant RECIPE [OPTIONS]\n")
+
 
 class _Failure(click.ClickException):
     def __init__(self, message: str, exit_code: int) -> None:
@@ -142,9 +146,13 @@ def recipes_text(width: int = RECIPES_WIDTH, flavors: Sequence[Flavor] | None = 
 def main() -> None:
     """Quantize a Hugging Face model with torchao, verify it reloads, write a card and publish it.
 
+    `publish` is the default command: a first argument that is no command is a MODEL_ID, so the two lines below
+    do the same.
+
     \b
     Example:
       hf-ao-publish black-forest-labs/FLUX.1-dev --quant int8wo
+      hf-ao-publish publish black-forest-labs/FLUX.1-dev --quant int8wo
     """
 
 

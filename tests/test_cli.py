@@ -63,7 +63,11 @@ def test_main_help() -> None:
     for flag in ("--help", "-h"):
         result = invoke(flag)
         assert result.exit_code == 0
-        assert result.stdout.startswith("Usage: hf-ao-publish [OPTIONS] COMMAND [ARGS]...")
+        # both forms: publish needs no command name, as the example shows
+        assert result.stdout.startswith("Usage: hf-ao-publish [OPTIONS] COMMAND [ARGS]...\n"
+                                        "       hf-ao-publish [publish] MODEL_ID --quant RECIPE [OPTIONS]\n")
+        assert "hf-ao-publish black-forest-labs/FLUX.1-dev --quant int8wo\n" in result.stdout
+        assert "hf-ao-publish publish black-forest-labs/FLUX.1-dev --quant int8wo\n" in result.stdout
         assert re.findall(r"^  (\w+)  ", result.stdout, re.MULTILINE) == ["publish", "recipes", "verify"]
         assert "--list-recipes" not in result.stdout
 
@@ -392,6 +396,13 @@ def test_publish_quant(fake_run: list[PublishRequest]) -> None:
     assert fake_run[-1].quant == ["int8wo", "float8wo,int8dq"]
     result = invoke("some/model")
     assert result.exit_code == 2 and "Missing option '--quant'" in result.stderr
+
+
+def test_publish_quant_named_twice_is_said() -> None:
+    result = publish("--quant", "int8wo,float8wo")  # the real job's checks: it stops at the missing token
+    assert result.exit_code == 1
+    assert "--quant names int8wo more than once; it is published once" in result.stderr
+    assert "float8wo more than once" not in result.stderr
 
 
 def test_publish_unknown_recipe_is_a_usage_error() -> None:

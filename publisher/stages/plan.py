@@ -91,7 +91,9 @@ def parse_recipes(values: tuple[str, ...] | list[str]) -> list[Recipe]:
     for value in values:
         for name in filter(None, (v.strip() for v in value.split(","))):
             recipe = recipe_registry.get(name)
-            if recipe not in found:
+            if recipe in found:
+                log.warning("--quant names %s more than once; it is published once", recipe.name)
+            else:
                 found.append(recipe)
     if not found:
         raise UsageError("--quant is required; choose one of: " + ", ".join(recipe_registry.names()))
