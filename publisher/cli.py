@@ -6,7 +6,7 @@ subcommands. Heavy libraries are imported inside the stages so `--help` is insta
 
 from __future__ import annotations
 
-import json
+import logging
 import re
 import shlex
 import textwrap
@@ -15,8 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from publisher import __version__
+from publisher import __version__, clijson, compat
 from publisher import recipes as recipe_registry
+from publisher.compat import matrix_plan
 
 if TYPE_CHECKING:  # types only: the job and its stages are imported when a command runs
     from collections.abc import Sequence
@@ -39,11 +40,14 @@ verify_env_option = click.option(
     help="Also run the load checks, which must pass, in this environment: a Python interpreter, or a version spec "
          "(diffusers==0.39.0, torchao==0.17.*, transformers==4.57.6,diffusers==0.39.0) that is built as this "
          "environment with those packages replaced and cached. Repeatable.")
+
+
+MATRIX_COST = compat.cost_text()
 compat_option = click.option(
     "--compat", "compat", multiple=True, metavar="ENV", envvar="HF_AO_PUBLISH_COMPAT", show_envvar=True,
     help="Environments measured for the Compatibility table (pass, fail or silently wrong; they never stop a "
-         "publish): default (the recipe's matrix, docs/compatibility.md), none, or a version spec. Repeatable; "
-         "default: default.")
+         "publish): default (the recipe's matrix, docs/compatibility.md), none (skips it), or a version spec. "
+         f"Repeatable; default: default ({MATRIX_COST}).")
 json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 debug_option = click.option(
     "--debug", is_flag=True, help="Show tracebacks, and the library warnings hidden as harmless.")
@@ -60,15 +64,20 @@ def _start(debug: bool, quiet: bool) -> None:
     xetupload.bound_memory()
 
 
-class _DefaultToPublish(click.Group):
+class _DefaultToPublish(clijson.JsonErrors, click.Group):
     """`hf-ao-publish MODEL ...` means `hf-ao-publish publish MODEL ...`; the group's own options
-    (--help, --version) and its subcommands keep their meaning."""
+    (--help, --version) and its subcommands keep their meaning. With --json every error, a usage error included,
+    also leaves its JSON object on stdout (publisher.clijson)."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         own = {opt for param in self.get_params(ctx) for opt in (*param.opts, *param.secondary_opts)}
         if args and args[0] not in self.commands and args[0] not in own:
             args = ["publish", *args]
         return super().parse_args(ctx, args)
+
+    def format_usage(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        super().format_usage(ctx, formatter)  # the commands' form, then publish's own, which needs no command name
+        formatter.write(f"       {ctx.command_path} [publish] MODEL_ID --quant RECIPE [OPTIONS]\n")
 
 
 class _Failure(click.ClickException):
@@ -129,9 +138,13 @@ def recipes_text(width: int = RECIPES_WIDTH, flavors: Sequence[Flavor] | None = 
 def main() -> None:
     """Quantize a Hugging Face model with torchao, verify it reloads, write a card and publish it.
 
+    `publish` is the default command: a first argument that is no command is a MODEL_ID, so the two lines below
+    do the same.
+
     \b
     Example:
       hf-ao-publish black-forest-labs/FLUX.1-dev --quant int8wo
+      hf-ao-publish publish black-forest-labs/FLUX.1-dev --quant int8wo
     """
 
 
@@ -146,7 +159,7 @@ def recipes_cmd(as_json: bool) -> None:
 
     flavors, source = hardware.available()
     if as_json:
-        click.echo(json.dumps([r.to_dict(flavors) for r in recipe_registry.all_recipes()], indent=2))
+        clijson.emit([r.to_dict(flavors) for r in recipe_registry.all_recipes()])
     else:
         click.echo(recipes_text(flavors=flavors, source=source))
 
@@ -168,6 +181,9 @@ def recipes_cmd(as_json: bool) -> None:
 @click.option("--create-pr", is_flag=True, help="Open (or update) a pull request on the target instead of committing to main.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow bases that need remote code (review it first).")
 @click.option("--keep-going", is_flag=True, help="With several recipes, publish those that succeed even if one fails.")
+@click.option("--force", is_flag=True,
+              help="Publish even when the target is up to date (same base sha, recipe, options, card options and "
+                   "versions): quantize, verify, write the card and commit whatever differs from the target.")
 @verify_env_option
 @compat_option
 @click.option("--sample-prompt", default=None, help="Prompt used in the card's usage snippet.")
@@ -201,7 +217,7 @@ def recipes_cmd(as_json: bool) -> None:
 @quiet_option
 def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | None, exclude: tuple[str, ...], repo_id: str | None,
                 revision: str | None, private: bool, token: str | None, output_dir: Path | None, no_push: bool,
-                create_pr: bool, trust_remote_code: bool, keep_going: bool, verify_envs: tuple[str, ...],
+                create_pr: bool, trust_remote_code: bool, keep_going: bool, force: bool, verify_envs: tuple[str, ...],
                 compat: tuple[str, ...], sample_prompt: str | None, sample_steps: int, sample_size: int,
                 allow_unquantized: bool, benchmark: bool, engine: Engine, low_disk: bool | None,
                 max_shard_size: str | None, recheck_published: bool, verify_mode: Mode, on_hf_jobs: str | None,
@@ -274,15 +290,16 @@ def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | 
         allow_unquantized=allow_unquantized,
         max_shard_size=max_shard_size,
         recheck_published=recheck_published,
+        force=force,
         command=_command_line(ctx),
     )
     if on_hf_jobs is not None:
         from publisher.hfjobs import remote
 
         jobs = remote.JobsRequest(req, on_hf_jobs, hf_jobs_timeout, tuple(_command_args(ctx, _NOT_FOR_JOBS)))
-        _report(_run_failed_json(as_json, debug, remote.publish, jobs), as_json, keep_going)
+        _report(_run_failed_json(as_json, debug, remote.publish, jobs), as_json, keep_going, force)
         return
-    _report(_run_failed_json(as_json, debug, run, req), as_json, keep_going)
+    _report(_run_failed_json(as_json, debug, run, req), as_json, keep_going, force)
 
 
 def _run_failed_json(as_json: bool, debug: bool, fn: Any, *args: Any) -> Any:
@@ -294,7 +311,7 @@ def _run_failed_json(as_json: bool, debug: bool, fn: Any, *args: Any) -> Any:
 
         stopped = failure.__context__  # the library error the failure was mapped from
         if as_json and isinstance(stopped, RunFailed) and stopped.results:
-            _print_json(stopped.results)  # what each recipe had come to, for machines
+            _print_json(stopped.results, failure)  # what each recipe had come to, for machines
         raise
 
 
@@ -322,7 +339,24 @@ def _check_remote_options(ctx: click.Context, timeout: str) -> None:
                                  param_hint="'--hf-jobs-timeout'")
 
 
-@main.command("verify")
+VERIFY_HELP = f"""Check that a torchao-quantized repo (Hub id or folder) reloads along every load path.
+
+Then, unless --compat none, it measures the compatibility matrix, which costs more than the check itself:
+the default matrix has up to {compat.most_environments()} environments, each this one with one torchao, diffusers or
+transformers release replaced, built once from the package index (seconds to a minute each) and cached, then two
+fresh-process reloads of every quantized component in each. That is minutes even for a tiny model (7 min for a 3 MB
+FLUX on a busy 2-core machine, docs/compatibility.md) and several times the check's own reloads for a large one.
+Its outcomes never fail the check; --verify-env environments must pass.
+
+\b
+Example:
+  hf-ao-publish verify alice/FLUX.1-dev-torchao-int8wo --compat none   # the load paths only
+  hf-ao-publish verify alice/FLUX.1-dev-torchao-int8wo
+  hf-ao-publish verify alice/FLUX.1-dev-torchao-int8wo --verify-env diffusers==0.39.0 --compat none
+"""
+
+
+@main.command("verify", help=VERIFY_HELP)
 @click.argument("target")
 @revision_option
 @token_option
@@ -335,14 +369,9 @@ def _check_remote_options(ctx: click.Context, timeout: str) -> None:
 @quiet_option
 def verify_cmd(target: str, revision: str | None, token: str | None, verify_envs: tuple[str, ...], compat: tuple[str, ...],
                no_requantize: bool, as_json: bool, debug: bool, quiet: bool) -> None:
-    """Check that a torchao-quantized repo (Hub id or folder) reloads along every load path.
-
-    \b
-    Example:
-      hf-ao-publish verify alice/FLUX.1-dev-torchao-int8wo
-      hf-ao-publish verify alice/FLUX.1-dev-torchao-int8wo --verify-env diffusers==0.39.0 --compat none
-    """
+    """`hf-ao-publish verify TARGET`; the help text is VERIFY_HELP, which states what the matrix costs."""
     _start(debug, quiet)
+    logging.getLogger("publisher.cli").info("%s", matrix_plan(target, compat, verify_envs))
     import tempfile
 
     from publisher.verify.claims import text_table
@@ -351,12 +380,13 @@ def verify_cmd(target: str, revision: str | None, token: str | None, verify_envs
     with tempfile.TemporaryDirectory(prefix="hf-ao-verify-") as work:
         report = _run_mapped(debug, verify_target, target, Path(work), envs=verify_envs, compat=compat, token=token,
                              revision=revision, requantize=not no_requantize)
+    failure = None if report.passed else _Failure(f"verification of {target} failed: {report.summary()}", 1)
     if as_json:
-        click.echo(json.dumps(report.to_dict(), indent=2))
+        clijson.emit({**report.to_dict(), **({"error": failure.message, "exit_code": 1} if failure else {})})
     else:
         click.echo(text_table(report))
-    if not report.passed:
-        raise _Failure(f"verification of {target} failed: {report.summary()}", 1)
+    if failure:
+        raise failure
     measured = f"; other environments: {report.compat_counts()}" if report.compat else ""
     click.echo(f"{target}: all {len(report.results)} load checks passed{measured}", err=True)
 
@@ -374,7 +404,7 @@ def _command_line(ctx: click.Context) -> str:
     """The command that made the repo, rebuilt from the parsed options (defaults left out) for the
     card: reproducible, and the token (or any secret) is never part of it. Values read from an environment
     variable (HF_AO_PUBLISH_COMPAT) were not typed, so they are left out too."""
-    skip = {"token", "debug", "quiet", "as_json", "output_dir", "hf_jobs_timeout", "attach"}
+    skip = {"token", "debug", "quiet", "as_json", "output_dir", "hf_jobs_timeout", "attach", "force"}
     return shlex.join(["hf-ao-publish", *_command_args(ctx, skip)])
 
 
@@ -405,22 +435,30 @@ def _command_args(ctx: click.Context, skip: set[str]) -> list[str]:
     return parts
 
 
-def _print_json(outcomes: list[Any]) -> None:
+def _print_json(outcomes: list[Any], failure: _Failure | None = None) -> None:
+    """The --json result; a failed run's also carries the error line and the exit code (the one recipe's own error,
+    when it has one)."""
     payload = outcomes[0].to_json() if len(outcomes) == 1 else {
         "results": [o.to_json() for o in outcomes], "verified": all(o.verified for o in outcomes),
     }
-    click.echo(json.dumps(payload, indent=2))
+    if failure is not None:
+        payload["error"] = payload.get("error") or failure.message
+        payload["exit_code"] = failure.exit_code
+    clijson.emit(payload)
 
 
-def _report(outcomes: list[Any], as_json: bool, keep_going: bool) -> None:
+def _report(outcomes: list[Any], as_json: bool, keep_going: bool, force: bool = False) -> None:
     failed = [o for o in outcomes if o.error]
+    failure = _Failure(f"{len(failed)} of {len(outcomes)} recipes failed", 1) if failed else None
     if as_json:
-        _print_json(outcomes)
+        _print_json(outcomes, failure)
     for o in outcomes:
         if o.error:
             click.echo(f"{o.recipe}: FAILED: {o.error}", err=True)
         elif o.up_to_date:
-            click.echo(f"{o.repo_id} is up to date: {o.url} (commit {o.commit})", err=True)
+            why = ("--force: every file is the same as published" if force else
+                   "same base sha, recipe, options, card options and versions; --force publishes it again")
+            click.echo(f"{o.repo_id} is up to date: {o.url} (commit {o.commit}); nothing was published ({why})", err=True)
         elif o.pushed:
             where = o.pr_url or o.url
             click.echo(f"published {o.repo_id}: {where} (commit {o.commit})", err=True)
@@ -428,8 +466,8 @@ def _report(outcomes: list[Any], as_json: bool, keep_going: bool) -> None:
             click.echo(f"{o.recipe}: verified repo folder at {o.folder} (card: {o.folder}/README.md); not pushed", err=True)
         if not as_json and not o.error:
             click.echo(o.pr_url or o.url or str(o.folder))
-    if failed:
-        raise _Failure(f"{len(failed)} of {len(outcomes)} recipes failed", 1)
+    if failure is not None:
+        raise failure
 
 
 if __name__ == "__main__":

@@ -59,3 +59,38 @@ def default_matrix(recipe: str | None, libraries: set[str], installed: dict[str,
     return [e for e in DEFAULT_MATRIX
             if (e.recipes is None or recipe in e.recipes) and libraries & set(e.libraries)
             and installed.get(e.package) != e.version]
+
+
+def most_environments() -> int:
+    """The most environments the default matrix runs with the versions installed here (an int8 recipe, diffusers and
+    transformers components): what the help text and verify's first line state, read from the table above."""
+    import importlib.metadata as md
+
+    installed = {}
+    for name in ("torchao", "diffusers", "transformers"):
+        try:
+            installed[name] = md.version(name)
+        except md.PackageNotFoundError:
+            continue
+    return len(default_matrix(INT8[0], {"diffusers", "transformers"}, installed))
+
+
+def cost_text() -> str:
+    """What the default matrix does and costs, in the words of the --compat help and verify's first line."""
+    return (f"the default matrix has up to {most_environments()} environments, each this one with one torchao, diffusers "
+            "or transformers release replaced, built once from the package index (seconds to a minute) and cached, then "
+            "two fresh-process reloads of every quantized component in each: minutes even for a tiny model")
+
+
+def matrix_plan(target: str, values: tuple[str, ...], verify_envs: tuple[str, ...]) -> str:
+    """verify's first progress line: what it will run, what that costs, and how to skip the costly part."""
+    gating = f" and in {len(verify_envs)} --verify-env environment(s), which must pass" if verify_envs else ""
+    specs = [v for v in values if v not in ("default", "none")]
+    if "none" in values:
+        matrix = "no compatibility matrix (--compat none)"
+    else:
+        parts = [cost_text().replace("the default matrix has", "the default compatibility matrix:")] if not specs or "default" in values else []
+        parts += [f"{len(specs)} --compat environment(s), built and reloaded the same way"] if specs else []
+        matrix = "; and ".join(parts) + " (--compat none skips it)"
+    return f"verifying {target}: every load path in this environment{gating}; then {matrix}"
+

@@ -6,7 +6,6 @@ PublishError (or huggingface_hub's errors); the CLI turns them into one-line mes
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import shutil
@@ -15,7 +14,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,6 +29,7 @@ from publisher.stages import quantize as quantize_stage
 from publisher.stages import source as source_stage
 from publisher.stages.quantize import Artifacts, finalize, partial_folder, prepare_output, quantize_recipe
 from publisher.stages.resume import ComponentCache, default_root
+from publisher.state import state_for
 from publisher.streaming.engine import bound_heap
 from publisher.verify import capture, matrix, published
 from publisher.verify.full import verify
@@ -69,6 +69,7 @@ class PublishRequest:
     allow_unquantized: bool = False  # publish a component in which no layer could be quantized
     max_shard_size: str | None = None  # output shard size; None: the library's, or push_pr.LOW_DISK_SHARD with --low-disk
     recheck_published: bool = False  # after the push, also read the commit back and reload it (hashes are always checked)
+    force: bool = False  # publish even when the target's state says it is up to date
     command: str = "hf-ao-publish"
 
 
@@ -138,32 +139,14 @@ def resolve_token(token: str | None) -> str | None:
     return get_token()
 
 
-def state_for(plan: planning.Plan, recipe: Recipe) -> dict[str, Any]:
-    """Everything that determines the published bytes; its hash decides whether a re-run is a no-op."""
-    import importlib.metadata as md
-
-    state = {
-        "tool": "hf-ao-publish",
-        "tool_version": __version__,
-        "base_model": plan.source.repo_id or str(plan.source.local_dir),
-        "base_sha": plan.source.sha or _local_digest(plan),
-        "recipe": recipe.name,
-        "config": recipe.python,
-        "components": [c.name or "model" for c in plan.quantized],
-        "exclude": sorted(plan.exclude),
-        "versions": {n: md.version(n) for n in ("torch", "torchao", "diffusers", "transformers")},
-    }
-    state["fingerprint"] = hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
-    # The Hub's hash of every base file read, so `verify TARGET` can prove it re-quantized the very same bytes. Not in
-    # the fingerprint: base_sha (a git commit id) already fixes every blob id and, through the LFS pointers, sha256.
-    if plan.base_hashes:
-        state["base_files"] = {f: h.to_json() for f, h in sorted(plan.base_hashes.items())}
-    return state
-
-
-def _local_digest(plan: planning.Plan) -> str:
-    listing = json.dumps({f: plan.source.sizes[f] for f in plan.base_files}, sort_keys=True)
-    return "local-" + hashlib.sha256(listing.encode()).hexdigest()[:40]
+def card_options(req: PublishRequest, kind: str) -> dict[str, Any]:
+    """The options that change only the card (its snippet, measurements and tables), for the plan's kind: a re-run
+    that changes one of them is not up to date. Steps and size are a pipeline snippet's only."""
+    options: dict[str, Any] = {"sample_prompt": req.sample_prompt, "benchmark": req.benchmark,
+                               "compat": list(req.compat or ("default",)), "verify_envs": list(req.verify_envs)}
+    if kind == "pipeline":
+        options.update(sample_steps=req.sample_steps, sample_size=req.sample_size)
+    return options
 
 
 def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = True) -> planning.Plan:
@@ -195,6 +178,7 @@ def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = 
         src, recipes, components=req.components, exclude=list(req.exclude), targets=targets, token=token,
         trust_remote_code=req.trust_remote_code, options=options,
     )
+    plan = replace(plan, options={**options, "card": card_options(req, plan.kind)})
     if req.push:  # after the base checks, in the order the preflight promises
         for target in targets.values():
             pushing.check_writable(str(target), token, who)  # a push has a token, so every target is named
@@ -342,11 +326,13 @@ def _up_to_date(req: PublishRequest, outcome: Outcome, state: dict[str, Any],
     previous[outcome.recipe] = prev
     if not ((pr or not req.create_pr) and prev and prev.get("fingerprint") == state["fingerprint"]):
         return False
+    if req.force:
+        log.info("%s is up to date; publishing it again (--force)", outcome.target())
+        return False
     outcome.up_to_date, outcome.verified, outcome.commit = True, bool(prev.get("verified", True)), head
     outcome.url = f"{_endpoint()}/{outcome.target()}"
     outcome.pr_url = f"{outcome.url}/discussions/{pr[0]}" if pr else None
-    log.info("%s is up to date (same base sha, recipe, options and versions); nothing to do", outcome.target())
-    return True
+    return True  # said once, by the CLI's summary line
 
 
 def _build(run: _Run, recipe: Recipe, outcome: Outcome) -> None:
@@ -419,7 +405,7 @@ def _push_one(run: _Run, outcome: Outcome, previous: dict[str, Any] | None) -> N
     src = run.plan.source
     message = f"Quantize {src.repo_id or src.local_dir.name}@{(src.sha or 'local')[:12]} with torchao {outcome.recipe}"  # type: ignore[union-attr]
     started = time.monotonic()
-    description = pushing.changes(previous, state) + f"\n\nMade with hf-ao-publish {__version__}."
+    description = pushing.changes(previous, state, forced=run.req.force) + f"\n\nMade with hf-ao-publish {__version__}."
     try:
         if artifacts.uploader is not None:
             result = push_pr.push_staged(
@@ -429,7 +415,7 @@ def _push_one(run: _Run, outcome: Outcome, previous: dict[str, Any] | None) -> N
         else:
             result = pushing.push(
                 artifacts.folder, report, repo_id=outcome.target(), token=run.token, private=run.req.private,
-                create_pr=run.req.create_pr, message=message, description=description, state=state,
+                create_pr=run.req.create_pr, message=message, description=description, state=state, force=run.req.force,
             )
     except Exception as exc:  # re-raised: the outcome records the one-line reason for --json
         from publisher.messages import describe

@@ -30,6 +30,8 @@ class Harmless:
     logger: str  # the logger the record is made on (exactly)
     pattern: str  # regular expression searched in the message
     why: str  # shown nowhere: the reason it may be hidden, for whoever reviews this list
+    card: str = ""  # how the card names it to whoever runs its snippets, who sees it unfiltered ("": they do not)
+    kinds: tuple[str, ...] = ("pipeline", "transformers")  # the cards (plan kinds) whose snippets print it
 
 
 HARMLESS: tuple[Harmless, ...] = (
@@ -38,6 +40,8 @@ HARMLESS: tuple[Harmless, ...] = (
         "torchao's optional MX-FP8 (prototype) and CUTLASS sm90a sparse-FP8 kernel libraries; the wheel ships "
         "them built for another Python or CUDA, and no recipe of ours calls them (our FP8 matmuls are "
         "torch._scaled_mm). Any other torchao library that fails to load is still shown.",
+        card="torchao's `Failed to load .../torchao/_C_mxfp8...so` and `..._C_cutlass_90a...so` (optional kernels that "
+             "no recipe of this tool calls)",
     ),
     Harmless(
         "torchao.kernel.intmm", r"Detected no triton",
@@ -48,17 +52,38 @@ HARMLESS: tuple[Harmless, ...] = (
         "torch.utils._pytree", r"is an Enum subclass .*register_constant\(\) on Enum subclasses is deprecated",
         "torchao 0.18 registers its enums (KernelPreference, ScaleCalculationMode) as pytree constants at "
         "import; a deprecation addressed to torchao that changes nothing in the tensors we write or read.",
+        card="torch's `Calling register_constant() on Enum subclasses is deprecated` (addressed to torchao)",
     ),
     Harmless(
         "diffusers.quantizers.torchao.torchao_quantizer", r"Unable to import `torchao` Tensor objects",
         "diffusers adds torchao's old tensor classes (NF4Tensor, UintxTensor ...) to torch.load's weights_only "
         "allow-list for pickled .bin checkpoints; torchao 0.18 removed them. We write and read safetensors "
         "only, which never goes through torch.load.",
+        card="diffusers' `Unable to import torchao Tensor objects` (about pickled .bin checkpoints; this repo is "
+             "safetensors)", kinds=("pipeline",),
+    ),
+    Harmless(
+        "transformers.utils.import_utils", r"requires torchvision \(not installed\); falling back to `\w+Pil`",
+        "a pipeline's image processors (FLUX's CLIP and SigLIP ones, for image prompts) are loaded with it; without "
+        "torchvision transformers gives the PIL implementation of the same processor. No stage of ours runs an image "
+        "processor, and torchvision must match the torch build exactly: not a dependency worth adding for a log line.",
+        card="without torchvision, transformers' `CLIPImageProcessor requires torchvision` (it falls back to the PIL "
+             "processor)", kinds=("pipeline",),
+    ),
+    Harmless(
+        "huggingface_hub.hf_api", r"^No files have been modified since last commit\. Skipping to prevent empty commit",
+        "--force over a target whose files are all the same as ours: the client sends no empty commit, and our own "
+        "lines say so (stages/push.py and the CLI's summary).",
     ),
 )
 
 
 _COMPILED = [(h.logger, re.compile(h.pattern)) for h in HARMLESS]
+
+
+def card_lines(kind: str) -> list[str]:
+    """The harmless lines a card names to whoever runs its snippets (plan kind "pipeline" or "transformers")."""
+    return [h.card for h in HARMLESS if h.card and kind in h.kinds]
 
 
 def is_harmless(record: logging.LogRecord) -> bool:

@@ -13,9 +13,10 @@ def describe(exc: BaseException) -> tuple[str, int] | None:
         return describe(exc.cause)
     if isinstance(exc, KeyboardInterrupt):  # SIGINT / SIGTERM: the cleanup ran on the way out (publisher.signals)
         stop = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
-        left = "; ".join(stop.left) or "nothing to resume from"
+        then = (f"left: {'; '.join(stop.left)}; {stop.resume} to resume" if stop.left else
+                f"nothing was left to resume from; {stop.resume} to start again")
         return (f"interrupted by {stop.signal_name}: stopped the worker processes, removed this run's temporary and "
-                f"unfinished files and any repo it had created; left: {left}; {stop.resume} to resume"), stop.exit_code
+                f"unfinished files and any repo it had created; {then}"), stop.exit_code
     # A full disk (or a file-size limit) is named as such even when a stage wrapped it (QuantizeError) or a
     # library re-raised it as its own type (safetensors' SafetensorError carries "os error 28" in its text).
     if isinstance(exc, PublishError) and "no space left" in str(exc):

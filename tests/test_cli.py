@@ -63,7 +63,11 @@ def test_main_help() -> None:
     for flag in ("--help", "-h"):
         result = invoke(flag)
         assert result.exit_code == 0
-        assert result.stdout.startswith("Usage: hf-ao-publish [OPTIONS] COMMAND [ARGS]...")
+        # both forms: publish needs no command name, as the example shows
+        assert result.stdout.startswith("Usage: hf-ao-publish [OPTIONS] COMMAND [ARGS]...\n"
+                                        "       hf-ao-publish [publish] MODEL_ID --quant RECIPE [OPTIONS]\n")
+        assert "hf-ao-publish black-forest-labs/FLUX.1-dev --quant int8wo\n" in result.stdout
+        assert "hf-ao-publish publish black-forest-labs/FLUX.1-dev --quant int8wo\n" in result.stdout
         assert re.findall(r"^  (\w+)  ", result.stdout, re.MULTILINE) == ["publish", "recipes", "verify"]
         assert "--list-recipes" not in result.stdout
 
@@ -193,6 +197,22 @@ def test_verify_help() -> None:
     assert result.stdout.startswith("Usage: hf-ao-publish verify [OPTIONS] TARGET")
     for option in ("--revision", "--token", "--verify-env", "--compat", "--no-requantize", "--json", "--debug", "--quiet"):
         assert option in result.stdout
+
+
+def test_verify_says_what_the_default_matrix_costs_and_how_to_skip_it(fake_verify: dict[str, Any]) -> None:
+    from publisher import compat
+
+    help_text = " ".join(invoke("verify", "--help").stdout.split())
+    assert "unless --compat none, it measures the compatibility matrix, which costs more than the check itself" in help_text
+    most = len([e for e in compat.DEFAULT_MATRIX if e.spec != "torchao==0.18.0"])  # that one is this environment
+    assert f"the default matrix has up to {most} environments" in help_text and "minutes even for a tiny model" in help_text
+    first = invoke("verify", "alice/x", env={"HF_AO_PUBLISH_COMPAT": None}).stderr.splitlines()[0]  # type: ignore[dict-item]
+    assert first.startswith(f"verifying alice/x: every load path in this environment; then the default compatibility "
+                            f"matrix: up to {most} environments")
+    assert first.endswith("minutes even for a tiny model (--compat none skips it)")
+    skipped = invoke("verify", "alice/x", "--compat", "none", "--verify-env", "/venv-a/bin/python").stderr.splitlines()[0]
+    assert skipped == ("verifying alice/x: every load path in this environment and in 1 --verify-env environment(s), "
+                       "which must pass; then no compatibility matrix (--compat none)")
 
 
 def test_verify_target(fake_verify: dict[str, Any]) -> None:
@@ -378,6 +398,13 @@ def test_publish_quant(fake_run: list[PublishRequest]) -> None:
     assert result.exit_code == 2 and "Missing option '--quant'" in result.stderr
 
 
+def test_publish_quant_named_twice_is_said() -> None:
+    result = publish("--quant", "int8wo,float8wo")  # the real job's checks: it stops at the missing token
+    assert result.exit_code == 1
+    assert "--quant names int8wo more than once; it is published once" in result.stderr
+    assert "float8wo more than once" not in result.stderr
+
+
 def test_publish_unknown_recipe_is_a_usage_error() -> None:
     # the real job: the recipe is checked before anything is read
     result = invoke("some/model", "--quant", "int3", "--no-push")
@@ -526,6 +553,12 @@ def test_publish_benchmark(fake_run: list[PublishRequest]) -> None:
     assert publish("--benchmark").exit_code == 0 and fake_run[-1].benchmark is True
     result = publish("--benchmark", "--low-disk")
     assert result.exit_code == 2 and "--low-disk does not download" in result.stderr
+
+
+def test_publish_force(fake_run: list[PublishRequest]) -> None:
+    assert publish().exit_code == 0 and fake_run[-1].force is False
+    assert publish("--force").exit_code == 0 and fake_run[-1].force is True
+    assert "--force" not in fake_run[-1].command  # the card's command line: --force changes no published byte
 
 
 def test_publish_engine(fake_run: list[PublishRequest]) -> None:
@@ -680,8 +713,22 @@ NOISE = [
                              "is deprecated and will be an error in a future release.")),
     ("diffusers.quantizers.torchao.torchao_quantizer",
      "Unable to import `torchao` Tensor objects. This may affect loading checkpoints serialized with `torchao`"),
+    ("transformers.utils.import_utils",
+     "`CLIPImageProcessor` requires torchvision (not installed); falling back to `CLIPImageProcessorPil` for backward "
+     "compatibility. Install torchvision to use the default backend, or import `CLIPImageProcessorPil` directly to "
+     "silence this warning."),
 ]
-NOISE_MARKS = ("Failed to load", "Detected no triton", "register_constant()", "Unable to import `torchao` Tensor objects")
+NOISE_MARKS = ("Failed to load", "Detected no triton", "register_constant()", "Unable to import `torchao` Tensor objects",
+               "requires torchvision", "is deprecated")
+
+
+def _third_party(stderr: str) -> list[str]:
+    """Lines of a library rather than ours: a library logger's prefix, a Python warning, torch's own log format, or a
+    known noise mark."""
+    prefixes = tuple(f"{name}{sep}" for name in logs.LIBRARIES for sep in (".", ":"))
+    return [line for line in stderr.splitlines()
+            if line.startswith(prefixes) or re.search(r"\b[A-Z]\w*Warning\b|^[WEI]\d{4} ", line)
+            or any(mark in line for mark in NOISE_MARKS)]
 
 
 @pytest.mark.parametrize("debug", [False, True])
@@ -726,8 +773,7 @@ def test_a_successful_publish_prints_no_library_noise(tiny_flux_dir: Path, tmp_p
 
     clean = run("out")
     assert clean.stdout == f"{tmp_path / 'out'}\n"
-    noisy = [line for line in clean.stderr.splitlines() if any(mark in line for mark in NOISE_MARKS)]
-    assert not noisy, noisy
+    assert not _third_party(clean.stderr), clean.stderr
     assert "int8wo: verified repo folder at" in clean.stderr
     shown = [line for line in run("debug", "--debug").stderr.splitlines() if any(mark in line for mark in NOISE_MARKS)]
     assert shown  # --debug shows what the filter hides (which lines depends on the machine)

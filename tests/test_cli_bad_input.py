@@ -42,7 +42,7 @@ CASES = [
     ("revision not found", ["{llama}", "--quant", "int8wo", "--revision", "no-such-branch"], "tok_alice", 1, "revision 'no-such-branch' not found in meta/tiny-llama"),
     ("not a model repo", ["{not_a_model}", "--quant", "int8wo"], "tok_alice", 1, "neither a diffusers pipeline"),
     ("remote code", ["{remote}", "--quant", "int8wo"], "tok_alice", 1, "--trust-remote-code"),
-    ("unknown component", ["{flux}", "--quant", "int8wo", "--components", "transformer,unet"], "tok_alice", 2, "has no component 'unet'; valid: text_encoder, text_encoder_2, transformer, vae"),
+    ("unknown component", ["{flux}", "--quant", "int8wo", "--components", "transformer,unet"], "tok_alice", 2, "has no component 'unet'; its model_index.json names: scheduler, text_encoder, text_encoder_2, tokenizer, tokenizer_2, transformer, vae"),
     ("component not a model", ["{flux}", "--quant", "int8wo", "--components", "scheduler"], "tok_alice", 2, "'scheduler' is not a model"),
     ("exclude not a module", ["{llama}", "--quant", "int8wo", "--exclude", "model.layers.9.mlp"], "tok_alice", 2, "--exclude 'model.layers.9.mlp' matches no module"),
     ("no token when pushing", ["{llama}", "--quant", "int8wo"], None, 1, "pushing needs a Hub token"),
@@ -123,3 +123,18 @@ def test_debug_shows_traceback(cli: Any, hub: Any) -> None:
 
     with pytest.raises(RepositoryNotFoundError):
         cli("bfl/missing-model", "--quant", "int8wo", "--no-push", "--debug")
+
+
+def test_a_misspelt_component_fails_as_soon_as_model_index_is_read(tiny_flux_dir: Path) -> None:
+    """Before the libraries are imported (they tell models from tokenizers, and take seconds to import): the names
+    come from model_index.json alone."""
+    code = ("import sys\nfrom publisher.cli import main\n"
+            "try:\n    main(sys.argv[1:])\nexcept SystemExit as exc:\n    print('exit', exc.code)\n"
+            "print(sorted(m for m in ('torch', 'torchao', 'diffusers', 'transformers') if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code, str(tiny_flux_dir), "--quant", "int8wo", "--components", "transfomer",
+                           "--no-push"], capture_output=True, text=True, timeout=120, check=False)
+    assert proc.stdout.splitlines() == ["exit 2", "[]"], proc.stderr
+    error = [line for line in proc.stderr.splitlines() if line.startswith("Error:")]
+    assert error == [f"Error: --components: {tiny_flux_dir} has no component 'transfomer' (did you mean 'transformer'?); "
+                     "its model_index.json names: scheduler, text_encoder, text_encoder_2, tokenizer, tokenizer_2, "
+                     "transformer, vae"], proc.stderr

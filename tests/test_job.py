@@ -179,3 +179,35 @@ def test_benchmark_section_on_cpu(cli: Any, tiny_flux_dir: Path, tmp_path: Path)
     card = (out / "README.md").read_text()
     assert "### Measured on the CPU" in card
     assert "|---|---|---|---|---|---|\n| transformer | bf16 | n/a | n/a |" in card
+
+
+@pytest.mark.slow
+def test_a_card_option_or_force_makes_a_new_commit(cli: Any, llama_repo: str) -> None:
+    """A re-run that changes only the card (here its prompt) publishes the new card; --force publishes again what the
+    target's state calls up to date (a card edited on the Hub is restored)."""
+    from huggingface_hub import HfApi
+
+    api, repo = HfApi(token="tok_alice"), "alice/refresh-card"
+    args = [llama_repo, "--quant", "int8wo", "--repo-id", repo, "--json", *SMALL]
+    assert cli(*args, token="tok_alice").exit_code == 0
+    same = cli(*args, token="tok_alice")
+    assert same.exit_code == 0 and json.loads(same.stdout)["up_to_date"]
+    assert same.stderr.count("up to date") == 1 and "--force publishes it again" in same.stderr  # said once
+    commits = len(api.list_repo_commits(repo))
+
+    prompt = cli(*args, "--sample-prompt", "Once upon a time", token="tok_alice")
+    assert prompt.exit_code == 0 and json.loads(prompt.stdout)["pushed"]
+    assert len(api.list_repo_commits(repo)) == commits + 1
+    assert "card" in api.list_repo_commits(repo)[0].message  # the description names what changed
+    card = Path(api.hf_hub_download(repo, "README.md")).read_text()
+    assert 'tokenizer("Once upon a time"' in card
+
+    api.upload_file(path_or_fileobj=b"# edited by hand\n", path_in_repo="README.md", repo_id=repo, commit_message="edit")
+    kept = cli(*args, "--sample-prompt", "Once upon a time", token="tok_alice")
+    assert json.loads(kept.stdout)["up_to_date"]  # the state file still matches: the edit stays
+    forced = cli(*args, "--sample-prompt", "Once upon a time", "--force", token="tok_alice")
+    assert forced.exit_code == 0, forced.output
+    data = json.loads(forced.stdout)
+    assert data["pushed"] and not data["up_to_date"] and len(api.list_repo_commits(repo)) == commits + 3
+    assert "with --force" in api.list_repo_commits(repo)[0].message
+    assert Path(api.hf_hub_download(repo, "README.md", revision=data["commit"])).read_text() == card

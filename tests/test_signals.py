@@ -48,6 +48,9 @@ def test_handled_turns_both_signals_into_interrupted_and_restores_the_handlers()
     message, code = describe(stopped.value) or ("", 0)
     assert code == 130 and message.startswith("interrupted by SIGINT: ")
     assert message.endswith("left: the quantized model in the resume cache (/c); re-run the same command to resume")
+    stopped.value.left = []  # nothing kept (a local base, no component finished): no promise of a resume
+    message, _ = describe(stopped.value) or ("", 0)
+    assert message.endswith("any repo it had created; nothing was left to resume from; re-run the same command to start again")
 
 
 def _api() -> Any:

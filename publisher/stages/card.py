@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from publisher import __version__
+from publisher import __version__, logs
 from publisher.stages.plan import Plan
 from publisher.stages.quantize import Artifacts
 from publisher.verify import claims
@@ -159,6 +159,7 @@ def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str |
         compat_table=claims.table(compat),
         compat_warnings=claims.warnings(compat),
         compat_manual=claims.manual_text(compat),
+        harmless=logs.card_lines(plan.kind),
     )
     # Template blocks leave runs of blank lines; collapse them (no fenced block holds two blank lines).
     return re.sub(r"\n{3,}", "\n\n", text)

@@ -24,6 +24,11 @@ class Usage:
     cpu: dict[str, int] = field(default_factory=dict)  # the same on a CPU
     max_area: bool = False  # the pipeline resizes to max_area (FLUX Kontext): pass size * size
 
+    @property
+    def same(self) -> bool:
+        """The card's size and steps fit a CPU already: the snippet has one line for both devices."""
+        return self.gpu == self.cpu
+
 
 def output_kind(pipeline_class: str | None) -> str:
     """"video" when the pipeline's output has ``frames``, "audio" when it has ``audios``, else "image"; read from

@@ -1,7 +1,7 @@
 """Only our own leftovers are ever deleted.
 
 A recipe's repo folder is built under a ``.partial`` name (stages/quantize.py). The moment it is created it
-gets a marker file, ``.hf-ao-publish-partial.json``, holding the run's fingerprint (job.state_for) and recipe;
+gets a marker file, ``.hf-ao-publish-partial.json``, holding the run's fingerprint (publisher.state.state_for) and recipe;
 ``finalize`` removes the marker before the folder takes its final name, so it is never published.
 
 A later run clears a ``*.partial`` folder only when it is a real folder (not a link) whose marker is a regular

@@ -91,7 +91,9 @@ def parse_recipes(values: tuple[str, ...] | list[str]) -> list[Recipe]:
     for value in values:
         for name in filter(None, (v.strip() for v in value.split(","))):
             recipe = recipe_registry.get(name)
-            if recipe not in found:
+            if recipe in found:
+                log.warning("--quant names %s more than once; it is published once", recipe.name)
+            else:
                 found.append(recipe)
     if not found:
         raise UsageError("--quant is required; choose one of: " + ", ".join(recipe_registry.names()))
@@ -219,10 +221,9 @@ def build_plan(
     options: dict[str, Any] | None = None,
 ) -> Plan:
     kind, pipeline_class, found = detect_layout(source, token, trust_remote_code)
+    check_component_names(source, kind, [name for name, _, _ in found], components)  # before any library is imported
     model_comps = {name: (lib, cls) for name, lib, cls in found if _model_class(lib, cls) is not None}
     if kind == "transformers":
-        if components:
-            raise UsageError(f"--components applies to diffusers pipelines; {source.display} is a transformers model (it is quantized whole)")
         if not model_comps:
             hint = ("models whose classes live in remote code are not supported yet" if trust_remote_code
                     else "upgrade transformers")
@@ -231,11 +232,7 @@ def build_plan(
     else:
         if components:
             chosen = list(dict.fromkeys(components))
-            for name in chosen:
-                if name not in {n for n, _, _ in found}:
-                    raise UsageError(
-                        f"--components: {source.display} has no component {name!r}; valid: {', '.join(sorted(model_comps))}"
-                    )
+            for name in chosen:  # every name is one of the index's (check_component_names)
                 if name not in model_comps:
                     raise UsageError(
                         f"--components: {name!r} is not a model and cannot be quantized; quantizable: {', '.join(sorted(model_comps))}"
@@ -276,6 +273,23 @@ def build_plan(
         trust_remote_code=trust_remote_code,
         options=options or {},
     )
+
+
+def check_component_names(source: Source, kind: str, names: list[str], components: list[str] | None) -> None:
+    """--components against the names model_index.json gives, as soon as it is read: a misspelt name fails in
+    seconds, before the libraries are imported to tell models from tokenizers and schedulers."""
+    if not components:
+        return
+    if kind == "transformers":
+        raise UsageError(f"--components applies to diffusers pipelines; {source.display} is a transformers model (it is quantized whole)")
+    import difflib
+
+    for name in dict.fromkeys(components):
+        if name not in names:
+            close = difflib.get_close_matches(name, names, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise UsageError(f"--components: {source.display} has no component {name!r}{hint}; its model_index.json "
+                             f"names: {', '.join(sorted(names))}")
 
 
 def _check_excludes(exclude: list[str], quantized: list[Component]) -> None:

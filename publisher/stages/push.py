@@ -108,6 +108,7 @@ def push(
     message: str,
     description: str,
     state: dict[str, Any],
+    force: bool = False,
 ) -> PushResult:
     if not report.passed:
         raise VerificationError(f"refusing to push {repo_id}: verification failed ({report.summary()})")
@@ -121,7 +122,7 @@ def push(
     pr = find_open_pr(repo_id, token) if create_pr and exists() else None
     revision = pr[1] if pr else None
     head, previous = published_state(repo_id, token, revision)
-    if previous is not None and previous.get("fingerprint") == state["fingerprint"]:
+    if previous is not None and previous.get("fingerprint") == state["fingerprint"] and not force:
         return PushResult(repo_id, hub.repo_url(repo_id), head, _pr_url(repo_id, pr), True, False)
 
     created = head is None and not exists()
@@ -166,6 +167,9 @@ def push(
         if created:
             hub.delete_repo_quietly(repo_id, token)
         raise
+    if head is not None and oid == head:  # --force over identical files: the client sends no empty commit
+        log.info("%s: every file is the same as in its commit %s, so the Hub made no new commit", repo_id, head[:12])
+        return PushResult(repo_id, str(repo_url), head, pr_url, True, False)
     # hashed here from the verified files, and equal to what the uploader read (check_uploaded)
     return PushResult(repo_id, str(repo_url), oid, pr_url, False, created, ours)
 
@@ -216,9 +220,11 @@ def check_writable(repo_id: str, token: str | None, who: dict[str, Any] | None =
     return str(who.get("name"))
 
 
-def changes(previous: dict[str, Any] | None, state: dict[str, Any]) -> str:
+def changes(previous: dict[str, Any] | None, state: dict[str, Any], *, forced: bool = False) -> str:
     """The commit description: what changed since the target's previous state file (for a re-run's commit)."""
     if not previous:
         return "First publication."
     changed = [k for k in state if k not in ("fingerprint", "base_files") and previous.get(k) != state.get(k)]
+    if not changed and forced:
+        return "Published again with --force: the base, recipe, options and versions are those of the previous publication."
     return "Changed since the previous publication: " + (", ".join(changed) or "unknown") + "."

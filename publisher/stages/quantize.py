@@ -150,7 +150,7 @@ def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, d
     downloaded; the streaming engine reads them by HTTP range, the library path has them fetched first.
     ``uploader`` (``push_pr.ShardUploader``): each finished shard of a streamed component is checked,
     pre-uploaded and deleted at once (no resume cache then: its files leave the disk). ``fingerprint``: the run's
-    (job.state_for), written into the folder's marker (stages/leftovers.py). ``max_shard_size``: the output shard
+    (publisher.state.state_for), written into the folder's marker (stages/leftovers.py). ``max_shard_size``: the output shard
     size (default: the library's). ``elsewhere``: unchanged base files that go to the target another way (Hub to
     Hub: ``hubcopy``), so they are not copied into the folder. ``inputs``: the run's forward-check inputs
     (verify/capture.py) by component name: a streamed component runs its forward checks during the pass."""

@@ -25,7 +25,7 @@ def _generate(folder: Path, prompt: str, steps: int, size: int, seed: int, devic
     import torch
     from diffusers import DiffusionPipeline
 
-    pipe = DiffusionPipeline.from_pretrained(folder, torch_dtype=torch.bfloat16).to(device)
+    pipe = DiffusionPipeline.from_pretrained(folder, dtype=torch.bfloat16).to(device)
     image = pipe(prompt, num_inference_steps=steps, height=size, width=size,
                  generator=torch.Generator(device).manual_seed(seed)).images[0]
     del pipe

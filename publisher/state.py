@@ -1,0 +1,45 @@
+"""The state file of a published repo (``hf_ao_publish.json``): everything that determines its bytes and its card.
+
+Its fingerprint decides whether a re-run is a no-op (job._up_to_date), keys the resume cache and marks the folders a
+run made; the options that change only the card are in it too (job.card_options), so that changing one of them
+publishes a new card.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from publisher import __version__
+from publisher.recipes import Recipe
+from publisher.stages.plan import Plan
+
+
+def state_for(plan: Plan, recipe: Recipe) -> dict[str, Any]:
+    """Everything that determines the published bytes; its hash decides whether a re-run is a no-op."""
+    import importlib.metadata as md
+
+    state = {
+        "tool": "hf-ao-publish",
+        "tool_version": __version__,
+        "base_model": plan.source.repo_id or str(plan.source.local_dir),
+        "base_sha": plan.source.sha or _local_digest(plan),
+        "recipe": recipe.name,
+        "config": recipe.python,
+        "components": [c.name or "model" for c in plan.quantized],
+        "exclude": sorted(plan.exclude),
+        "versions": {n: md.version(n) for n in ("torch", "torchao", "diffusers", "transformers")},
+        "card": plan.options.get("card"),  # the options that change only the card (card_options)
+    }
+    state["fingerprint"] = hashlib.sha256(json.dumps(state, sort_keys=True).encode()).hexdigest()
+    # The Hub's hash of every base file read, so `verify TARGET` can prove it re-quantized the very same bytes. Not in
+    # the fingerprint: base_sha (a git commit id) already fixes every blob id and, through the LFS pointers, sha256.
+    if plan.base_hashes:
+        state["base_files"] = {f: h.to_json() for f, h in sorted(plan.base_hashes.items())}
+    return state
+
+
+def _local_digest(plan: Plan) -> str:
+    listing = json.dumps({f: plan.source.sizes[f] for f in plan.base_files}, sort_keys=True)
+    return "local-" + hashlib.sha256(listing.encode()).hexdigest()[:40]

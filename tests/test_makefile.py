@@ -1,0 +1,61 @@
+"""The set-up path installs PyTorch's CPU build unless asked for another: the Makefile's commands (as make would run
+them, read with `make -n`) and the README's `pip install` lines. PyPI's torch==2.13.0 is the multi-GB CUDA build."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+
+
+def _setup_commands(*variables: str) -> list[str]:
+    """The commands `make setup` runs, not run (-n), as if nothing were installed yet (-B)."""
+    if shutil.which("make") is None:
+        pytest.skip("make is not installed")
+    proc = subprocess.run(["make", "-n", "-B", "-C", str(ROOT), "setup", *variables], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.replace("\\\n", " ").splitlines()
+
+
+def _torch_installs(lines: list[str]) -> list[str]:
+    return [line for line in lines if re.search(r"pip install .*'?torch==", line)]
+
+
+def test_setup_installs_the_cpu_build_of_torch_by_default() -> None:
+    (line,) = _torch_installs(_setup_commands())
+    # the pin names the build: no index can hand out a CUDA wheel for torch==2.13.0+cpu
+    assert "'torch==2.13.0+cpu'" in line
+    assert f"--extra-index-url {CPU_INDEX}" in line
+    lines = _setup_commands()
+    assert lines.index(line) < next(i for i, x in enumerate(lines) if "pip install -q -e '.[test]'" in x)  # torch first
+
+
+def test_one_variable_asks_for_a_cuda_build() -> None:
+    (line,) = _torch_installs(_setup_commands("TORCH_BUILD=cu128"))
+    assert "'torch==2.13.0+cu128'" in line and "--extra-index-url https://download.pytorch.org/whl/cu128" in line
+    (pypi,) = _torch_installs(_setup_commands("TORCH_BUILD=pypi"))
+    assert "'torch==2.13.0'" in pypi and "download.pytorch.org" not in pypi
+
+
+def test_the_torch_pin_is_the_package_pin() -> None:
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    makefile = (ROOT / "Makefile").read_text()
+    (pin,) = re.findall(r'"torch==([\d.]+)"', pyproject)
+    assert f"TORCH_VERSION := {pin}\n" in makefile
+
+
+def test_readme_installs_the_cpu_build() -> None:
+    readme = (ROOT / "README.md").read_text()
+    commands = [line.split("#")[0] for line in readme.splitlines() if line.startswith("pip install")]
+    torch = [c for c in commands if "torch" in c]
+    assert torch, commands
+    for command in torch:
+        assert "torch==2.13.0+cpu" in command and CPU_INDEX in command, command
+    assert "TORCH_BUILD=cu128" in readme  # how to ask for the CUDA build
