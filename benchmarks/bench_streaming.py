@@ -26,6 +26,7 @@ import json
 import math
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -231,16 +232,17 @@ def _du(*paths: Path) -> int:
     seen: set[tuple[int, int]] = set()
     total = 0
     for path in paths:
-        if not path.exists():
-            continue
-        for p in [path] if path.is_file() else path.rglob("*"):
-            try:
-                st = p.stat()
-            except OSError:  # removed while we walk
-                continue
-            if p.is_file() and (st.st_dev, st.st_ino) not in seen:
-                seen.add((st.st_dev, st.st_ino))
-                total += st.st_blocks * 512
+        for root, _, files in os.walk(path):  # os.walk skips a folder removed while we walk (rglob raises)
+            for name in files:
+                try:
+                    st = os.lstat(os.path.join(root, name))
+                except OSError:  # removed while we walk
+                    continue
+                if stat.S_ISREG(st.st_mode) and (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    total += st.st_blocks * 512
+        if path.is_file():
+            total += path.stat().st_blocks * 512
     return total
 
 

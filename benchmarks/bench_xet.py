@@ -42,6 +42,7 @@ from bench_publish import build_layout, virtual_files  # noqa: E402 - the siblin
 from bench_streaming import run_watched  # noqa: E402
 
 GIB = 1024**3
+DIRS = ("hubdata", "hf_home", "out", "tmp", "pipeline")
 DOWNLOAD = ("from huggingface_hub import hf_hub_download; import resource, time; t = time.perf_counter(); "
             "hf_hub_download({repo!r}, {name!r}); "
             "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, time.perf_counter() - t)")
@@ -118,17 +119,21 @@ def publish(work: Path, url: str, scale: float) -> dict[str, Any]:
     print(f"  base weights put into the Hub's Xet store in {time.perf_counter() - t0:.0f}s", file=sys.stderr)
     info = api.model_info(repo, files_metadata=True)
     base = sum(int(s.size or 0) for s in info.siblings or [])
-    env = _env(url, work / "hf_home", TMPDIR=str(work / "tmp"))
-    (work / "tmp").mkdir(exist_ok=True)
-    cmd = [sys.executable, "-m", "publisher.cli", repo, "--quant", "int8wo", "--no-push", "--output-dir",
-           str(work / "out"), "--json"]
-    stdout, stderr, code, wall, rss, disk = run_watched(cmd, env, [work / "hf_home", work / "out", work / "tmp"])
-    if code:
-        raise SystemExit(f"the publish failed ({code}): {stderr.strip().splitlines()[-3:]}")
-    data = json.loads(stdout)
-    xet = [line for line in stderr.splitlines() if "Xet" in line]
-    return {"base_bytes": base, "wall": wall, "tree_rss": rss, "peak_disk": disk, "seconds": data["seconds"],
-            "verified": data["verified"], "self_rss": data["peak_rss_bytes"], "xet_lines": xet[:3]}
+    out: dict[str, Any] = {"base_bytes": base}
+    for mode, extra in (("xet", {}), ("http", {"HF_HUB_DISABLE_XET": "1"})):
+        for d in ("hf_home", "out", "tmp"):
+            shutil.rmtree(work / d, ignore_errors=True)
+        (work / "tmp").mkdir()
+        env = _env(url, work / "hf_home", TMPDIR=str(work / "tmp"), **extra)
+        cmd = [sys.executable, "-m", "publisher.cli", repo, "--quant", "int8wo", "--no-push", "--compat", "none",
+               "--output-dir", str(work / "out"), "--json"]
+        stdout, stderr, code, wall, rss, disk = run_watched(cmd, env, [work / "hf_home", work / "out", work / "tmp"])
+        if code:
+            raise SystemExit(f"the publish ({mode}) failed ({code}): {stderr.strip().splitlines()[-3:]}")
+        data = json.loads(stdout)
+        out[mode] = {"wall": wall, "tree_rss": rss, "peak_disk": disk, "seconds": data["seconds"],
+                     "verified": data["verified"], "rss_after": data["peak_rss_after_stage"]}
+    return out
 
 
 def report(r: dict[str, Any]) -> None:
@@ -142,10 +147,14 @@ def report(r: dict[str, Any]) -> None:
     if "publish" in r:
         p = r["publish"]
         print(f"\npublish of the FLUX-shaped pipeline x{r['scale']} ({p['base_bytes'] / 1e9:.2f} GB of base files, all "
-              "downloaded through Xet), defaults, --no-push:")
-        print(f"  peak RSS of the CLI's process tree {p['tree_rss'] / GIB:.2f} GiB; peak disk {p['peak_disk'] / GIB:.2f} GiB;"
-              f" wall {p['wall']:.0f} s; verified {p['verified']}")
-        print("  stages: " + ", ".join(f"{k} {v:.1f}s" for k, v in p["seconds"].items()))
+              "downloaded), defaults, --no-push, each in a fresh process:")
+        for mode, label in (("xet", "through Xet (the default)"), ("http", "over HTTP (HF_HUB_DISABLE_XET=1)")):
+            m = p[mode]
+            after = ", ".join(f"{k} {v / GIB:.2f}" for k, v in m["rss_after"].items())
+            print(f"  {label}: peak RSS of the process tree {m['tree_rss'] / GIB:.2f} GiB; the CLI's own peak RSS after "
+                  f"each stage (GiB): {after}; peak disk {m['peak_disk'] / GIB:.2f} GiB; wall {m['wall']:.0f} s; "
+                  f"verified {m['verified']}")
+            print("    stages: " + ", ".join(f"{k} {v:.1f}s" for k, v in m["seconds"].items()))
 
 
 def main() -> None:
@@ -160,6 +169,8 @@ def main() -> None:
 
     work = a.workdir or Path(tempfile.mkdtemp(prefix="bench-xet-"))
     work.mkdir(parents=True, exist_ok=True)
+    for old in [*DIRS, *work.glob("home-*")]:  # a --workdir keeps only the virtual files' sha256 cache
+        shutil.rmtree(work / old, ignore_errors=True)
     url, server = spawn_server(work / "hubdata", tokens={"tok_bench": "bench"}, timeout=120)
     try:
         result: dict[str, Any] = {"scale": a.scale, "file": one_file(work, url, a.file_gib)}
@@ -168,8 +179,8 @@ def main() -> None:
     finally:
         server.terminate()
         server.wait()
-        for d in ("hubdata", "hf_home", "out", "tmp", "pipeline", "home-up"):
-            shutil.rmtree(work / d, ignore_errors=True)
+        for old in [*DIRS, *work.glob("home-*")]:
+            shutil.rmtree(work / old, ignore_errors=True)
         if a.workdir is None:
             shutil.rmtree(work, ignore_errors=True)
     if a.json:

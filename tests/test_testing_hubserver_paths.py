@@ -277,3 +277,18 @@ def test_spawned_server_takes_scopes_and_multipart(tmp_path: Path) -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+def test_virtual_files_can_be_xet_backed_and_never_repeat_with_noise(srv: HubServer) -> None:
+    """Benchmarks seed virtual files into the Xet store (``"xet": true``) so downloads take the Xet path; ``noise``
+    data does not repeat, so Xet's chunking has nothing to deduplicate, as in a real checkpoint."""
+    from publisher.testing.virtual import safetensors_file
+
+    vf = safetensors_file([("w", (256, 1024))], seed=5, noise=True)
+    data = b"".join(vf.read(0, vf.size - 1))
+    assert data[len(vf.header):len(vf.header) + 4096] != data[len(vf.header) + 4096:len(vf.header) + 8192]
+    repo_id = new_repo(srv, "virtual-xet")
+    srv.app.add_virtual({"repo_id": repo_id, "xet": True,
+                         "files": {"w.safetensors": {**vf.to_json(), "sha256": hashlib.sha256(data).hexdigest()}}})
+    (entry,) = HfApi(endpoint=srv.url, token="tok_alice").get_paths_info(repo_id, ["w.safetensors"])
+    assert entry.xet_hash and xet_download(srv, repo_id, "main", entry.xet_hash, vf.size) == data
