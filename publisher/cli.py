@@ -336,18 +336,25 @@ def _check_remote_options(ctx: click.Context, timeout: str) -> None:
 @token_option
 @verify_env_option
 @compat_option
+@click.option("--base", "base", default=None, metavar="BASE",
+              help="The unquantized model (Hub id or folder) to re-quantize with the target's declared config and "
+                   "compare tensor for tensor (default: the base_model of its card or hf_ao_publish.json, when reachable).")
 @click.option("--no-requantize", is_flag=True,
-              help="Do not re-quantize the recorded base; only compare load paths with each other.")
+              help="Do not re-quantize any base; only check the files against their declared config and the load "
+                   "paths against each other.")
 @json_option
 @debug_option
 @quiet_option
 def verify_cmd(target: str, revision: str | None, token: str | None, verify_envs: tuple[str, ...], compat: tuple[str, ...],
-               no_requantize: bool, as_json: bool, debug: bool, quiet: bool) -> None:
-    """Check that a torchao-quantized repo (Hub id or folder) reloads along every load path.
+               base: str | None, no_requantize: bool, as_json: bool, debug: bool, quiet: bool) -> None:
+    """Check a torchao-quantized checkpoint (Hub id or folder; a pipeline, a diffusers model or a transformers
+    model, safetensors or pickle .bin): its files against their declared quantization_config, its values against
+    its base re-quantized, and every load path.
 
     \b
     Example:
       hf-ao-publish verify alice/FLUX.1-dev-torchao-int8wo
+      hf-ao-publish verify ./my-int8-llama --base meta-llama/Llama-3.1-8B
       hf-ao-publish verify alice/FLUX.1-dev-torchao-int8wo --verify-env diffusers==0.39.0 --compat none
     """
     _start(debug, quiet)
@@ -358,7 +365,7 @@ def verify_cmd(target: str, revision: str | None, token: str | None, verify_envs
 
     with tempfile.TemporaryDirectory(prefix="hf-ao-verify-") as work:
         report = _run_mapped(debug, verify_target, target, Path(work), envs=verify_envs, compat=compat, token=token,
-                             revision=revision, requantize=not no_requantize)
+                             revision=revision, requantize=not no_requantize, base=base)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:
@@ -366,7 +373,9 @@ def verify_cmd(target: str, revision: str | None, token: str | None, verify_envs
     if not report.passed:
         raise _Failure(f"verification of {target} failed: {report.summary()}", 1)
     measured = f"; other environments: {report.compat_counts()}" if report.compat else ""
-    click.echo(f"{target}: all {len(report.results)} load checks passed{measured}", err=True)
+    values = ("; values only checked for self-consistency (no base compared)" if report.self_consistency_only
+              else f"; values match the base {report.base}" if report.base else "")
+    click.echo(f"{target}: all {len(report.results)} load checks passed{values}{measured}", err=True)
 
 
 def _check_size(value: str) -> None:
