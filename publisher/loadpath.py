@@ -231,29 +231,6 @@ def convert_checkpoint_keys(model, state):
     return out
 
 
-def checkpoint_key_targets(model: Any, keys: list[str]) -> dict[str, str]:
-    """Checkpoint key -> the model key it loads into, for the keys transformers renames or merges (empty for
-    everything else): what ``convert_checkpoint_keys`` does, without reading a tensor (block-by-block loading)."""
-    try:
-        from transformers import PreTrainedModel
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-    except ImportError:
-        return {}
-    if not isinstance(model, PreTrainedModel):
-        return {}
-    conversions = get_model_conversion_mapping(model)
-    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
-    converters = [c for c in conversions if isinstance(c, WeightConverter)]
-    expected = model.state_dict()
-    out = {}
-    for key in keys:
-        target, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, expected)
-        if target != key:
-            out[key] = target
-    return out
-
-
 def load_into(model, state):
     """``load_state_dict(assign=True)`` into the meta-device model; strict, except that a weight tied to another
     (lm_head = embed_tokens) is saved once and tied again here."""
@@ -373,36 +350,33 @@ def load_call(path: Any, device: str = "cpu") -> dict[str, Any]:
 
 def run_forward(model: Any, library: str, inputs_file: str, output_file: str, device: str = "cpu") -> dict[str, str] | None:
     """Run the recorded call and save its first output; returns where non-finite values first appear (or None)."""
-    import torch
     from safetensors.torch import save_file
 
     inputs = load_call(inputs_file, device)
     first = forward(model, library, inputs)
     save_file({"output": first.detach().contiguous().cpu()}, output_file)
-    if first.is_floating_point() and not bool(torch.isfinite(first).all()):
-        return first_nonfinite(model, library, inputs) or {"layer": "", "what": _nonfinite_kind(first)}
-    return None
+    return first_nonfinite(model, library, inputs) if _nonfinite(first) else None
 
 
-def _nonfinite_kind(t: Any) -> str:
+def _nonfinite(t: Any) -> str | None:
     import torch
 
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or bool(torch.isfinite(t).all()):
+        return None
     return "NaN" if bool(torch.isnan(t).any()) else "inf"
 
 
-def first_nonfinite(model: Any, library: str, inputs: dict[str, Any]) -> dict[str, str] | None:
+def first_nonfinite(model: Any, library: str, inputs: dict[str, Any]) -> dict[str, str]:
     """Run the call again with a forward hook on every leaf module: the first (in execution order) whose output holds
-    a NaN or an infinity, with which."""
-    import torch
-
+    a NaN or an infinity, with which ("layer" empty when no module's own output had them)."""
     found: dict[str, str] = {}
 
     def hook(name: str) -> Any:
         def check(module: Any, args: Any, output: Any) -> None:
-            outs = output if isinstance(output, (tuple, list)) else (output,)
-            for o in outs:
-                if not found and isinstance(o, torch.Tensor) and o.is_floating_point() and not bool(torch.isfinite(o).all()):
-                    found.update(layer=name, what=_nonfinite_kind(o))
+            for o in output if isinstance(output, (tuple, list)) else (output,):
+                what = None if found else _nonfinite(o)
+                if what:
+                    found.update(layer=name, what=what)
         return check
 
     handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n and not list(m.children())]
@@ -411,7 +385,7 @@ def first_nonfinite(model: Any, library: str, inputs: dict[str, Any]) -> dict[st
     finally:
         for h in handles:
             h.remove()
-    return found or None
+    return found or {"layer": "", "what": "NaN"}
 
 
 def main(request_file: str) -> int:

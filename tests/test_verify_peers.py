@@ -123,6 +123,28 @@ def test_against_the_base(corpus: dict[str, Path], peer: Peer, tiny_flux_dir: Pa
         assert "1 of 21 tensors not bit-identical" in row.detail
 
 
+def test_a_named_base_that_cannot_be_reached_is_a_reason_and_an_explicit_one_an_error(hub: Any, tmp_path: Path) -> None:
+    base, why = against_base.find(None, "nobody/no-such-base", "its card (base_model)", None, None)
+    assert base is None and why.startswith("the base nobody/no-such-base named by its card (base_model) cannot be reached (")
+    with pytest.raises(SourceError, match=r"^--base nobody/no-such-base cannot be read \("):
+        against_base.find("nobody/no-such-base", None, "", None, None)
+    assert against_base.find(None, None, "", None, None) == (None, "no base named: no --base, and no base_model in its "
+                                                                 "card or hf_ao_publish.json")
+    local, _ = against_base.find(str(tmp_path), None, "", None, None)
+    assert local is not None and local.folder == tmp_path.resolve() and local.origin == "--base"
+
+
+def test_a_class_this_library_does_not_have_is_one_line(corpus: dict[str, Path], tmp_path: Path) -> None:
+    import shutil
+
+    folder = tmp_path / "m"
+    shutil.copytree(corpus["flux-model"], folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "_class_name": "FluxTransformer9DModel"}))
+    with pytest.raises(SourceError, match="is a FluxTransformer9DModel, which diffusers .* has no model class for"):
+        layout.components(folder, str(folder))
+
+
 def test_pickled_weights_load_by_hand_with_weights_only(corpus: dict[str, Path]) -> None:
     """The manual path of a pickle .bin (weights_only=True) gives the library path's tensors."""
     from publisher import loadpath
@@ -142,7 +164,8 @@ def test_a_pickle_torch_refuses_is_not_checked_and_not_unpickled(tmp_path: Path)
 
     (tmp_path / "diffusion_pytorch_model.bin").write_bytes(pickle.dumps({"x": _NotATensor()}))
     found = stored.describe_files(tmp_path, "pickle")
-    assert not found.tensors and "torch's weights-only loader refuses it" in found.not_checked[0]
+    assert not found.tensors and "torch's weights-only loader refuses diffusion_pytorch_model.bin" in found.not_checked[0]
+    assert found.not_checked[0].endswith("not unpickled any other way, so its tensors were not checked")
     with pytest.raises(loadpath.NotApplicable, match="not unpickled any other way"):
         loadpath.read_pickled(tmp_path)
 
@@ -182,7 +205,9 @@ def test_a_load_that_raised_is_a_failure_not_silently_wrong() -> None:
     data = {"ok": False, "linear_classes": {"q": "Parameter"}, "error": "RuntimeError: expected m1 and m2 to have the same dtype"}
     result = compare(_exp({"q": "Int8Tensor"}), data, "library", "current", "python", None)
     assert result.outcome == "fail" and not result.silent
-    assert result.detail.startswith("RuntimeError: expected m1") and "layer q is Parameter" in result.detail
+    assert result.detail == ("it loaded, but 0 of 1 planned layers are of the class their config implies (layer q is "
+                             "Parameter, Int8Tensor expected); then it raised RuntimeError: expected m1 and m2 to have the "
+                             "same dtype")
     data = {"ok": False, "error": "TypeError: Int8Tensor.__new__() got an unexpected keyword argument 'reduce_range'"}
     assert compare(_exp({"q": "Int8Tensor"}), data, "library", "torchao==0.17.0", "python", None).outcome == "fail"
 

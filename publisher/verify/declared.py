@@ -241,7 +241,12 @@ def check(comp: TargetComponent, declared: Declared, stored: StoredSet, model: A
                                "torchao tensor (the weights were saved unquantized, or converted)")
         return result
     modules = dict(model.named_modules())
-    q = quantizer(declared, model)
+    try:
+        q = quantizer(declared, model)
+    except (ValueError, TypeError, AttributeError, ImportError, KeyError) as exc:
+        result.problems.append(f"{comp.label}: {comp.library}'s own quantizer cannot be prepared for its declared "
+                               f"{declared.text} ({type(exc).__name__}: {_first(exc)}), so no layer could be checked")
+        return result
     stored_plain: list[str] = []
     for name, s in sorted(stored.tensors.items()):
         module_name, param = name.rsplit(".", 1) if "." in name else ("", name)
@@ -288,10 +293,3 @@ def check(comp: TargetComponent, declared: Declared, stored: StoredSet, model: A
         result.notes.append(f"{len(stored_plain)} layer(s) the config would quantize are stored unquantized "
                             f"({', '.join(stored_plain[:SHOWN])}{', ...' if len(stored_plain) > SHOWN else ''})")
     return result
-
-
-def expected_classes(checks: list[DeclaredCheck]) -> str:
-    """The tensor classes the declared configs imply, for the report (``Int8Tensor``, or several joined)."""
-    found = sorted({c for check in checks for c in check.classes.values()})
-    return ", ".join(found) if found else ""
-

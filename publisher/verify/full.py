@@ -335,7 +335,8 @@ def compare(exp: Expected, data: dict[str, Any], path: str, env_name: str, pytho
     elif extra:
         layers = f"{len(extra)} layers are quantized that were not planned (layer {extra[0]} is {classes[extra[0]]})"
     if not data.get("ok"):  # it raised after loading: the user sees the error
-        res.detail = data.get("error", "unknown error") + (f"; before that it loaded with {layers}" if layers else "")
+        error = data.get("error", "unknown error")
+        res.detail = f"it loaded, but {layers}; then it raised {error}" if layers else error
         return res
     # From here on nothing raised: anything wrong is "silently wrong"
     res.silent = True

@@ -98,7 +98,22 @@ def components(folder: Path, target: str) -> list[TargetComponent]:
             found.append(TargetComponent("", library, class_name, cfg))
     if not found:
         raise SourceError(_nothing_declared(folder, target, models))
+    for comp in found:
+        _check_class(comp, target)
     return found
+
+
+def _check_class(comp: TargetComponent, target: str) -> None:
+    """The library of this environment has the component's model class (else no load path can run)."""
+    import importlib.metadata as md
+
+    import torch
+
+    cls = getattr(__import__(comp.library), comp.class_name, None)
+    if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+        raise SourceError(f"{target}{'/' + comp.name if comp.name else ''} is a {comp.class_name}, which {comp.library} "
+                          f"{md.version(comp.library)} has no model class for; upgrade {comp.library}, or fix the class name "
+                          "in its config")
 
 
 def _nothing_declared(folder: Path, target: str, models: list[str]) -> str:

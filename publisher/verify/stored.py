@@ -104,20 +104,14 @@ def _parse(metadata: dict[str, str], entries: dict[str, tuple[str, tuple[int, ..
 
 
 def _from_pickle(folder: Path) -> StoredSet:
-    import pickle
-
-    import torch
-    import torchao  # noqa: F401  # registers torchao's tensor classes with torch's weights-only loader
     from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
 
-    state: dict[str, Any] = {}
-    for shard in sorted(folder.glob("*.bin")):
-        try:
-            state.update(torch.load(shard, map_location="cpu", weights_only=True, mmap=True))
-        except (pickle.UnpicklingError, RuntimeError, AttributeError, TypeError) as exc:
-            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
-            return StoredSet(not_checked=[f"{shard.name}: torch's weights-only loader refuses it ({first}); it was not "
-                                          "unpickled any other way, so its tensors were not checked"])
+    from publisher.loadpath import NotApplicable, read_pickled
+
+    try:  # torch.load(weights_only=True) only, as the manual path and the library loaders read it
+        state = read_pickled(folder)
+    except NotApplicable as exc:
+        return StoredSet(not_checked=[f"{exc}, so its tensors were not checked"])
     try:
         flat, metadata = flatten_tensor_state_dict(state)
     except (ValueError, TypeError, NotImplementedError) as exc:  # a tensor class torchao cannot flatten

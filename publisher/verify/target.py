@@ -62,14 +62,15 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), compat
         decl, check, rows = check_files(comp, folder, target)
         checks[comp.name] = (decl, check)
         report.content += rows
+    implied = {c for _, check in checks.values() for c in check.classes.values()}
+    if not recipe and len(implied) == 1:  # one class for every layer: the report's class, as a recipe's would be
+        report.tensor_class = implied.pop()
     chosen, why = against_base.find(base, *layout.declared_base(folder, state), state, token) if requantize else (
         None, "--no-requantize")
-    report.base = chosen.display if chosen else None
-    report.self_consistency_only = chosen is None
     report.forward = _forward_inputs(target, comps, work, token, revision)
     # built before any load: a spec that cannot be built stops here
     gating = matrix.verify_envs(envs)
-    measured = matrix.matrix_envs(compat, recipe.name if recipe else None, {c.library for c in comps},
+    measured = matrix.matrix_envs(compat, recipe.name if recipe else _matching_recipe(checks), {c.library for c in comps},
                                   skip=[e.record.name for e in gating])
     for comp in comps:
         decl, check = checks[comp.name]
@@ -84,14 +85,35 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), compat
         report.results += check_location([exp], where, where_rev, work, envs=[e.pair for e in gating], token=token,
                                          tensor_class=report.tensor_class or None, paths=PATHS, device=device,
                                          skip_reference=True)
+    compared = [c for c in report.content if c.what == "against the base" and c.checked]
+    if chosen is not None and len(compared) < len(comps):
+        why = f"the base {chosen.display} could not be compared with {len(comps) - len(compared)} of {len(comps)} components"
+    report.base = chosen.display if chosen and compared else None
+    report.self_consistency_only = len(compared) < len(comps)  # some component's values were compared with nothing
     report.values = (f"compared with the base {chosen.display} (named by {chosen.origin}) re-quantized with the "
-                     "declared config" if chosen else f"only checked for self-consistency ({why}): {SELF_ONLY}")
-    if chosen is None:
+                     "declared config" if chosen and len(compared) == len(comps) else
+                     f"only checked for self-consistency ({why}): {SELF_ONLY}")
+    if report.self_consistency_only:
         log.warning("%s: values %s", target, report.values)
     report.device = device
     report.passed = bool(report.results) and not report.failures() and not report.content_failures()
     matrix.measure(report, target, revision, work, measured, gating, token=token, device=device)
     return report
+
+
+def _matching_recipe(checks: dict[str, tuple[declared.Declared | None, declared.DeclaredCheck]]) -> str | None:
+    """The registry recipe whose config every component declares (its default matrix then applies), or None."""
+    import json
+
+    from torchao.core.config import config_to_dict
+
+    found = {json.dumps(config_to_dict(d.config), sort_keys=True) for d, _ in checks.values() if d is not None}
+    if len(found) != 1:
+        return None
+    for candidate in recipe_registry.all_recipes():
+        if json.dumps(config_to_dict(recipe_registry.build_config(candidate)), sort_keys=True) in found:
+            return candidate.name
+    return None
 
 
 def check_files(comp: TargetComponent, folder: Path, target: str
@@ -143,10 +165,13 @@ def base_row(comp: TargetComponent, decl: declared.Declared, check: declared.Dec
     strict = _strict(state, chosen)
     ours = f"{state['recipe']} (its declared {decl.text})" if strict and state else f"the declared {decl.text}"
     what = f"the base re-quantized with {ours}"
-    reference = against_base.requantize(comp, decl, src, check.dtype, "cpu", chosen)
+    recipe = recipe_registry.get(state["recipe"]) if state and state.get("recipe") in recipe_registry.names() else None
+    # where the target's recipe is made (a GPU-only format on its GPU); anything else, as diffusers does, on the CPU
+    qdevice = recipe_registry.quantize_device(recipe, recipe_registry.cuda_capability()) if recipe else "cpu"
+    reference = against_base.requantize(comp, decl, src, check.dtype, qdevice, chosen)
     files = folder / comp.name if comp.name else folder
     try:
-        loaded = load_component(comp.library, comp.class_name, files, dtype=check.dtype)
+        loaded = load_component(comp.library, comp.class_name, files, device=qdevice, dtype=check.dtype)
     except (OSError, RuntimeError, ValueError, TypeError, KeyError) as exc:
         return ContentCheck(comp.name, "against the base", True, "not compared: the target does not load with the "
                             f"library path here ({type(exc).__name__}); see its load paths"), None, what
