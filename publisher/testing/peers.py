@@ -7,7 +7,10 @@ documented calls, as a user or a model-release script would make it:
   ``save_pretrained(dir)`` (int8wo, float8wo, int8dq), and the model-release recipe of pytorch/ao's former
   ``quantize_and_upload.py`` ("8da4w": ``ModuleFqnToConfig`` with int8 dynamic activations + int4 ``Intx`` weights
   by default and ``IntxWeightOnlyConfig(int8)`` for the embeddings, ``include_input_output_embeddings`` (the
-  script's ``include_embedding`` before transformers 5), ``untie_embedding_weights``, float32 as the script loads);
+  script's ``include_embedding`` before transformers 5), ``untie_embedding_weights``, float32 as the script loads),
+  applied as the script applies it: to the "untied-weights" copy its first step writes (``lm_head`` a copy of the
+  input embeddings, ``tie_word_embeddings`` false). Applied to a model whose ``lm_head`` is its own, transformers'
+  ``untie_embedding_weights`` overwrites ``lm_head`` with the input embeddings (only the base shows it);
 - diffusers: a whole ``FluxPipeline`` quantized with ``PipelineQuantizationConfig(quant_mapping=...)`` (diffusers'
   ``TorchAoConfig`` for the transformer, transformers' for ``text_encoder_2``) and ``pipe.save_pretrained(dir)``;
   a standalone model folder, ``transformer.save_pretrained(dir)`` (safetensors, and ``safe_serialization=False``:
@@ -38,7 +41,7 @@ FLUX_LAYER = "transformer_blocks.0.ff.net.2"
 @dataclass(frozen=True)
 class Peer:
     name: str
-    base: str  # "llama" or "flux": the tiny base it is made from
+    base: str  # "llama", "llama-untied" (lm_head a copy of the input embeddings) or "flux": its tiny base
     what: str
     verdict: str  # "pass" or "fail": `verify DIR` without a base (values checked for self-consistency only)
     with_base: str  # the verdict of `verify DIR --base BASE`
@@ -79,6 +82,19 @@ def transformers_peer(base: Path, out: Path, recipe: str) -> Path:
 
     dtype = torch.float32 if recipe == "release" else torch.bfloat16  # the release script loads in float32
     model = AutoModelForCausalLM.from_pretrained(base, quantization_config=_transformers_config(recipe), dtype=dtype)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(base).save_pretrained(out)
+    return out
+
+
+def untied_weights(base: Path, out: Path) -> Path:
+    """The release script's first step: a copy whose lm_head is its own copy of the input embeddings."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
+    model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+    model.config.tie_word_embeddings = False
     model.save_pretrained(out)
     AutoTokenizer.from_pretrained(base).save_pretrained(out)
     return out
@@ -177,8 +193,11 @@ CORPUS: tuple[Peer, ...] = (
     Peer("tf-float8wo", "llama", "transformers TorchAoConfig(Float8WeightOnlyConfig()) + save_pretrained", "pass", "pass"),
     Peer("tf-int8dq", "llama", "transformers TorchAoConfig(Int8DynamicActivationInt8WeightConfig()) + save_pretrained",
          "pass", "pass"),
-    Peer("tf-release", "llama", "pytorch/ao release recipe: ModuleFqnToConfig, int8 dynamic + int4 Intx weights, "
-         "IntxWeightOnlyConfig(int8) embeddings, float32", "pass", "pass"),
+    Peer("tf-release", "llama-untied", "pytorch/ao release recipe: ModuleFqnToConfig, int8 dynamic + int4 Intx weights, "
+         "IntxWeightOnlyConfig(int8) embeddings, float32, on the script's untied-weights copy", "pass", "pass"),
+    Peer("tf-release-own-head", "llama", "the release recipe on a model whose lm_head is its own: "
+         "untie_embedding_weights overwrites lm_head with the input embeddings", "pass", "fail",
+         says="tensor lm_head.weight is not the base's own"),
     Peer("flux-pipeline", "flux", "FluxPipeline + PipelineQuantizationConfig(quant_mapping=...), save_pretrained", "pass",
          "pass", layout="pipeline"),
     Peer("flux-model", "flux", "transformer.save_pretrained(dir): a standalone diffusers model folder", "pass", "pass",
@@ -210,7 +229,9 @@ def build_peer(name: str, out: Path, bases: dict[str, Path], made: dict[str, Pat
 
     def base(kind: str) -> Path:
         if kind not in bases:
-            bases[kind] = (build_tiny_llama if kind == "llama" else build_tiny_flux)(out.parent / f"base-{kind}")
+            builders = {"llama": build_tiny_llama, "flux": build_tiny_flux,
+                        "llama-untied": lambda p: untied_weights(base("llama"), p)}
+            bases[kind] = builders[kind](out.parent / f"base-{kind}")
         return bases[kind]
 
     def source(peer: str) -> Path:
@@ -218,8 +239,8 @@ def build_peer(name: str, out: Path, bases: dict[str, Path], made: dict[str, Pat
             build_peer(peer, out.parent / peer, bases, made)
         return made[peer]
 
-    if name in ("tf-int8wo", "tf-float8wo", "tf-int8dq", "tf-release"):
-        transformers_peer(base("llama"), out, name.removeprefix("tf-"))
+    if name in ("tf-int8wo", "tf-float8wo", "tf-int8dq", "tf-release", "tf-release-own-head"):
+        transformers_peer(base(PEERS[name].base), out, name.removeprefix("tf-").removesuffix("-own-head"))
     elif name in ("flux-pipeline", "flux-pipeline-bin"):
         flux_pipeline_peer(base("flux"), out, safe_serialization=name == "flux-pipeline")
     elif name in ("flux-model", "flux-model-bin"):
