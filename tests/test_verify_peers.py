@@ -320,6 +320,18 @@ def test_a_nan_scale_is_named_as_non_finite(cli: Any, corpus: dict[str, Path]) -
 
 
 @pytest.mark.slow
+def test_the_release_recipe_equals_its_base_on_every_load_path(cli: Any, corpus: dict[str, Path]) -> None:
+    """Per-layer configs, float32, embeddings quantized: the re-quantized base is what every fresh-process load must
+    give, bit for bit (each records its tensors after moving the model, as a user's .to() would)."""
+    result, data = _verify(cli, str(corpus["tf-release"]), "--base", str(BASES["llama-untied"]))
+    assert result.exit_code == 0, result.output
+    assert [(r["path"], r["outcome"], r["class_found"]) for r in data["results"]] == [
+        ("library", "pass", "IntxUnpackedToInt8Tensor"), ("manual", "pass", "IntxUnpackedToInt8Tensor")]
+    assert all(r["forward_checked"] and r["max_abs_diff"] == 0.0 for r in data["results"])
+    assert data["tensor_class"] == "IntxUnpackedToInt8Tensor" and data["self_consistency_only"] is False
+
+
+@pytest.mark.slow
 def test_a_hub_model_repo_is_compared_with_the_base_its_card_names(cli: Any, hub: Any, flux_repo: str,
                                                                   corpus: dict[str, Path]) -> None:
     """A standalone diffusers model repo whose card names the pipeline it came from: the base's transformer is

@@ -193,10 +193,12 @@ def _against(comp: TargetComponent, decl: declared.Declared, check: declared.Dec
     if reference is None:
         gc.collect()
         return None
+    # recorded as every load path records it, after moving the model (torchao's IntxUnpackedToInt8Tensor.to() casts
+    # a bfloat16 scale to the tensor's dtype, so a float32 checkpoint's digests change with the move)
+    reference.to(device)
     info = inspect_model(reference)
     output = None
     if inputs_file is not None:
-        reference.to(device)
         output = forward(reference, comp.library, load_call(inputs_file, device)).detach().cpu().clone()
     quantized = sorted({n for n, c in info["linear_classes"].items() if c not in PLAIN_CLASSES} | set(check.classes))
     del reference
