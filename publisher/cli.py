@@ -339,7 +339,9 @@ def _check_remote_options(ctx: click.Context, timeout: str) -> None:
                                  param_hint="'--hf-jobs-timeout'")
 
 
-VERIFY_HELP = f"""Check that a torchao-quantized repo (Hub id or folder) reloads along every load path.
+VERIFY_HELP = f"""Check a torchao-quantized checkpoint (Hub id or folder; a pipeline, a diffusers model or a transformers
+model, safetensors or pickle .bin): its files against their declared quantization_config, its values against its
+base re-quantized (--base, or the base_model it names), and every load path.
 
 Then, unless --compat none, it measures the compatibility matrix, which costs more than the check itself:
 the default matrix has up to {compat.most_environments()} environments, each this one with one torchao, diffusers or
@@ -353,6 +355,7 @@ Example:
   hf-ao-publish verify alice/FLUX.1-dev-torchao-int8wo --compat none   # the load paths only
   hf-ao-publish verify alice/FLUX.1-dev-torchao-int8wo
   hf-ao-publish verify alice/FLUX.1-dev-torchao-int8wo --verify-env diffusers==0.39.0 --compat none
+  hf-ao-publish verify ./my-int8-llama --base meta-llama/Llama-3.1-8B --compat none
 """
 
 
@@ -362,13 +365,17 @@ Example:
 @token_option
 @verify_env_option
 @compat_option
+@click.option("--base", "base", default=None, metavar="BASE",
+              help="The unquantized model (Hub id or folder) to re-quantize with the target's declared config and "
+                   "compare tensor for tensor (default: the base_model of its card or hf_ao_publish.json, when reachable).")
 @click.option("--no-requantize", is_flag=True,
-              help="Do not re-quantize the recorded base; only compare load paths with each other.")
+              help="Do not re-quantize any base; only check the files against their declared config and the load "
+                   "paths against each other.")
 @json_option
 @debug_option
 @quiet_option
 def verify_cmd(target: str, revision: str | None, token: str | None, verify_envs: tuple[str, ...], compat: tuple[str, ...],
-               no_requantize: bool, as_json: bool, debug: bool, quiet: bool) -> None:
+               base: str | None, no_requantize: bool, as_json: bool, debug: bool, quiet: bool) -> None:
     """`hf-ao-publish verify TARGET`; the help text is VERIFY_HELP, which states what the matrix costs."""
     _start(debug, quiet)
     logging.getLogger("publisher.cli").info("%s", matrix_plan(target, compat, verify_envs))
@@ -379,7 +386,7 @@ def verify_cmd(target: str, revision: str | None, token: str | None, verify_envs
 
     with tempfile.TemporaryDirectory(prefix="hf-ao-verify-") as work:
         report = _run_mapped(debug, verify_target, target, Path(work), envs=verify_envs, compat=compat, token=token,
-                             revision=revision, requantize=not no_requantize)
+                             revision=revision, requantize=not no_requantize, base=base)
     failure = None if report.passed else _Failure(f"verification of {target} failed: {report.summary()}", 1)
     if as_json:
         clijson.emit({**report.to_dict(), **({"error": failure.message, "exit_code": 1} if failure else {})})
@@ -388,7 +395,9 @@ def verify_cmd(target: str, revision: str | None, token: str | None, verify_envs
     if failure:
         raise failure
     measured = f"; other environments: {report.compat_counts()}" if report.compat else ""
-    click.echo(f"{target}: all {len(report.results)} load checks passed{measured}", err=True)
+    values = ("; values only checked for self-consistency (no base compared)" if report.self_consistency_only
+              else f"; values match the base {report.base}" if report.base else "")
+    click.echo(f"{target}: all {len(report.results)} load checks passed{values}{measured}", err=True)
 
 
 def _check_size(value: str) -> None:

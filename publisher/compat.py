@@ -8,8 +8,9 @@ What the entries were chosen for (measured on tiny FLUX and Llama repos made by 
 docs/compatibility.md):
 - the oldest versions a card could claim: diffusers 0.39.0 and transformers 5.0.0 (loaded bit-identically);
   torchao 0.18.0 wrote these tensors, so the release before it is run to show where the format starts;
-- the library path's known silent misloads: diffusers 0.38.0 loads a quantized transformer without its
-  torchao weights, with only a warning; torchao 0.15.0 does the same to int8 weights;
+- the library path's known misloads: diffusers 0.38.0 loads a quantized transformer without its torchao
+  weights, with only a warning (the first use of that model then raises); torchao 0.15.0 does the same to int8
+  weights;
 - transformers 4.57.6, whose loader cannot read these tensors while the manual path can: it is what the
   manual path on the card is for.
 

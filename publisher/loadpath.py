@@ -2,16 +2,21 @@
 
 Run as a *script* (``python loadpath.py REQUEST.json``) in a fresh interpreter, so that any interpreter with
 torch/torchao/diffusers/transformers can run it (``--verify-env``): it imports nothing of ``publisher``. The
-package imports it too (one way to load a component, one digest of a tensor, everywhere). It never unpickles anything: inputs are safetensors, weights are
-safetensors, and the library loaders run with their default ``weights_only=True``.
+package imports it too (one way to load a component, one digest of a tensor, everywhere). Inputs are safetensors;
+weights are safetensors, or a pickle ``.bin`` (``safe_serialization=False``) that is only ever read with
+``torch.load(weights_only=True)``, as the library loaders read it.
 
 Load paths:
 - ``library``: ``<Class>.from_pretrained(folder_or_repo, subfolder=...)`` (the diffusers / transformers loaders).
 - ``manual``: meta-device model (``accelerate.init_empty_weights`` + ``from_config``), every shard read
   with ``safetensors.torch.load_file``, torchao tensors rebuilt with
-  ``torchao.prototype.safetensors.safetensors_support.unflatten_tensor_state_dict`` from the header
   metadata, then ``load_state_dict(strict=True, assign=True)``: the route without the library loaders, for
-  diffusers or transformers versions whose loaders cannot read torchao tensors (see publisher/compat.py).
+  diffusers or transformers versions whose loaders cannot read torchao tensors (see publisher/compat.py). A folder
+  with pickle weights only is read with ``torch.load(weights_only=True)`` after ``import torchao`` (which allows
+  its tensor classes); a pickle that loader refuses makes the path "not applicable", never a full unpickle.
+
+The request's ``dtype`` is the dtype the model is loaded in (the one its torchao tensors record; bfloat16 by
+default). An output with non-finite values is reported with the first module whose output has them.
 """
 
 from __future__ import annotations
@@ -41,14 +46,15 @@ def _model_class(library: str, class_name: str) -> Any:
     return getattr(module, class_name)
 
 
-def load_component(library: str, class_name: str, location: Any, *, device: str = "cpu", **kwargs: Any) -> Any:
-    """``<Class>.from_pretrained`` in bfloat16, as a user would load one component (the package's
-    other stages use this too, so every load goes the same way)."""
+def load_component(library: str, class_name: str, location: Any, *, device: str = "cpu", dtype: str = "bfloat16",
+                   **kwargs: Any) -> Any:
+    """``<Class>.from_pretrained`` in ``dtype`` (bfloat16 unless the checkpoint was made in another), as a user would
+    load one component (the package's other stages use this too, so every load goes the same way)."""
     import torch
 
     if device != "cpu":
         kwargs["device_map"] = device  # GPU-only layouts (int4 tile-packed) are placed as they load
-    kwargs["torch_dtype" if library == "diffusers" else "dtype"] = torch.bfloat16
+    kwargs["torch_dtype" if library == "diffusers" else "dtype"] = getattr(torch, dtype)
     return _model_class(library, class_name).from_pretrained(location, **kwargs).eval()
 
 
@@ -63,7 +69,8 @@ def forward(model: Any, library: str, inputs: dict[str, Any]) -> Any:
 
 def _load_library(req: dict[str, Any]) -> Any:
     extra = {k: req[k] for k in ("subfolder", "revision") if req.get(k)}
-    return load_component(req["library"], req["class_name"], req["location"], device=req.get("device") or "cpu", **extra)
+    return load_component(req["library"], req["class_name"], req["location"], device=req.get("device") or "cpu",
+                          dtype=req.get("dtype") or "bfloat16", **extra)
 
 
 def _local_folder(req: dict[str, Any]) -> Path:
@@ -91,7 +98,7 @@ def to_meta(v: Any) -> Any:
     return v
 
 
-def meta_model(library: str, class_name: str, config: Any) -> Any:
+def meta_model(library: str, class_name: str, config: Any, dtype: str = "bfloat16") -> Any:
     """The component on the meta device (buffers stay real: rotary tables, position ids), from its config:
     a dict (config.json) or a transformers config object."""
     import torch
@@ -103,7 +110,7 @@ def meta_model(library: str, class_name: str, config: Any) -> Any:
             return cls.from_config(config)
         if isinstance(config, dict):
             config = cls.config_class.from_dict(config)
-        return cls._from_config(config, dtype=torch.bfloat16)
+        return cls._from_config(config, dtype=getattr(torch, dtype))
 
 
 class NotApplicable(Exception):
@@ -111,26 +118,45 @@ class NotApplicable(Exception):
 
 
 def _load_manual(req: dict[str, Any]) -> Any:
-    return load_manual(req["library"], req["class_name"], _local_folder(req))
+    return load_manual(req["library"], req["class_name"], _local_folder(req), dtype=req.get("dtype") or "bfloat16")
 
 
-def load_manual(library: str, class_name: str, folder: Path) -> Any:
+def load_manual(library: str, class_name: str, folder: Path, dtype: str = "bfloat16") -> Any:
     """The manual path (module docstring) from a local component folder, on the CPU; NotApplicable where
-    transformers' key conversions cannot be reproduced by hand."""
+    transformers' key conversions cannot be reproduced by hand, or a pickle only torch's full unpickler would read."""
     cls = _model_class(library, class_name)
     config = cls.load_config(folder) if library == "diffusers" else cls.config_class.from_pretrained(folder)
-    model = meta_model(library, class_name, config)
-    index = next(iter(folder.glob("*.safetensors.index.json")), None)
+    model = meta_model(library, class_name, config, dtype)
+    pickled = not any(folder.glob("*.safetensors")) and any(folder.glob("*.bin"))
+    index = next(iter(folder.glob("*.bin.index.json" if pickled else "*.safetensors.index.json")), None)
     if index is not None:
         named = set(json.loads(index.read_text())["weight_map"].values())
         missing = sorted(n for n in named if not (folder / n).is_file())
         if missing:
             raise FileNotFoundError(f"shard {missing[0]} named in {index.name} is missing")
     try:
-        state = convert_checkpoint_keys(model, read_checkpoint(folder))
+        state = convert_checkpoint_keys(model, read_pickled(folder) if pickled else read_checkpoint(folder))
     except ValueError as exc:
         raise NotApplicable(str(exc)) from None
     return load_into(model, state)
+
+
+def read_pickled(folder: Path) -> dict[str, Any]:
+    """Every tensor of the pickle ``.bin`` files in ``folder``, read with ``torch.load(weights_only=True)`` only."""
+    import pickle
+
+    import torch
+    import torchao  # noqa: F401  # registers its tensor classes with torch's weights-only loader
+
+    state: dict[str, Any] = {}
+    for shard in sorted(folder.glob("*.bin")):
+        try:
+            state.update(torch.load(shard, map_location="cpu", weights_only=True))
+        except pickle.UnpicklingError as exc:
+            first = (str(exc).strip().splitlines() or ["refused"])[0][:300]
+            raise NotApplicable(f"torch's weights-only loader refuses {shard.name} ({first}); it is not unpickled "
+                                "any other way") from None
+    return state
 
 
 # The manual path. The card's "load the weights by hand" snippet is these three functions' source, verbatim
@@ -205,29 +231,6 @@ def convert_checkpoint_keys(model, state):
     return out
 
 
-def checkpoint_key_targets(model: Any, keys: list[str]) -> dict[str, str]:
-    """Checkpoint key -> the model key it loads into, for the keys transformers renames or merges (empty for
-    everything else): what ``convert_checkpoint_keys`` does, without reading a tensor (block-by-block loading)."""
-    try:
-        from transformers import PreTrainedModel
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
-    except ImportError:
-        return {}
-    if not isinstance(model, PreTrainedModel):
-        return {}
-    conversions = get_model_conversion_mapping(model)
-    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
-    converters = [c for c in conversions if isinstance(c, WeightConverter)]
-    expected = model.state_dict()
-    out = {}
-    for key in keys:
-        target, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, expected)
-        if target != key:
-            out[key] = target
-    return out
-
-
 def load_into(model, state):
     """``load_state_dict(assign=True)`` into the meta-device model; strict, except that a weight tied to another
     (lm_head = embed_tokens) is saved once and tied again here."""
@@ -281,10 +284,12 @@ def digest_header(dtype: Any, shape: Any) -> Any:
 
 
 def linear_classes(model: Any) -> dict[str, str]:
-    """The class of every Linear weight (read without touching the data: it works on a half-loaded model)."""
+    """The class of every Linear and Embedding weight (what torchao configs quantize), read without touching the
+    data: it works on a half-loaded model."""
     import torch
 
-    return {name: type(module.weight).__name__ for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    kinds = (torch.nn.Linear, torch.nn.Embedding)
+    return {name: type(module.weight).__name__ for name, module in model.named_modules() if isinstance(module, kinds)}
 
 
 def inspect_model(model: Any) -> dict[str, Any]:
@@ -343,12 +348,44 @@ def load_call(path: Any, device: str = "cpu") -> dict[str, Any]:
     return {k: decode(node) for k, node in spec.items()}
 
 
-def run_forward(model: Any, library: str, inputs_file: str, output_file: str, device: str = "cpu") -> None:
+def run_forward(model: Any, library: str, inputs_file: str, output_file: str, device: str = "cpu") -> dict[str, str] | None:
+    """Run the recorded call and save its first output; returns where non-finite values first appear (or None)."""
     from safetensors.torch import save_file
 
     inputs = load_call(inputs_file, device)
     first = forward(model, library, inputs)
     save_file({"output": first.detach().contiguous().cpu()}, output_file)
+    return first_nonfinite(model, library, inputs) if _nonfinite(first) else None
+
+
+def _nonfinite(t: Any) -> str | None:
+    import torch
+
+    if not isinstance(t, torch.Tensor) or not t.is_floating_point() or bool(torch.isfinite(t).all()):
+        return None
+    return "NaN" if bool(torch.isnan(t).any()) else "inf"
+
+
+def first_nonfinite(model: Any, library: str, inputs: dict[str, Any]) -> dict[str, str]:
+    """Run the call again with a forward hook on every leaf module: the first (in execution order) whose output holds
+    a NaN or an infinity, with which ("layer" empty when no module's own output had them)."""
+    found: dict[str, str] = {}
+
+    def hook(name: str) -> Any:
+        def check(module: Any, args: Any, output: Any) -> None:
+            for o in output if isinstance(output, (tuple, list)) else (output,):
+                what = None if found else _nonfinite(o)
+                if what:
+                    found.update(layer=name, what=what)
+        return check
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n and not list(m.children())]
+    try:
+        forward(model, library, inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return found or {"layer": "", "what": "NaN"}
 
 
 def main(request_file: str) -> int:
@@ -369,7 +406,7 @@ def main(request_file: str) -> int:
         model.to(device)
         result.update(inspect_model(model))
         if req.get("inputs"):
-            run_forward(model, req["library"], req["inputs"], req["output"], device)
+            result["nonfinite"] = run_forward(model, req["library"], req["inputs"], req["output"], device)
             result["output"] = req["output"]
         result["ok"] = True
     except NotApplicable as exc:

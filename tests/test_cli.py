@@ -314,6 +314,34 @@ def test_verify_compat_and_verify_env_values_are_checked_before_any_work() -> No
     assert result.exit_code == 1 and "is neither a Python interpreter" not in result.stderr
 
 
+def test_verify_base(fake_verify: dict[str, Any]) -> None:
+    assert invoke("verify", "alice/x").exit_code == 0
+    assert fake_verify["base"] is None  # the base the target names, when reachable
+    result = invoke("verify", "alice/x", "--base", "meta/tiny-llama")
+    assert result.exit_code == 0 and fake_verify["base"] == "meta/tiny-llama"
+    assert "--base BASE" in invoke("verify", "--help").stdout
+
+
+def test_verify_says_when_values_were_only_checked_for_self_consistency(monkeypatch: pytest.MonkeyPatch) -> None:
+    import publisher.verify.target as target_module
+    from publisher.verify.report import ContentCheck
+
+    def verify_target(target: str, work: Path, **kwargs: Any) -> VerifyReport:
+        result = PathResult("", "library", "current", {"torch": "2.x"}, ok=True, quantized_layers=3)
+        return VerifyReport("unknown", target, True, results=[result], self_consistency_only=True,
+                            values="only checked for self-consistency (no base named)",
+                            content=[ContentCheck("", "declared config", True, "3 quantized layers stored as declared")])
+
+    monkeypatch.setattr(target_module, "verify_target", verify_target)
+    result = invoke("verify", "alice/x")
+    assert result.exit_code == 0
+    assert "declared config   pass   3 quantized layers stored as declared" in result.stdout
+    assert "Values: only checked for self-consistency (no base named)." in result.stdout
+    assert "alice/x: all 1 load checks passed; values only checked for self-consistency (no base compared)" in result.stderr
+    data = json.loads(invoke("verify", "alice/x", "--json").stdout)
+    assert data["self_consistency_only"] is True and data["content"][0]["what"] == "declared config"
+
+
 def test_verify_no_requantize(fake_verify: dict[str, Any]) -> None:
     assert invoke("verify", "alice/x").exit_code == 0
     assert fake_verify["requantize"] is True

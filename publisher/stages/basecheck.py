@@ -21,8 +21,11 @@ from publisher.errors import InputError
 from publisher.stages.source import Source
 from publisher.streaming.validate import HeaderEntry
 
+Header = tuple[dict[str, str], dict[str, HeaderEntry]]  # (``__metadata__``, tensors by name) of one safetensors file
 
-def check_base(source: Source, files: Sequence[str], token: str | None) -> None:
+
+def check_base(source: Source, files: Sequence[str], token: str | None) -> dict[str, Header]:
+    """Every check above; returns the parsed header of each safetensors file (for stages/prequantized.py)."""
     for f in files:  # sizes first: nothing is fetched while an oversized file could still fail the run
         limit = jsonfile.limit_for(f)
         if jsonfile.parsed_here(f) and source.sizes.get(f, 0) > limit:
@@ -40,10 +43,11 @@ def check_base(source: Source, files: Sequence[str], token: str | None) -> None:
             headers = dict(zip(weights, pool.map(lambda f: _header(source, f, token), weights)))
     for f in files:
         if f.endswith(".safetensors.index.json"):
-            _check_index(source, f, headers, token)
+            _check_index(source, f, {k: v[1] for k, v in headers.items()}, token)
+    return headers
 
 
-def _header(source: Source, path: str, token: str | None) -> dict[str, HeaderEntry]:
+def _header(source: Source, path: str, token: str | None) -> Header:
     from publisher.streaming.safetensors_io import read_header
 
     where = source.where(path)
@@ -51,14 +55,14 @@ def _header(source: Source, path: str, token: str | None) -> dict[str, HeaderEnt
         from publisher.localfiles import open_regular
 
         with open_regular(source.local_dir / path, source.roots()) as local:
-            return read_header(local, where)[1]
+            return read_header(local, where)
     from huggingface_hub import hf_hub_url
 
     from publisher.streaming.shards import RangeFile
 
     url = hf_hub_url(source.repo_id, path, revision=source.sha)  # type: ignore[arg-type]
     with RangeFile(url, token, where) as remote:
-        return read_header(remote, where)[1]  # type: ignore[arg-type]
+        return read_header(remote, where)  # type: ignore[arg-type]
 
 
 def _check_index(source: Source, index: str, headers: dict[str, dict[str, HeaderEntry]], token: str | None) -> None:

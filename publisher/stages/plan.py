@@ -19,6 +19,7 @@ from publisher.integrity import FileHash
 from publisher.jsonfile import weight_map
 from publisher.localfiles import plain_name
 from publisher.recipes import Recipe
+from publisher.stages import prequantized
 from publisher.stages.basecheck import check_base
 from publisher.stages.source import Source
 
@@ -222,6 +223,8 @@ def build_plan(
 ) -> Plan:
     kind, pipeline_class, found = detect_layout(source, token, trust_remote_code)
     check_component_names(source, kind, [name for name, _, _ in found], components)  # before any library is imported
+    # an already-quantized base is refused first, by its configs (its weights' headers are read below)
+    prequantized.refuse_quantized_configs(source, [name for name, _, _ in found], token)
     model_comps = {name: (lib, cls) for name, lib, cls in found if _model_class(lib, cls) is not None}
     if kind == "transformers":
         if not model_comps:
@@ -253,7 +256,7 @@ def build_plan(
         comps.append(Component(name=name, library=library, class_name=class_name, quantize=quantize, weight_files=files))
     base_files = _base_files(source, kind, comps, token)
     # Every file the run will parse, checked before the meta-device builds and any download or repo (basecheck).
-    check_base(source, base_files, token)
+    prequantized.refuse_quantized_tensors(source, check_base(source, base_files, token))
     comps = [_with_meta_structure(source, c, token) if c.quantize else c for c in comps]
     _check_excludes(exclude, [c for c in comps if c.quantize])
 

@@ -366,7 +366,8 @@ def _quantize_component(plan: Plan, base_dir: Path, comp: Component, recipe: Rec
         shard = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
         model.save_pretrained(dst, safe_serialization=True, **shard)
     except (ValueError, RuntimeError, TypeError, ImportError, AssertionError, NotImplementedError) as exc:
-        raise QuantizeError(f"quantizing {comp.label} ({comp.class_name}) with {recipe.name} failed: {exc}") from exc
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else f"{type(exc).__name__} with no message"
+        raise QuantizeError(f"quantizing {comp.label} ({comp.class_name}) with {recipe.name} failed: {reason}") from exc
     bins = sorted(p.name for p in dst.glob("*.bin"))
     if bins:
         raise QuantizeError(f"{comp.label} was saved as a pickle ({bins[0]}); {recipe.name} cannot be published as safetensors")

@@ -51,7 +51,9 @@ def for_components(folder: Path, pipeline_class: str | None, quantized: dict[str
         if name in out:
             continue
         if library != "transformers":
-            out[name] = ForwardInputs(None, "", f"the {pipeline_class} run does not call {name}'s forward before its denoiser")
+            why = (f"the {pipeline_class} run does not call {name}'s forward before its denoiser" if pipeline_class else
+                   f"a standalone {class_name} has no pipeline whose call could be recorded for it")
+            out[name] = ForwardInputs(None, "", why)
             continue
         config = json.loads(((folder / name if name else folder) / "config.json").read_text())
         inputs, how = token_inputs(class_name, config)

@@ -225,4 +225,11 @@ def text_table(report: VerifyReport) -> str:
         lines.append("(measured): an environment of the compatibility matrix; its outcome does not decide the exit code")
     elif comp.note:
         lines.append(f"Other environments: not measured ({comp.note}).")
+    if report.content:
+        lines += ["", f"{'component':<14} {'check':<17} {'result':<6} detail"]
+        for c in report.content:
+            lines.append(f"{(c.component or 'model'):<14} {c.what:<17} {'pass' if c.ok else 'FAIL':<6} {c.detail}")
+            lines += [f"{'':<14} {'':<17} {'note':<6} {note}" for note in c.notes]
+    if report.values:
+        lines.append(f"Values: {report.values}.")
     return "\n".join(lines)

@@ -13,6 +13,7 @@ import logging
 import os
 import subprocess
 import sys
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,7 +22,8 @@ from publisher import loadpath, procs
 from publisher.errors import VerificationError
 from publisher.stages.quantize import Artifacts
 from publisher.verify.inputs import token_inputs
-from publisher.verify.report import PATHS, Expected, ForwardInputs, Mode, PathResult, Quality, VerifyReport
+from publisher.verify.quality import quality_against_base
+from publisher.verify.report import PATHS, PLAIN_CLASSES, Expected, ForwardInputs, Mode, PathResult, VerifyReport
 
 if TYPE_CHECKING:
     from publisher.streaming.shards import ShardSource
@@ -274,6 +276,7 @@ def run_worker(exp: Expected, path: str, python: str, where: str, revision: str 
         "result": str(work / f"result-{name}.json"),
         "threads": threads,
         "device": device,
+        "dtype": exp.dtype,
     }
     req_file = work / f"request-{name}.json"
     req_file.write_text(json.dumps(request))
@@ -294,7 +297,11 @@ def run_worker(exp: Expected, path: str, python: str, where: str, revision: str 
 
 
 def compare(exp: Expected, data: dict[str, Any], path: str, env_name: str, python: str, tensor_class: str | None) -> PathResult:
-    """Bit-for-bit comparison of one reload against the expected record."""
+    """Bit-for-bit comparison of one reload against the expected record.
+
+    Outcomes (report.Outcome): anything that raised (the load, moving the model, its forward) is a failure the user
+    sees; "silently wrong" is only a run that raised nothing and gave wrong classes, tensors or outputs. The class
+    each planned layer must have is the one its config implies (``exp.classes``), else ``tensor_class``."""
     import torch
     from safetensors.torch import load_file
 
@@ -304,25 +311,38 @@ def compare(exp: Expected, data: dict[str, Any], path: str, env_name: str, pytho
         res.detail = data.get("error", "unknown error")
         res.applicable = not data.get("not_applicable")
         return res
-    # From here on the load returned without an error: anything wrong is "silently wrong" (res.silent)
-    torchao_like = {c for c in classes.values() if c not in ("Parameter", "Tensor")}
-    res.quantized_layers = sum(1 for c in classes.values() if (c == tensor_class if tensor_class else c in torchao_like))
-    wanted = tensor_class or "a torchao tensor"
-    wrong = [n for n in exp.quantized if (classes.get(n) != tensor_class if tensor_class else classes.get(n) not in torchao_like)]
-    then = f"; then {data.get('error', 'unknown error')}" if not data.get("ok") else ""
+    torchao_like = {c for c in classes.values() if c not in PLAIN_CLASSES}
+
+    def wanted(layer: str) -> str | None:
+        return exp.classes.get(layer) or tensor_class
+
+    def right(layer: str) -> bool:
+        want = wanted(layer)
+        return classes.get(layer) == want if want else classes.get(layer) in torchao_like
+
+    found = Counter(classes.get(n, "missing") for n in exp.quantized)
+    res.classes_found = dict(found)
+    res.class_found = ", ".join(c for c, _ in found.most_common()) if found else ""
+    res.quantized_layers = sum(1 for c in classes.values() if c in torchao_like)
+    wrong = [n for n in exp.quantized if not right(n)]
+    planned = set(exp.quantized)
+    extra = sorted(n for n, c in classes.items() if c in torchao_like and n not in planned)
+    layers = ""
     if wrong:
-        res.silent = True
-        res.detail = (f"loads without an error, but {len(exp.quantized) - len(wrong)} of {len(exp.quantized)} planned layers "
-                      f"are {wanted} (layer {wrong[0]} is {classes.get(wrong[0])}){then}")
+        want = wanted(wrong[0]) or "a torchao tensor"
+        layers = (f"{len(exp.quantized) - len(wrong)} of {len(exp.quantized)} planned layers are of the class their "
+                  f"config implies (layer {wrong[0]} is {classes.get(wrong[0])}, {want} expected)")
+    elif extra:
+        layers = f"{len(extra)} layers are quantized that were not planned (layer {extra[0]} is {classes[extra[0]]})"
+    if not data.get("ok"):  # it raised after loading: the user sees the error
+        error = data.get("error", "unknown error")
+        res.detail = f"it loaded, but {layers}; then it raised {error}" if layers else error
         return res
-    if res.quantized_layers != len(exp.quantized):
-        res.silent = True
-        res.detail = f"{res.quantized_layers} quantized layers after reload, {len(exp.quantized)} expected{then}"
+    # From here on nothing raised: anything wrong is "silently wrong"
+    res.silent = True
+    if wrong:
+        res.detail = f"loads without an error, but {layers}"
         return res
-    if not data.get("ok"):  # every layer as planned, then an error (moving it, or its forward): the user sees it
-        res.detail = data.get("error", "unknown error")
-        return res
-    res.silent = True  # only the checks below remain, and each is a silent difference
     got = data["digests"]
     res.tensors_checked = len(got)
     for name, digest in exp.digests.items():
@@ -330,9 +350,14 @@ def compare(exp: Expected, data: dict[str, Any], path: str, env_name: str, pytho
             res.detail = (f"tensor {name} differs from {exp.reference}" if name in got else f"tensor {name} missing after reload")
             return res
     known = set(exp.digests.values())
-    extra = sorted(n for n in set(got) - set(exp.digests) if got[n] not in known)  # tied weights: saved once
-    if extra:
-        res.detail = f"unexpected tensor {extra[0]} after reload"
+    unexpected = sorted(n for n in set(got) - set(exp.digests) if got[n] not in known)  # tied weights: saved once
+    if unexpected and exp.digests:  # no digests: nothing to compare with (the reference itself did not load)
+        res.detail = f"unexpected tensor {unexpected[0]} after reload"
+        return res
+    bad = data.get("nonfinite")
+    if bad:
+        res.forward_checked = True
+        res.detail = nonfinite_text(bad)
         return res
     if exp.output is not None:
         out = load_file(data["output"])["output"]
@@ -344,67 +369,11 @@ def compare(exp: Expected, data: dict[str, Any], path: str, env_name: str, pytho
         if not torch.equal(out, exp.output):
             res.detail = f"output differs from {exp.reference} (max abs diff {res.max_abs_diff:.3g})"
             return res
-    res.ok = True
+    res.ok, res.silent = True, False
     return res
 
 
-def quality_against_base(expected: list[Expected], base_sources: dict[str, ShardSource],
-                         saved: dict[str, ShardSource] | None = None) -> list[Quality]:
-    """Relative error and cosine similarity of each component's output against the unquantized base: its output from
-    the quantization pass when that ran it (verify/inpass.py), else a forward block by block from its shards (one
-    block in memory: never more than the quantized side needs).
-
-    The base runs in the dtypes the quantized component was loaded in (bfloat16, and float32 where the library
-    keeps a module in float32), whatever dtype it is stored in: a float32 or float16 base is cast as it is read,
-    so the figures measure quantization alone. ``saved``: component -> its quantized files, whose header dtypes
-    say which tensors stayed float32."""
-    import torch
-
-    from publisher.verify import streaming as vs
-
-    out: list[Quality] = []
-    for exp in expected:
-        source = base_sources.get(exp.component)
-        if exp.output is None or exp.inputs is None:
-            continue
-        if exp.base_output is not None:  # computed during the quantization pass: nothing to read again
-            ref = exp.base_output.float()
-        elif source is None:
-            continue
-        else:
-            try:
-                cast = _loaded_dtypes(saved.get(exp.component) if saved else None)
-                ref = vs.block_forward(source, exp.library, exp.class_name, vs.load_config(source),
-                                       loadpath.load_call(exp.inputs), cast=cast).output.float()
-            except (OSError, KeyError, ValueError, RuntimeError, TypeError) as exc:
-                log.warning("quality of %s not measured: the base forward failed (%s)", exp.component or "model", exc)
-                continue
-            gc.collect()
-        q = exp.output.float()
-        rel = float((q - ref).norm() / ref.norm().clamp_min(1e-12))
-        cos = float(torch.nn.functional.cosine_similarity(q.flatten(), ref.flatten(), dim=0))
-        out.append(Quality(exp.component or "model", rel, cos))
-    return out
-
-
-def _loaded_dtypes(saved: ShardSource | None) -> Any:
-    """``cast(name, tensor)`` for the base forward: floating tensors to the dtype the quantized component holds them
-    in (read from its saved headers; bfloat16 for quantized weights and anything not found)."""
-    import torch
-
-    from publisher.streaming.shards import build_index
-
-    dtypes: dict[str, Any] = {}
-    if saved is not None:
-        index = build_index(saved)
-        names = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-        for name, keys in index.parts.items():
-            if keys == [name] and index.entries[name][1].dtype in names:
-                dtypes[name] = names[index.entries[name][1].dtype]
-
-    def cast(name: str, t: Any) -> Any:
-        if type(t) is not torch.Tensor or not t.is_floating_point():
-            return t
-        return t.to(dtypes.get(name, torch.bfloat16))
-
-    return cast
+def nonfinite_text(bad: dict[str, str]) -> str:
+    """How a forward with non-finite outputs is reported (the worker's ``nonfinite`` record)."""
+    where = f", first produced by layer {bad['layer']}" if bad.get("layer") else ""
+    return f"the output holds non-finite values ({bad.get('what') or 'NaN'}){where}"

@@ -20,6 +20,25 @@ from publisher.integrity import FileHash, hashes_of
 log = logging.getLogger(__name__)
 
 AFTER = "nothing was verified"
+WEIGHT_FILES = (".json", ".safetensors", ".bin")  # a component's configs, index and weights
+
+
+def _needed(files: list[str]) -> list[str]:
+    """A folder's files the loaders read: its pickle .bin weights only where it has no safetensors (as they choose)."""
+    folders_with_st = {f.rpartition("/")[0] for f in files if f.endswith(".safetensors")}
+    return sorted(f for f in files if not (f.endswith((".bin", ".bin.index.json")) and f.rpartition("/")[0] in folders_with_st))
+
+
+def hub_sha(repo_id: str, revision: str | None, token: str | None) -> str:
+    """The commit a Hub repo's revision (default: main) points at; the Hub's errors propagate."""
+    return _hub_hashes(repo_id, revision, token)[0]
+
+
+def fetch_base_index(base: str, sha: str, token: str | None) -> Path:
+    """The base's model_index.json or root config.json (whichever it has), checked against the Hub's hashes."""
+    _, now = _hub_hashes(base, sha, token)
+    files = [f for f in ("model_index.json", "config.json") if f in now][:1]
+    return downloads.download(base, sha, files, now, token, after=AFTER)
 
 
 def _hub_hashes(repo_id: str, revision: str | None, token: str | None) -> tuple[str, dict[str, FileHash]]:
@@ -39,7 +58,7 @@ def fetch_target_configs(target: str, revision: str | None, token: str | None, s
     """The target's state file, model_index.json and every config.json (root and one level down), checked against the
     Hub's hashes; returns (the local snapshot folder, the resolved commit sha, the Hub's hashes of every file)."""
     sha, hashes = _hub_hashes(target, revision, token)
-    files = sorted(f for f in hashes if f in (state_file, "model_index.json", "config.json")
+    files = sorted(f for f in hashes if f in (state_file, "model_index.json", "config.json", "README.md")
                    or (f.count("/") == 1 and f.endswith("/config.json")))
     folder = downloads.download(target, sha, files, hashes, token, after=AFTER)
     log.info("%d files of %s@%s checked against the Hub's hashes", len(files), target, sha[:12])
@@ -48,8 +67,9 @@ def fetch_target_configs(target: str, revision: str | None, token: str | None, s
 
 def fetch_target_components(target: str, sha: str, hashes: dict[str, FileHash], components: list[str],
                             token: str | None) -> None:
-    """The quantized components' configs and weights (what the load paths read), checked against the Hub's hashes."""
-    files = sorted(f for f in hashes if f.endswith((".json", ".safetensors")) and any(_direct(f, c) for c in components))
+    """The quantized components' configs and weights (what the load paths read: safetensors, else a pickle .bin),
+    checked against the Hub's hashes."""
+    files = _needed([f for f in hashes if f.endswith(WEIGHT_FILES) and any(_direct(f, c) for c in components)])
     downloads.download(target, sha, files, hashes, token, after=AFTER)
     log.info("%d weight and config files of %s@%s checked against the Hub's hashes", len(files), target, sha[:12])
 
@@ -60,8 +80,8 @@ def fetch_base_component(base: str, sha: str, component: str, recorded: Any, tar
     and each download must have it too. Returns the local snapshot folder of the base."""
     _, now = _hub_hashes(base, sha, token)
     record = {f: FileHash.from_json(v) for f, v in recorded.items()} if isinstance(recorded, dict) else None
-    files = sorted(f for f in (record if record is not None else now)
-                   if _direct(f, component) and f.endswith((".json", ".safetensors")))
+    files = _needed([f for f in (record if record is not None else now)
+                     if _direct(f, component) and f.endswith(WEIGHT_FILES)])
     for f in files if record is not None else ():
         mine, theirs = record[f], now.get(f)  # type: ignore[index]
         if mine is None:

@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING
 from publisher import recipes as recipe_registry
 from publisher.errors import VerificationError
 from publisher.verify.commit_hashes import CommitFile, check_commit
-from publisher.verify.full import check_location, quality_against_base
+from publisher.verify.full import check_location
+from publisher.verify.quality import quality_against_base
 from publisher.verify.report import PathResult, VerifyReport
 
 if TYPE_CHECKING:

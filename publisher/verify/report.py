@@ -16,11 +16,13 @@ from publisher.errors import VerificationError
 PATHS = ("library", "manual")
 MODES = ("auto", "full", "streaming")
 Mode = Literal["auto", "full", "streaming"]
-# pass: bit-identical, every planned layer of the recipe's class; fail: an error; silently wrong: loads without
-# an error, but layers are not quantized or tensors / outputs differ (the dangerous one)
+# pass: bit-identical, every planned layer of the class its config implies; fail: something raised (the load, moving
+# the model, its forward); silently wrong: nothing raised, but layers are not quantized as declared, or tensors /
+# outputs differ or are not finite (the dangerous one)
 Outcome = Literal["pass", "fail", "silently wrong"]
 OUTCOMES: tuple[Outcome, ...] = ("pass", "fail", "silently wrong")
 REPORT_NAME = "verification.json"
+PLAIN_CLASSES = ("Parameter", "Tensor")  # a Linear weight's class when it is not a torchao tensor
 
 
 @dataclass
@@ -36,7 +38,9 @@ class PathResult:
     tensors_checked: int = 0
     forward_checked: bool = False
     applicable: bool = True  # False: this path does not apply to the model (detail says why); not a failure
-    silent: bool = False  # not ok although the load raised nothing (see Outcome)
+    silent: bool = False  # True only for a silently wrong load: nothing raised, and it is wrong (see Outcome)
+    class_found: str = ""  # the class(es) the planned layers came back as, most frequent first
+    classes_found: dict[str, int] = field(default_factory=dict)  # class -> planned layers of it
 
     @property
     def outcome(self) -> Outcome:
@@ -53,6 +57,19 @@ class EnvRecord:
     packages: dict[str, str] = field(default_factory=dict)  # what a spec's layer holds, exact versions
     why: str = ""  # why the default matrix runs it
     build_seconds: float | None = None  # None: not built by this run (reused, or not a spec)
+
+
+@dataclass
+class ContentCheck:
+    """One check of what a component's files hold (``verify TARGET``): the declared config against the stored
+    tensors, the stored values (finite), or the tensors against the base re-quantized."""
+
+    component: str
+    what: str  # "declared config" | "stored values" | "against the base"
+    ok: bool
+    detail: str
+    notes: list[str] = field(default_factory=list)  # facts that do not fail the check (layers not checked, and why)
+    checked: int = 0  # layers (or tensors) checked
 
 
 @dataclass
@@ -78,6 +95,10 @@ class VerifyReport:
     compat: list[PathResult] = field(default_factory=list)  # the matrix's results (publisher/verify/matrix.py)
     environments: list[EnvRecord] = field(default_factory=list)  # every environment measured, gating ones first
     compat_note: str = ""  # why no matrix ran ("--compat none", streaming verification), when none did
+    content: list[ContentCheck] = field(default_factory=list)  # verify TARGET: what the files hold
+    values: str = ""  # verify TARGET: what the tensors' values were compared with (the base, or only each other)
+    self_consistency_only: bool = False  # verify TARGET: no base, values only checked for self-consistency
+    base: str | None = None  # verify TARGET: the base compared with
     expected: list[Expected] = field(default_factory=list, repr=False)  # kept for the post-push check, not serialised
 
     def to_dict(self) -> dict[str, Any]:
@@ -97,11 +118,17 @@ class VerifyReport:
     def failures(self) -> list[PathResult]:
         return [r for r in self.results if not r.ok and r.applicable]
 
+    def content_failures(self) -> list[ContentCheck]:
+        return [c for c in self.content if not c.ok]
+
     def weights_only(self) -> dict[str, str]:
         """Components whose outputs were not compared (no forward pass), with why."""
         return {c: f.reason or "no forward inputs" for c, f in self.forward.items() if f.file is None}
 
     def summary(self) -> str:
+        content = self.content_failures()
+        if content:  # what the files hold is the most precise answer
+            return f"{content[0].component or 'model'}: {content[0].detail}"
         bad = self.failures()
         if not bad:
             return f"{len(self.results)} load checks passed"
@@ -138,6 +165,8 @@ class Expected:
     digests: dict[str, str]
     quantized: list[str]
     reference: str = "the in-memory quantized model"
+    classes: dict[str, str] = field(default_factory=dict)  # layer -> the class its config implies (else the recipe's)
+    dtype: str = "bfloat16"  # the dtype every load path loads the component in
     needs_reference: bool = False  # streamed component: the first library-path reload gives the reference output
     base_output: Any = None  # the bf16 base's output on the same inputs, when the quantization pass computed it
 

@@ -136,6 +136,29 @@ def own_state(module: Any, whole: bool) -> list[tuple[Any, str, str, bool]]:
     return items
 
 
+def checkpoint_key_targets(model: Any, keys: list[str]) -> dict[str, str]:
+    """Checkpoint key -> the model key it loads into, for the keys transformers renames or merges (empty for
+    everything else): what ``loadpath.convert_checkpoint_keys`` does, without reading a tensor (block by block)."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+    except ImportError:
+        return {}
+    if not isinstance(model, PreTrainedModel):
+        return {}
+    conversions = get_model_conversion_mapping(model)
+    renamings = [c for c in conversions if isinstance(c, WeightRenaming)]
+    converters = [c for c in conversions if isinstance(c, WeightConverter)]
+    expected = model.state_dict()
+    out = {}
+    for key in keys:
+        target, _ = rename_source_key(key, renamings, converters, model.base_model_prefix, expected)
+        if target != key:
+            out[key] = target
+    return out
+
+
 class BlockLoader:
     """Forward pre/post hooks that load a block's saved weights just in time and drop them after."""
 
@@ -145,7 +168,7 @@ class BlockLoader:
         self.names = set(reader.index.parts)
         self.model = model
         self.converted: dict[str, list[str]] = {}  # model key -> checkpoint keys transformers merges into it (MoE)
-        for key, target in loadpath.checkpoint_key_targets(model, list(self.names)).items():
+        for key, target in checkpoint_key_targets(model, list(self.names)).items():
             self.converted.setdefault(target, []).append(key)
         self.aliases = self._aliases(model)
         self.blocks = blocks(model, budget)

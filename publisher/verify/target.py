@@ -1,9 +1,15 @@
-"""`hf-ao-publish verify TARGET`: check any torchao-quantized diffusers or transformers repo or folder.
+"""`hf-ao-publish verify TARGET`: check any torchao-quantized checkpoint, whoever made it (docs/verification.md).
 
-Without a reference model, every load path must agree with the others (same tensors, same outputs) and
-every quantized layer must be a torchao tensor. When the repo records its base and recipe (our
-hf_ao_publish.json) and the base is reachable, the base is re-quantized with the recorded config and
-every published tensor must be bit-identical to it: a tampered or corrupted weight fails by name.
+Every layout users have (verify/layout.py): a pipeline, a standalone diffusers model folder, a transformers model;
+safetensors or a pickle ``.bin`` (read with ``weights_only=True`` only). For each quantized component:
+
+1. what the files hold (verify/stored.py) against what the declared ``quantization_config`` makes of every layer
+   (verify/declared.py), and every stored value finite;
+2. the base (``--base``, else the ``base_model`` of its hf_ao_publish.json or card, when reachable) re-quantized with
+   the declared config, tensor for tensor (verify/against_base.py); without one, the result says plainly that the
+   values were only checked for self-consistency;
+3. every load path in fresh processes, against the base's re-quantization where the target equals it bit for bit,
+   else against the library path here; each layer must come back as the class its config implies, outputs finite.
 """
 
 from __future__ import annotations
@@ -11,124 +17,218 @@ from __future__ import annotations
 import gc
 import logging
 import sys
-from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from publisher import recipes as recipe_registry
-from publisher.errors import QuantizeError, SourceError
-from publisher.fp8cpu import cpu_quantization_context
-from publisher.jsonfile import read_object
-from publisher.loadpath import load_call
-from publisher.localfiles import allowed_roots, plain_name
+from publisher.errors import UsageError, VerificationError
+from publisher.loadpath import load_call, meta_model
 from publisher.stages.push import STATE_FILE
-from publisher.verify import capture, matrix
+from publisher.verify import against_base, capture, declared, layout, matrix, stored
 from publisher.verify import hashes as hashes_check
 from publisher.verify.full import check_location, compare, run_worker
-from publisher.verify.report import PATHS, Expected, ForwardInputs, VerifyReport
+from publisher.verify.layout import TargetComponent
+from publisher.verify.report import PATHS, PLAIN_CLASSES, ContentCheck, Expected, ForwardInputs, VerifyReport
 
 log = logging.getLogger(__name__)
 
-
-@dataclass
-class TargetComponent:
-    name: str
-    library: str
-    class_name: str
-    config: dict[str, Any]
-
-
-def _read(target: str, path: str, token: str | None, revision: str | None) -> dict[str, Any] | None:
-    """A JSON file of the target, through the one JSON reader (size limit, UTF-8, an object); None if absent."""
-    if Path(target).is_dir():
-        p = Path(target) / path
-        return read_object(p, roots=allowed_roots(Path(target))) if p.is_file() else None
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError
-
-    try:
-        local = hf_hub_download(target, path, revision=revision, token=token)
-    except EntryNotFoundError:
-        return None
-    return read_object(Path(local), f"{target}/{path}")
-
-
-def quantized_components(target: str, token: str | None, revision: str | None) -> list[TargetComponent]:
-    """Components whose config.json says they were quantized with torchao."""
-    index = _read(target, "model_index.json", token, revision)
-    found: list[TargetComponent] = []
-    if index:
-        for name, value in index.items():
-            if name.startswith("_") or not isinstance(value, list) or len(value) != 2 or value[0] not in ("diffusers", "transformers"):
-                continue
-            if not plain_name(name) or not isinstance(value[1], str):
-                raise SourceError(f"{target}/model_index.json names a component {name!r} ({value!r}) that is not a "
-                                  "plain folder name and class; refusing to read it")
-            cfg = _read(target, f"{name}/config.json", token, revision)
-            if cfg:
-                if (cfg.get("quantization_config") or {}).get("quant_method") == "torchao":
-                    found.append(TargetComponent(name, value[0], value[1], cfg))
-    else:
-        cfg = _read(target, "config.json", token, revision)
-        if not cfg:
-            raise SourceError(f"{target} is neither a diffusers pipeline nor a transformers model (no model_index.json or config.json)")
-        if (cfg.get("quantization_config") or {}).get("quant_method") == "torchao":
-            found.append(TargetComponent("", "transformers", (cfg.get("architectures") or ["AutoModel"])[0], cfg))
-    if not found:
-        raise SourceError(f"{target} has no torchao-quantized component (no quantization_config with quant_method torchao)")
-    return found
+SELF_ONLY = ("the load paths against each other and the files against the formats their declared config makes, "
+             "nothing against the base; pass --base BASE to compare them")
 
 
 def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), compat: tuple[str, ...] = (),
-                  token: str | None = None, revision: str | None = None, requantize: bool = True) -> VerifyReport:
-    """``envs`` (--verify-env) must pass like this environment; ``compat`` (default: the recipe's matrix) is measured."""
-    import torch
-
+                  token: str | None = None, revision: str | None = None, requantize: bool = True,
+                  base: str | None = None) -> VerifyReport:
+    """``envs`` (--verify-env) must pass like this environment; ``compat`` (default: the recipe's matrix) is measured;
+    ``base`` (--base): the unquantized model to compare with (default: the one the target names, when reachable)."""
     matrix.check(envs, compat)
+    if base and not requantize:
+        raise UsageError("--base and --no-requantize contradict each other; give one")
     where, where_rev = target, revision  # where the load paths read: a Hub target's checked local copy
     if not Path(target).is_dir():
         local, sha, hashes = hashes_check.fetch_target_configs(target, revision, token, STATE_FILE)
         where, where_rev, revision = str(local), None, sha  # every later read sees the checked commit
-    comps = quantized_components(where, token, where_rev)
+    folder = Path(where)
+    comps = layout.components(folder, target)
     if not Path(target).is_dir():
         hashes_check.fetch_target_components(target, sha, hashes, [c.name for c in comps], token)
-    state = _read(where, STATE_FILE, token, where_rev)
+    state = layout.read_json(folder, STATE_FILE)
     recipe = recipe_registry.get(state["recipe"]) if state and state.get("recipe") in recipe_registry.names() else None
-    tensor_class = recipe.tensor_class if recipe else None
     device = recipe_registry.run_device(recipe, recipe_registry.cuda_capability()) if recipe else "cpu"
     report = VerifyReport(recipe=recipe.name if recipe else "unknown", location=target, passed=False,
-                          tensor_class=tensor_class or "torchao tensor")
+                          tensor_class=recipe.tensor_class if recipe else "")
+    checks = {}
+    for comp in comps:
+        decl, check, rows = check_files(comp, folder, target)
+        checks[comp.name] = (decl, check)
+        report.content += rows
+    implied = {c for _, check in checks.values() for c in check.classes.values()}
+    if not recipe and len(implied) == 1:  # one class for every layer: the report's class, as a recipe's would be
+        report.tensor_class = implied.pop()
+    chosen, why = against_base.find(base, *layout.declared_base(folder, state), state, token) if requantize else (
+        None, "--no-requantize")
     report.forward = _forward_inputs(target, comps, work, token, revision)
     # built before any load: a spec that cannot be built stops here
     gating = matrix.verify_envs(envs)
-    measured = matrix.matrix_envs(compat, recipe.name if recipe else None, {c.library for c in comps},
+    measured = matrix.matrix_envs(compat, recipe.name if recipe else _matching_recipe(checks), {c.library for c in comps},
                                   skip=[e.record.name for e in gating])
     for comp in comps:
-        inputs_file = report.forward[comp.name or "model"].file
-        inputs = load_call(inputs_file) if inputs_file else None
-        exp = (_reference_from_base(comp, state, recipe, work, inputs, inputs_file, token, device, target)
-               if (requantize and state and recipe) else None)
+        decl, check = checks[comp.name]
+        inputs_file = report.forward[comp.label].file
+        exp = None
+        if chosen is not None and decl is not None:
+            exp = _against(comp, decl, check, chosen, state, folder, inputs_file, device, target, token, report)
         if exp is None:
-            # No reachable base: the library path in this environment is the reference; every other path must agree.
-            probe = Expected(comp.name, comp.library, comp.class_name, inputs_file, None, {}, [], "the library path")
-            data = run_worker(probe, "library", sys.executable, where, where_rev, work, token, torch.get_num_threads(), "ref", device)
-            if not data.get("ok"):
-                report.results.append(compare(probe, data, "library", "current", sys.executable, tensor_class))
-                continue
-            from safetensors.torch import load_file
-
-            output = load_file(data["output"])["output"] if data.get("output") else None
-            quantized = [n for n, c in data["linear_classes"].items() if c not in ("Parameter", "Tensor")]
-            exp = Expected(comp.name, comp.library, comp.class_name, inputs_file, output, data["digests"], quantized, "the library path")
-        report.expected_layers[comp.name or "model"] = len(exp.quantized)
+            exp = _self_reference(comp, check, inputs_file, where, where_rev, work, token, device, report)
+        report.expected_layers[comp.label] = len(exp.quantized)
         report.expected.append(exp)
         report.results += check_location([exp], where, where_rev, work, envs=[e.pair for e in gating], token=token,
-                                         tensor_class=tensor_class, paths=PATHS, device=device)
+                                         tensor_class=report.tensor_class or None, paths=PATHS, device=device,
+                                         skip_reference=True)
+    compared = [c for c in report.content if c.what == "against the base" and c.checked]
+    if chosen is not None and len(compared) < len(comps):
+        why = f"the base {chosen.display} could not be compared with {len(comps) - len(compared)} of {len(comps)} components"
+    report.base = chosen.display if chosen and compared else None
+    report.self_consistency_only = len(compared) < len(comps)  # some component's values were compared with nothing
+    report.values = (f"compared with the base {chosen.display} (named by {chosen.origin}) re-quantized with the "
+                     "declared config" if chosen and len(compared) == len(comps) else
+                     f"only checked for self-consistency ({why}): {SELF_ONLY}")
+    if report.self_consistency_only:
+        log.warning("%s: values %s", target, report.values)
     report.device = device
-    report.passed = bool(report.results) and not report.failures()
+    report.passed = bool(report.results) and not report.failures() and not report.content_failures()
     matrix.measure(report, target, revision, work, measured, gating, token=token, device=device)
     return report
+
+
+def _matching_recipe(checks: dict[str, tuple[declared.Declared | None, declared.DeclaredCheck]]) -> str | None:
+    """The registry recipe whose config every component declares (its default matrix then applies), or None."""
+    import json
+
+    from torchao.core.config import config_to_dict
+
+    found = {json.dumps(config_to_dict(d.config), sort_keys=True) for d, _ in checks.values() if d is not None}
+    if len(found) != 1:
+        return None
+    for candidate in recipe_registry.all_recipes():
+        if json.dumps(config_to_dict(recipe_registry.build_config(candidate)), sort_keys=True) in found:
+            return candidate.name
+    return None
+
+
+def check_files(comp: TargetComponent, folder: Path, target: str
+                ) -> tuple[declared.Declared | None, declared.DeclaredCheck, list[ContentCheck]]:
+    """What one component's files in ``folder`` (the target's local copy) hold: the declared config against the stored
+    tensors, and the stored values. Returns the rebuilt config (None: unreadable), the layer check and the rows."""
+    where = f"{target}/{comp.name + '/' if comp.name else ''}config.json"
+    files = folder / comp.name if comp.name else folder
+    found = stored.describe_files(files, layout.weight_format(files))
+    try:
+        decl = declared.read_declared(comp, where)
+    except VerificationError as exc:
+        return None, declared.DeclaredCheck(comp.name, "unreadable"), [ContentCheck(comp.name, "declared config", False, str(exc))]
+    result = declared.check(comp, decl, found, meta_model(comp.library, comp.class_name, comp.config))
+    detail = (result.problems[0] if result.problems else
+              f"{result.checked} quantized layers stored as the declared {decl.text} makes them")
+    rows = [ContentCheck(comp.name, "declared config", not result.problems, detail, found.not_checked + result.notes,
+                         result.checked)]
+    problems, value_notes = stored.scan_values(files, found)
+    rows.append(ContentCheck(comp.name, "stored values", not problems, problems[0] if problems else
+                             "every stored value is finite", value_notes, len(found.tensors)))
+    return decl, result, rows
+
+
+def _strict(state: dict[str, Any] | None, chosen: against_base.Base) -> str | None:
+    """Why the target must equal the base's re-quantization bit for bit (None: it was not made as here)."""
+    import importlib.metadata as md
+
+    if not state or state.get("base_model") != chosen.name or state.get("recipe") not in recipe_registry.names():
+        return None
+    made = state.get("versions") or {}
+    here = {n: md.version(n) for n in ("torch", "torchao")}
+    if any(made.get(n) != v for n, v in here.items()):
+        return None
+    recipe = recipe_registry.get(state["recipe"])
+    if recipe_registry.quantize_device(recipe, recipe_registry.cuda_capability()) != "cpu":
+        return None  # a GPU quantizes with kernels whose rounding this check does not claim to reproduce
+    return (f"its hf_ao_publish.json records {recipe.name} made with torch {here['torch']} and torchao {here['torchao']}, "
+            "which quantize deterministically on a CPU, as here")
+
+
+def base_row(comp: TargetComponent, decl: declared.Declared, check: declared.DeclaredCheck, chosen: against_base.Base,
+             state: dict[str, Any] | None, folder: Path, target: str, token: str | None) -> tuple[ContentCheck, Any, str]:
+    """The target's component against its base re-quantized with the declared config: the content row, the
+    re-quantized model when the target equals it bit for bit (else None), and how it was made."""
+    from publisher.loadpath import load_component
+
+    src = against_base.component_folder(chosen, comp, target, token)
+    strict = _strict(state, chosen)
+    ours = f"{state['recipe']} (its declared {decl.text})" if strict and state else f"the declared {decl.text}"
+    what = f"the base re-quantized with {ours}"
+    recipe = recipe_registry.get(state["recipe"]) if state and state.get("recipe") in recipe_registry.names() else None
+    # where the target's recipe is made (a GPU-only format on its GPU); anything else, as diffusers does, on the CPU
+    qdevice = recipe_registry.quantize_device(recipe, recipe_registry.cuda_capability()) if recipe else "cpu"
+    reference = against_base.requantize(comp, decl, src, check.dtype, qdevice, chosen)
+    files = folder / comp.name if comp.name else folder
+    try:
+        loaded = load_component(comp.library, comp.class_name, files, device=qdevice, dtype=check.dtype)
+    except (OSError, RuntimeError, ValueError, TypeError, KeyError) as exc:
+        return ContentCheck(comp.name, "against the base", True, "not compared: the target does not load with the "
+                            f"library path here ({type(exc).__name__}); see its load paths"), None, what
+    row, identical = against_base.compare(comp, reference, loaded, src, strict, what)
+    del loaded
+    gc.collect()
+    return row, reference if identical else None, what
+
+
+def _against(comp: TargetComponent, decl: declared.Declared, check: declared.DeclaredCheck, chosen: against_base.Base,
+             state: dict[str, Any] | None, folder: Path, inputs_file: Path | None, device: str, target: str,
+             token: str | None, report: VerifyReport) -> Expected | None:
+    """Compare the target with its base re-quantized; the expected record for the load paths when they are
+    bit-identical (else None: the load paths are compared with each other, and the content row decides)."""
+    from publisher.loadpath import forward, inspect_model
+
+    row, reference, what = base_row(comp, decl, check, chosen, state, folder, target, token)
+    report.content.append(row)
+    if reference is None:
+        gc.collect()
+        return None
+    # recorded as every load path records it, after moving the model (torchao's IntxUnpackedToInt8Tensor.to() casts
+    # a bfloat16 scale to the tensor's dtype, so a float32 checkpoint's digests change with the move)
+    reference.to(device)
+    info = inspect_model(reference)
+    output = None
+    if inputs_file is not None:
+        output = forward(reference, comp.library, load_call(inputs_file, device)).detach().cpu().clone()
+    quantized = sorted({n for n, c in info["linear_classes"].items() if c not in PLAIN_CLASSES} | set(check.classes))
+    del reference
+    gc.collect()
+    return Expected(comp.name, comp.library, comp.class_name, inputs_file, output, info["digests"], quantized, what,
+                    classes=dict(check.classes), dtype=check.dtype)
+
+
+def _self_reference(comp: TargetComponent, check: declared.DeclaredCheck, inputs_file: Path | None, where: str,
+                    where_rev: str | None, work: Path, token: str | None, device: str, report: VerifyReport) -> Expected:
+    """No base to compare with: the library path in a fresh process is the reference every other path must match (its
+    own result is recorded as the library path's, so it is not run twice)."""
+    import torch
+    from safetensors.torch import load_file
+
+    exp = Expected(comp.name, comp.library, comp.class_name, inputs_file, None, {}, sorted(check.classes),
+                   "the library path", classes=dict(check.classes), dtype=check.dtype)
+    data = run_worker(exp, "library", sys.executable, where, where_rev, work, token, torch.get_num_threads(), "ref", device)
+    exp.needs_reference = True  # its library path ran: check_location(skip_reference=True) does not run it again
+    if data.get("ok"):
+        loaded = {n for n, c in data["linear_classes"].items() if c not in PLAIN_CLASSES}
+        exp.quantized = sorted(loaded | set(check.classes))
+        exp.digests = dict(data["digests"])
+        exp.output = load_file(data["output"])["output"] if data.get("output") else None
+    result = compare(exp, data, "library", "current", sys.executable, report.tensor_class or None)
+    report.results.append(result)
+    if result.ok:
+        result.forward_checked = False  # its output is the reference, not compared with anything
+        result.detail = "the reference for the other paths (no base to compare with)"
+    return exp
 
 
 def _forward_inputs(target: str, comps: list[TargetComponent], work: Path, token: str | None,
@@ -140,54 +240,10 @@ def _forward_inputs(target: str, comps: list[TargetComponent], work: Path, token
     if not folder.is_dir():
         from huggingface_hub import snapshot_download
 
-        skip = [f"{c.name}/*.safetensors" if c.name else "*.safetensors" for c in comps]
+        skip = [f"{c.name}/*.{ext}" if c.name else f"*.{ext}" for c in comps for ext in ("safetensors", "bin")]
         folder = Path(snapshot_download(target, revision=revision, token=token, ignore_patterns=skip))
-    index_text = _read(str(folder), "model_index.json", token, revision)
-    pipeline_class = index_text.get("_class_name") if index_text else None
+    index = layout.read_json(folder, "model_index.json")
+    pipeline_class = index.get("_class_name") if index else None
     found = capture.for_components(folder, pipeline_class if isinstance(pipeline_class, str) else None,
                                    {c.name: (c.library, c.class_name) for c in comps}, work / "inputs")
-    return {c.name or "model": found.get(c.name) or ForwardInputs(None, "", "no forward inputs") for c in comps}
-
-
-def _reference_from_base(comp: TargetComponent, state: dict[str, Any], recipe: Any, work: Path, inputs: Any,
-                         inputs_file: Path | None, token: str | None, device: str, target: str) -> Expected | None:
-    """Re-quantize the recorded base component with the recorded recipe, in memory; a Hub base's files are checked
-    against the hashes the target recorded and the Hub's before they are read."""
-    from publisher.loadpath import forward, inspect_model, load_component
-
-    base, sha = state.get("base_model"), state.get("base_sha")
-    try:
-        if base and Path(base).is_dir():
-            src: Any = Path(base)
-        elif base and sha and not str(sha).startswith("local-"):
-            src = hashes_check.fetch_base_component(base, sha, comp.name, state.get("base_files"), target, token)
-        else:
-            return None
-    except (OSError, ValueError) as exc:
-        log.warning("base %s@%s is not reachable (%s); comparing load paths with each other only", base, sha, exc)
-        return None
-    log.info("re-quantizing %s of %s@%s with %s for the reference", comp.name or "model", base, sha, recipe.name)
-    config = recipe_registry.build_config(recipe)
-    qconf_cls = __import__(comp.library).TorchAoConfig  # diffusers' or transformers' own
-    not_convert = (comp.config.get("quantization_config") or {}).get("modules_to_not_convert")
-    qdevice = recipe_registry.quantize_device(recipe, recipe_registry.cuda_capability())
-    context = cpu_quantization_context(recipe) if qdevice == "cpu" else nullcontext()
-    try:
-        with context:
-            model = load_component(comp.library, comp.class_name, src / comp.name if comp.name else src, device=qdevice,
-                                   quantization_config=qconf_cls(config, modules_to_not_convert=not_convert))
-    except (AssertionError, RuntimeError, ValueError, ImportError, NotImplementedError) as exc:
-        raise QuantizeError(
-            f"re-quantizing {comp.name or 'model'} of {base} with {recipe.name} failed ({exc}); "
-            "run on hardware that can quantize it, or pass --no-requantize"
-        ) from exc
-    info = inspect_model(model)
-    output = None
-    if inputs is not None:
-        model.to(device)
-        output = forward(model, comp.library, load_call(inputs_file, device)).detach().cpu().clone()
-    quantized = [n for n, c in info["linear_classes"].items() if c == recipe.tensor_class]
-    del model
-    gc.collect()
-    return Expected(comp.name, comp.library, comp.class_name, inputs_file, output, info["digests"], quantized,
-                     f"the base re-quantized with {recipe.name}")
+    return {c.label: found.get(c.name) or ForwardInputs(None, "", "no forward inputs") for c in comps}
