@@ -258,6 +258,7 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
     base_dir = fetch.fetch(plan, token, skip=(remote.files if remote is not None else frozenset()) | elsewhere)
     for outcome in outcomes:
         outcome.seconds["download"] = round(time.monotonic() - started, 3)
+        outcome.rss_after["download"] = _peak_rss()["process"]
     out_root = Path(tempfile.mkdtemp(prefix="hf-ao-publish-")) if auto_dir else req.output_dir
     assert out_root is not None
     existed = out_root.exists()
