@@ -9,10 +9,11 @@ snapshot link and its blob, so the next run downloads it afresh; the error names
 Through Xet (huggingface_hub's default), the repo's ``blobs/<etag>`` entry is a link into the cache-wide shared
 blob store (``<cache>/blobs/<2 hex>/<xet hash>``), which other repos with the same file link to too (FLUX.1-schnell
 shares FLUX.1-dev's VAE and text encoders), and hf_xet does not check the bytes it reassembles. A store file that
-fails the check is never deleted or rewritten here (other repos' snapshots point at it): only this repo's two links
-go, and the file is downloaded once more outside the shared store (``local_dir``), checked, and kept as this repo's
-own blob. Only when that copy is wrong too does the run stop; the warning names the store file, which the user may
-delete to repair the cache for every repo.
+fails the check is never deleted (other repos' snapshots point at it): only this repo's two links go, and the file
+is downloaded once more outside the shared store (``local_dir``) and checked. A good copy becomes this repo's own blob
+and also replaces the store file's content, atomically (the links of other repos keep resolving, now to the right
+bytes, which those repos' own loads would not have checked). When that copy is wrong too, the store file is left as it
+was, the run stops, and the warning names the file, which the user may delete.
 
 A body that arrives short ("Consistency check failed" from huggingface_hub: the connection ended cleanly
 before the announced size) is retried like a dropped connection (publisher.hub); when every try was short,
@@ -82,10 +83,12 @@ def download(repo_id: str, sha: str, files: Iterable[str], hashes: Mapping[str, 
         got = hash_file(path, expected)
         if got != expected.digest and shared_copy(path):
             store = Path(os.path.realpath(path))
-            log.warning("%s: the shared cache copy %s does not match the Hub's %s; downloading it again for this repo "
-                        "(the shared copy is left alone: other repos link to it; delete it to repair them)", label, store,
-                        expected.kind)
+            log.warning("%s: the shared cache copy %s does not match the Hub's %s; downloading it again outside the "
+                        "shared store (other repos link to that file: it is only replaced by bytes that pass the check)",
+                        label, store, expected.kind)
             path, got = _own_copy(repo_id, sha, name, token, path, expected)
+            if got == expected.digest:
+                _repair_shared(store, path)
         if got != expected.digest:
             discard_cached(path)
             raise mismatch(label, expected, got, "downloaded bytes", f"the corrupt copy was removed from the cache and {after}")
@@ -112,6 +115,22 @@ def _own_copy(repo_id: str, sha: str, name: str, token: str | None, path: Path,
     path.parent.mkdir(parents=True, exist_ok=True)
     os.symlink(os.path.relpath(blob, path.parent), path)
     return path, got
+
+
+def _repair_shared(store: Path, good: Path) -> None:
+    """Give a shared store file the bytes of a checked copy, atomically (never deleted: other repos link to it)."""
+    import secrets
+    import shutil
+
+    tmp = store.with_name(f".hf-ao-publish-{secrets.token_hex(6)}")
+    try:
+        shutil.copyfile(good, tmp)
+        os.replace(tmp, store)
+        log.info("replaced the shared cache copy %s with the checked bytes", store)
+    except OSError as exc:  # a read-only cache: this repo has its own good copy; the others keep what they had
+        log.warning("could not repair the shared cache copy %s (%s)", store, exc)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def fetch_file(repo_id: str, sha: str, name: str, token: str | None, *, local_dir: Path | None = None) -> Path:

@@ -214,8 +214,9 @@ def test_a_flipped_byte_in_a_download_is_refused_then_a_rerun_publishes(cli: Any
 def test_a_bad_shared_cache_copy_is_never_deleted_and_the_repo_gets_its_own(hub: Any, tiny_llama_dir: Path,
                                                                              tmp_path: Path) -> None:
     """Two repos with the same file share one store entry in the cache. When its bytes are not the Hub's, the repair
-    removes only this repo's links, downloads the file again outside the shared store and keeps it as this repo's
-    own blob; the shared file (which other repos' snapshots point at) stays where it is."""
+    removes only this repo's links and downloads the file again outside the shared store; the checked copy is kept as
+    this repo's own blob and replaces the shared file's content in place (never deleted: other repos' snapshots point
+    at it, and now read the right bytes)."""
     from publisher.downloads import download
     from publisher.integrity import hashes_of
 
@@ -226,15 +227,17 @@ def test_a_bad_shared_cache_copy_is_never_deleted_and_the_repo_gets_its_own(hub:
         sha = seed(repo, model, "tok_meta")
         hashes[repo] = (sha, hashes_of(_api().model_info(repo, revision=sha, files_metadata=True).siblings))
     want = hashes[first][1][WEIGHTS].digest
+    xet_hash = _api().get_paths_info(first, [WEIGHTS])[0].xet_hash
     download_fault(hub, "flip", f"/{first}/resolve/")  # one damaged Xet download, published into the shared store
     folder = download(first, hashes[first][0], [WEIGHTS], hashes[first][1], "tok_meta")
     own = folder / WEIGHTS
     assert hashlib.sha256(own.read_bytes()).hexdigest() == want and not Path(os.readlink(own)).is_symlink()
-    (store,) = (Path(os.environ["HF_HOME"]) / "hub" / "blobs").glob(f"*/{_api().get_paths_info(first, [WEIGHTS])[0].xet_hash}")
-    assert store.is_file() and hashlib.sha256(store.read_bytes()).hexdigest() != want  # left alone, not deleted
-    # the other repo links the same (bad) shared file: refused for it too, and it gets a good copy of its own
+    (store,) = (Path(os.environ["HF_HOME"]) / "hub" / "blobs").glob(f"*/{xet_hash}")
+    assert hashlib.sha256(store.read_bytes()).hexdigest() == want  # repaired in place, not deleted
+    # the other repo links the same shared file, which holds the right bytes now
     folder = download(second, hashes[second][0], [WEIGHTS], hashes[second][1], "tok_meta")
-    assert hashlib.sha256((folder / WEIGHTS).read_bytes()).hexdigest() == want and store.is_file()
+    assert hashlib.sha256((folder / WEIGHTS).read_bytes()).hexdigest() == want
+    assert os.path.realpath(folder / WEIGHTS) == str(store.resolve())
     assert hub.faults_fired == {"xet_flip": 1}
 
 
@@ -350,12 +353,13 @@ FLUX_WEIGHTS = "transformer/diffusion_pytorch_model.safetensors"
 
 
 @pytest.fixture(scope="module")
-def published(hub: Any, tiny_flux_dir: Path) -> str:
+def published(hub: Any, tiny_flux_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
     from click.testing import CliRunner
 
     from publisher.cli import main
 
-    seed("bfl/integ-verify", tiny_flux_dir, "tok_bfl")
+    # weights of its own: the fault test below leaves a bad copy in the cache, which no other test's files may share
+    seed("bfl/integ-verify", distinct_copy(tiny_flux_dir, tmp_path_factory.mktemp("integ") / "flux", salt=4), "tok_bfl")
     os.environ["HF_TOKEN"] = "tok_alice"
     try:
         result = CliRunner().invoke(main, ["bfl/integ-verify", "--quant", "int8wo", "--repo-id", "alice/integ-verify"],

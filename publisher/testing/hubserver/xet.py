@@ -200,11 +200,29 @@ class XetStore:
             raise HubError(422, f"No upload holds {path} (sha256 {sha256}, {size} bytes): upload it before the commit")
         got = ""
         for folder, f in claimed:
-            got = sink(self.read(folder, f.xet_hash, size))
+            copy = self._private_copy(folder)  # the uploader's process may still hold its folder's database open
+            try:
+                got = sink(self.read(copy, f.xet_hash, size))
+            finally:
+                shutil.rmtree(copy, ignore_errors=True)
             if got == sha256:
                 return
         raise HubError(422, f"The Xet upload of {path} claims sha256 {sha256}, but its bytes hash to {got}: "
                             "refusing a false claim")
+
+    def _private_copy(self, folder: Path) -> Path:
+        """A CAS folder of the server's own with ``folder``'s xorbs and shards (hard links: they are immutable) and a
+        copy of its database, so that reading it never waits for (nor blocks) the process that wrote it."""
+        copy = self.root / "read" / f"{int(time.time())}-claim-{secrets.token_hex(6)}"
+        src, dst = _xorbs(folder), _xorbs(copy)
+        for sub in ("xorbs", "shards"):
+            (dst / sub).mkdir(parents=True)
+            for item in (src / sub).glob("*"):
+                os.link(item, dst / sub / item.name)
+        database = src / "global_dedup_lookup.redb"
+        if database.exists():
+            shutil.copyfile(database, dst / database.name)
+        return copy
 
     def read(self, folder: Path, xet_hash: str, size: int, start: int | None = None,
              end: int | None = None) -> Iterator[bytes]:
