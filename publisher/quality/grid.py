@@ -188,11 +188,13 @@ class Offloaded:
 
 def loader_cast(library: str, class_name: str) -> Any:
     """``cast`` for an unquantized component read tensor by tensor: what ``from_pretrained(dtype=torch.bfloat16)``
-    gives, bf16 floats except the modules the class keeps in float32."""
+    gives, bf16 floats except the modules the class keeps in float32 (diffusers: ``_keep_in_fp32_modules``;
+    transformers: ``_keep_in_fp32_modules_strict``, its other list being for float16 only)."""
     import torch
 
-    module = __import__(library)
-    keep = list(getattr(getattr(module, class_name, None), "_keep_in_fp32_modules", None) or [])
+    cls = getattr(__import__(library), class_name, None)
+    attr = "_keep_in_fp32_modules" if library == "diffusers" else "_keep_in_fp32_modules_strict"
+    keep = list(getattr(cls, attr, None) or [])
 
     def cast(name: str, t: Any) -> Any:
         if type(t) is not torch.Tensor or not t.is_floating_point():

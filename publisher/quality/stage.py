@@ -20,6 +20,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from publisher.errors import SourceError
 from publisher.quality import grid, lm, spec
 from publisher.quality.sources import Weights, component_weights, local_shards
 from publisher.quality.spec import Settings
@@ -91,7 +92,12 @@ class Evaluation:
             self.text_reason = f"the dataset {self.text.spec.text()} could not be read: {self.text.reason}"
             return
         config = read_object(self.configs / "config.json")
-        self.ids = windows(self.text.text, self.configs, self.settings.tokens, config.get("max_position_embeddings"))
+        try:
+            self.ids = windows(self.text.text, self.configs, self.settings.tokens, config.get("max_position_embeddings"))
+        except ValueError as exc:
+            if self.settings.explicit_dataset:
+                raise SourceError(f"--eval-dataset {self.text.spec.text()}: {exc}; name a dataset with more text") from None
+            self.text_reason = f"the dataset {self.text.spec.text()} is too short: {exc}"
 
     def observer(self, comp: Any, config: dict[str, Any]) -> Any:
         """The in-pass perplexity observer for a streamed causal LM (None otherwise)."""

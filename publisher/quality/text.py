@@ -21,6 +21,7 @@ log = logging.getLogger(__name__)
 
 CHARS_PER_TOKEN = 8  # rows are read until there are this many characters per wanted token (English BPE: about 4)
 WINDOW = 512  # tokens per window; shorter where the model's position table is
+MIN_WINDOW = 16
 
 
 @dataclass
@@ -96,14 +97,15 @@ def _why(spec: DatasetSpec, exc: BaseException) -> str:
 
 def windows(text: str, tokenizer_dir: Path, tokens: int, max_positions: int | None) -> Any:
     """Token ids ``[windows, length]``: consecutive, non-overlapping windows of the tokenized text, ``tokens`` in all
-    (fewer when the text is shorter), each as long as ``WINDOW`` or the model's position table allows."""
+    (fewer when the text is shorter), each as long as ``WINDOW``, the model's position table and the text allow.
+    ValueError when the text is too short for a window of ``MIN_WINDOW``."""
     import torch
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False, verbose=False)["input_ids"][0]
-    length = min(WINDOW, tokens, max_positions or WINDOW)
+    length = min(WINDOW, tokens, max_positions or WINDOW, len(ids))
+    if length < MIN_WINDOW:
+        raise ValueError(f"its text holds only {len(ids)} tokens, fewer than {MIN_WINDOW}")
     count = max(1, min(len(ids), tokens) // length)
-    if len(ids) < length:
-        raise SourceError(f"the evaluation text holds only {len(ids)} tokens; it needs at least {length}")
     return ids[: count * length].reshape(count, length).to(torch.long)
