@@ -184,11 +184,16 @@ class Evaluation:
         if output_kind(self.plan.pipeline_class) != "image":
             figures.reason = f"{self.plan.pipeline_class} makes {output_kind(self.plan.pipeline_class)}, not images"
             return figures
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        figures.device = device
+        import psutil
+
         models, sizes, quantized_from = self._offloaded_models(artifacts, base_sources, recipe)
-        whole = self._fits_whole(artifacts, sum(sizes.values()))
-        figures.quantized_from = "the saved files" if whole or device == "cuda" else quantized_from
+        local = self._on_disk(artifacts)
+        # A GPU runs the pipelines from their folders (whole, or with model CPU offload); without the files on disk
+        # (--low-disk) the grid runs offloaded on the CPU, block by block, like a CPU-only machine.
+        device = "cuda" if torch.cuda.is_available() and local else "cpu"
+        figures.device = device
+        whole = local and (device == "cuda" or sum(sizes.values()) <= 0.8 * psutil.virtual_memory().available)
+        figures.quantized_from = "the saved files" if whole else quantized_from
         size, steps = max(self.settings.size, grid.MIN_SIZE), self.settings.steps
         if device == "cpu":
             denoiser = next((n for n in DENOISERS if n in sizes), max(sizes, key=lambda n: sizes[n]))
@@ -212,7 +217,7 @@ class Evaluation:
         began = time.monotonic()
         rows: list[list[Any]] = []
         for role in ("base", "quantized"):
-            if whole or device == "cuda":
+            if whole:
                 folder = self.base_dir if role == "base" else artifacts.folder
                 pipe = grid.whole(folder, device)
                 images = grid.generate(pipe, prompts, figures.seeds, size, steps, device)
@@ -233,16 +238,11 @@ class Evaluation:
         figures.seconds = round(time.monotonic() - began, 3)
         return figures
 
-    def _fits_whole(self, artifacts: Any, need: int) -> bool:
-        """The whole bf16 pipeline (``need`` bytes) fits in 80% of the free memory and its files, base and quantized,
-        are on disk."""
-        import psutil
-
+    def _on_disk(self, artifacts: Any) -> bool:
+        """Every weight file of both pipelines is on disk (base and quantized)."""
         if self.elsewhere or any(local_shards(artifacts.folder / c.name) is None for c in artifacts.components):
             return False
-        if any(local_shards(self.base_dir / c.name) is None for c in self.plan.components if c.name in self.models):
-            return False
-        return need <= 0.8 * psutil.virtual_memory().available
+        return all(local_shards(self.base_dir / c.name) is not None for c in self.plan.components if c.name in self.models)
 
     def _offloaded_models(self, artifacts: Any, base_sources: dict[str, Any],
                           recipe: Any) -> tuple[dict[str, Any], dict[str, int], str]:

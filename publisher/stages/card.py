@@ -97,8 +97,11 @@ def _human(n: int | float | None) -> str:
 
 
 def _cell(text: Any) -> str:
-    """Text for one markdown table cell: pipes escaped, line breaks shown as a symbol, nothing empty."""
-    value = str(text).replace("\\", "\\\\").replace("|", "\\|").replace("`", "\\`").replace("\n", " ⏎ ").strip()
+    """Text for one markdown table cell: pipes escaped, line breaks (every kind) shown as a symbol, other control
+    characters as the replacement character, nothing empty."""
+    value = " ⏎ ".join(str(text).splitlines())
+    value = "".join(ch if ch.isprintable() else "\ufffd" for ch in value)
+    value = value.replace("\\", "\\\\").replace("|", "\\|").replace("`", "\\`").strip()
     return value or "(nothing)"
 
 
@@ -216,7 +219,7 @@ def write_cards(plan: Plan, done: dict[str, tuple[Artifacts, VerifyReport]], eva
     variants = []
     if len(done) > 1:
         for name, (artifacts, report) in done.items():
-            quality = ", ".join(f"{q.component} {q.rel_error:.4f}" for q in report.quality) or "n/a"
+            quality = _variant_quality(evaluations.get(name), report)
             variants.append({
                 "recipe": name, "repo_id": plan.targets[name] or "(none chosen)",
                 "url": f"{endpoint}/{plan.targets[name]}" if plan.targets[name] else "",
@@ -242,6 +245,17 @@ def write_cards(plan: Plan, done: dict[str, tuple[Artifacts, VerifyReport]], eva
         (artifacts.folder / "README.md").write_text(text, encoding="utf-8")
         written += [artifacts.folder / "README.md", report.write(artifacts.folder)]
     return written
+
+
+def _variant_quality(figures: Any, report: VerifyReport) -> str:
+    """One recipe's quality in the table of sibling variants: its perplexity recovery or lowest grid PSNR, else the
+    verification's relative error."""
+    recovery = getattr(figures, "recovery", None)
+    if recovery is not None:
+        return f"perplexity recovery {recovery:.2f}%"
+    if getattr(figures, "psnr", None):
+        return f"PSNR {min(figures.psnr):.2f} dB (lowest of the grid)"
+    return ", ".join(f"{q.component} rel. error {q.rel_error:.4f}" for q in report.quality) or "n/a"
 
 
 def _produced_on(artifacts: Artifacts) -> str:
