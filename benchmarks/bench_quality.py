@@ -45,6 +45,11 @@ GB = 1e9
 
 
 def _rss() -> int:
+    """This process's peak resident set: VmHWM, which a new program starts afresh (ru_maxrss is kept across exec on
+    Linux, so a child would report the parent's peak: the checkpoint it wrote)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -109,15 +114,22 @@ def child_lm_pass(a: dict[str, Any]) -> dict[str, Any]:
 
 
 def child_lm_step(a: dict[str, Any]) -> dict[str, Any]:
+    """One continuation step, and (``a["after"]``) the perplexity after the pass, block by block from the files."""
+    import torch
+
     from publisher.quality import lm, sources
 
     config = json.loads((Path(a["src"]) / "config.json").read_text())
-    out = {}
+    out: dict[str, Any] = {"import_rss": _rss()}
     for role, folder in (("base", a["src"]), ("quantized", a["dst"])):
         weights = sources.saved(sources.local_shards(Path(folder)))  # type: ignore[arg-type]
         started = time.perf_counter()
-        lm.greedy(weights, "transformers", "LlamaForCausalLM", config, Path(a["src"]), list(lm.PROMPTS), 3)
-        out[role] = (time.perf_counter() - started) / 3  # prefill + 2 steps: each reads every weight once
+        if a["after"]:
+            ids = torch.randint(3, 500, (max(1, a["tokens"] // 512), min(512, a["tokens"])))
+            lm.nll_after_pass(weights, "transformers", "LlamaForCausalLM", config, ids)
+        else:
+            lm.greedy(weights, "transformers", "LlamaForCausalLM", config, Path(a["src"]), list(lm.PROMPTS), 3)
+        out[role] = (time.perf_counter() - started) / (1 if a["after"] else 3)  # greedy: prefill + 2 steps, each a read
     out["peak_rss"] = _rss()
     return out
 
@@ -195,21 +207,26 @@ def bench_lm(work: Path, layers: int, tokens: int) -> None:
     print(f"Llama-3-8B-shaped base, {layers} layer(s): {size / GB:.2f} GB bf16; {tokens} tokens, windows of 512")
     alone = _child("lm_pass", {"src": str(src), "dst": str(dst), "perplexity": False, "tokens": tokens})
     ppl = _child("lm_pass", {"src": str(src), "dst": str(dst), "perplexity": True, "tokens": tokens})
-    step = _child("lm_step", {"src": str(src), "dst": str(dst)})
+    step = _child("lm_step", {"src": str(src), "dst": str(dst), "after": False})
+    after = _child("lm_step", {"src": str(src), "dst": str(dst), "after": True, "tokens": tokens})
     added = ppl["wall_s"] - alone["wall_s"]
     print(f"  quantization pass alone: {alone['wall_s']:.1f} s, peak RSS {alone['peak_rss'] / 2**30:.2f} GiB")
     print(f"  with the perplexity pass: {ppl['wall_s']:.1f} s (+{added:.1f} s; its two forward threads used "
           f"{ppl.get('cpu_s', 0):.1f} CPU s), peak RSS {ppl['peak_rss'] / 2**30:.2f} GiB, ran: {ppl['ppl_ok']} ({ppl['detail']})")
     print(f"  one continuation step, 3 prompts: base {step['base']:.1f} s, quantized {step['quantized']:.1f} s "
-          f"(reads every weight once), peak RSS {step['peak_rss'] / 2**30:.2f} GiB")
+          f"(reads every weight once), peak RSS {step['peak_rss'] / 2**30:.2f} GiB (after imports "
+          f"{step['import_rss'] / 2**30:.2f})")
+    print(f"  perplexity after the pass (when the in-pass observer gave up): base {after['base']:.1f} s, quantized "
+          f"{after['quantized']:.1f} s, peak RSS {after['peak_rss'] / 2**30:.2f} GiB")
     # per layer: the difference a layer makes, the embedding and head counted once
     per_layer = LLAMA3_8B_LAYERS / layers
     fixed = 2 * LLAMA3_8B["vocab_size"] * LLAMA3_8B["hidden_size"] * 2  # embedding + head bytes
     share = (size - fixed) / size  # the part of the weights (and of the compute, about) that the layers hold
     project = lambda s: s * (share * per_layer + (1 - share))  # noqa: E731
     print(f"  projected to Llama-3-8B ({LLAMA3_8B_LAYERS} layers, by weight share): perplexity adds about "
-          f"{project(max(added, 0)) / 60:.0f} min to the pass; a 16-token continuation about "
-          f"{project(step['base'] + step['quantized']) * 17 / 60:.0f} min")
+          f"{project(max(added, 0)) / 60:.0f} min to the pass for these {tokens} tokens; a 16-token continuation about "
+          f"{project(step['base'] + step['quantized']) * 17 / 60:.0f} min; perplexity after the pass about "
+          f"{project(after['base'] + after['quantized']) / 60:.0f} min for these {tokens} tokens")
 
 
 def bench_flux(work: Path) -> None:

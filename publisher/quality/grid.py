@@ -97,17 +97,18 @@ def choose(cost: Cost, budget_s: float, images: int, size: int, steps: int) -> t
 
 
 def measured_flops() -> float:
-    """bf16 matmul FLOPs per second on this machine (a quarter of a second of 1024x1024 products)."""
+    """bf16 matmul FLOPs per second on this machine: a fifth of a second of 256x256 products (small, because a CPU
+    without bf16 kernels, this project's, does about 1.5 GFLOP/s: one 1024x1024 product would take a second)."""
     import torch
 
-    a = torch.randn(1024, 1024, dtype=torch.bfloat16)
-    b = torch.randn(1024, 1024, dtype=torch.bfloat16)
-    a @ b
-    n, started = 0, time.perf_counter()
-    while time.perf_counter() - started < 0.25:
-        a @ b
+    n, size = 0, 256
+    a = torch.randn(size, size, dtype=torch.bfloat16)
+    a @ a
+    started = time.perf_counter()
+    while n == 0 or time.perf_counter() - started < 0.2:
+        a @ a
         n += 1
-    return 2 * 1024**3 * n / (time.perf_counter() - started)
+    return 2 * size**3 * n / (time.perf_counter() - started)
 
 
 def generate(pipe: Any, prompts: list[str], seeds: list[int], size: int, steps: int, device: str) -> list[Any]:

@@ -142,6 +142,7 @@ class LmFigures:
     quantized_ppl: float | None = None
     where: str = ""  # "during the quantization pass" / "after the pass, block by block"
     reason: str = ""  # why no perplexity
+    limited: str = ""  # why fewer tokens than --eval-tokens were scored
     seconds: dict[str, float] = field(default_factory=dict)
     prompts: list[str] = field(default_factory=list)
     base_text: list[str] = field(default_factory=list)

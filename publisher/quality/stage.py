@@ -24,7 +24,7 @@ from publisher.errors import SourceError
 from publisher.quality import grid, lm, spec
 from publisher.quality.sources import Weights, component_weights, local_shards
 from publisher.quality.spec import Settings
-from publisher.quality.text import EvalText
+from publisher.quality.text import MIN_WINDOW, EvalText
 from publisher.stages.plan import DENOISERS
 from publisher.verify.streaming import BLOCK_BUDGET
 
@@ -79,6 +79,8 @@ class Evaluation:
         self.configs = configs_folder(plan, base_dir, elsewhere, token, work) if self.kind else base_dir
         self.ids: Any = None
         self.models: dict[str, Any] = {}
+        self.limited = ""  # why fewer tokens than --eval-tokens are scored
+        self.flops = grid.measured_flops() if self.kind else 0.0  # this CPU's bf16 matmul rate: what the budget buys
         self.text_reason = ""
         if self.kind == spec.CAUSAL_LM and text is not None:
             self._windows()
@@ -92,8 +94,24 @@ class Evaluation:
             self.text_reason = f"the dataset {self.text.spec.text()} could not be read: {self.text.reason}"
             return
         config = read_object(self.configs / "config.json")
+        tokens = self.settings.tokens
+        # Both forward passes, 2 FLOPs per parameter and token, may take half the budget; on a CPU without fast bf16
+        # matmuls (this project's: about 1.5 GFLOP/s) that is far fewer tokens than a GPU's
+        per_token = 2 * 2 * (self.plan.quantized[0].param_bytes // 2) / max(self.flops, 1.0)
+        affordable = int(0.5 * self.settings.budget_s / per_token) if per_token > 0 else tokens
+        if affordable < tokens:
+            if affordable < MIN_WINDOW:
+                self.text_reason = (f"scoring even {MIN_WINDOW} tokens would take about {MIN_WINDOW * per_token / 60:.0f} min "
+                                    f"on this CPU (bf16 matmuls at {self.flops / 1e9:.1f} GFLOP/s), more than half of "
+                                    f"--eval-budget {self.settings.budget_s / 60:.0f} min; publish on a GPU (--on-hf-jobs "
+                                    "FLAVOR) or raise --eval-budget")
+                return
+            self.limited = (f"{affordable} of the {tokens} asked (--eval-tokens): what half of --eval-budget "
+                            f"({self.settings.budget_s / 60:.0f} min) allows on this CPU, whose bf16 matmuls run at "
+                            f"{self.flops / 1e9:.1f} GFLOP/s")
+            tokens = affordable
         try:
-            self.ids = windows(self.text.text, self.configs, self.settings.tokens, config.get("max_position_embeddings"))
+            self.ids = windows(self.text.text, self.configs, tokens, config.get("max_position_embeddings"))
         except ValueError as exc:
             if self.settings.explicit_dataset:
                 raise SourceError(f"--eval-dataset {self.text.spec.text()}: {exc}; name a dataset with more text") from None
@@ -131,6 +149,7 @@ class Evaluation:
             figures.reason = self.text_reason or "no evaluation text"
         else:
             figures.windows, figures.window = int(self.ids.shape[0]), int(self.ids.shape[1])
+            figures.limited = self.limited
             figures.tokens = figures.windows * (figures.window - 1)
             passed = getattr(comp, "eval_forward", None)
             if passed is not None and passed.output is not None and passed.base_output is not None:
@@ -150,7 +169,7 @@ class Evaluation:
         prompts = ([self.settings.prompt] if self.settings.prompt else []) + list(lm.PROMPTS)
         figures.prompts = prompts[:3]
         spent = time.monotonic() - started
-        per_step = self._step_seconds(comp, pass_seconds)
+        per_step = self._step_seconds(comp, pass_seconds) + 2 * 2 * (comp.bytes_before // 2) * len(figures.prompts) / max(self.flops, 1.0)
         affordable = int((self.settings.budget_s - spent) / per_step) - 1 if per_step > 0 else lm.NEW_TOKENS
         figures.new_tokens = min(lm.NEW_TOKENS, affordable)
         if figures.new_tokens < 4:
@@ -168,8 +187,9 @@ class Evaluation:
 
     @staticmethod
     def _step_seconds(comp: Any, pass_seconds: float) -> float:
-        """One generation step of both models reads their weights once: about what the pass took to read the base and
-        write the quantized weights (a conservative rate: the pass also quantized)."""
+        """The reads of one generation step of both models (each reads its weights once): about what the pass took to
+        read the base and write the quantized weights (a conservative rate: the pass also quantized). The caller adds the
+        step's compute."""
         return max(pass_seconds, 0.0) * (comp.bytes_before + comp.bytes_after) / max(comp.bytes_before, 1)
 
     # ------------------------------------------------------------------ pipelines

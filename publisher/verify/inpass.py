@@ -124,8 +124,11 @@ class InPassForward:
                     for role, t in zip(ROLES, (stored, value)):
                         if slot.uses[role] > 0:
                             slot.state[role][name] = t
-                            slot.nbytes[role] += _nbytes(t)
-                            self.held_bytes += _nbytes(t)
+                            # A tensor the recipe leaves alone is one object for both roles: its bytes count once
+                            # (else a 1 GB embedding, Llama-3's, counted twice, would exceed MAILBOX_LIMIT alone).
+                            size = 0 if role == "base" and t is stored and slot.uses["quantized"] > 0 else _nbytes(t)
+                            slot.nbytes[role] += size
+                            self.held_bytes += size
                 if slot.ready and not was_ready:
                     self.ready_bytes += sum(slot.nbytes.values())
             self.cond.notify_all()
