@@ -53,12 +53,17 @@ def test_llama_perplexity_continuation_and_gate(cli: Any, trained_llama_repo: st
 
     from publisher.testing.quality import zeroed_scales
 
-    with zeroed_scales():  # verifies bit for bit (the damage is in the saved bytes); only the gate can refuse it
+    # verifies bit for bit (the damage is in the saved bytes); only the gate can refuse it. The library path has no
+    # in-pass observer: its perplexity runs after the pass, block by block from the saved files
+    with zeroed_scales():
         bad = cli(trained_llama_repo, "--quant", "int8wo", "--repo-id", "alice/q-llama-bad", *EVAL, "--eval-tokens", "512",
-                  "--min-quality", "ppl-recovery=95", token="tok_alice")
+                  "--min-quality", "ppl-recovery=95", "--engine", "library", "--json", token="tok_alice")
     assert bad.exit_code == 1, bad.output
     assert "int8wo: ppl-recovery is " in bad.stderr and "%, below --min-quality ppl-recovery=95; nothing was pushed" in bad.stderr
     assert not _exists("alice/q-llama-bad")
+    damaged = json.loads(bad.stdout)["evaluation"]
+    assert damaged["where"] == "after the quantization pass, block by block" and damaged["base_ppl"] == figures["plain"]["base_ppl"]
+    assert damaged["recovery_percent"] < 95
 
 
 @pytest.mark.slow
