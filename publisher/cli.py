@@ -18,6 +18,7 @@ import click
 from publisher import __version__, clijson, compat
 from publisher import recipes as recipe_registry
 from publisher.compat import matrix_plan
+from publisher.quality import spec as quality_spec
 
 if TYPE_CHECKING:  # types only: the job and its stages are imported when a command runs
     from collections.abc import Sequence
@@ -186,9 +187,24 @@ def recipes_cmd(as_json: bool) -> None:
                    "versions): quantize, verify, write the card and commit whatever differs from the target.")
 @verify_env_option
 @compat_option
-@click.option("--sample-prompt", default=None, help="Prompt used in the card's usage snippet.")
-@click.option("--sample-steps", type=click.IntRange(1, 200), default=28, show_default=True, help="Denoising steps in the card's snippet.")
-@click.option("--sample-size", type=click.IntRange(16, 4096), default=1024, show_default=True, help="Image size in the card's snippet.")
+@click.option("--sample-prompt", default=None,
+              help="Prompt of the card's usage snippet, and the first of the quality grid (pipelines) or continuations (LMs).")
+@click.option("--sample-steps", type=click.IntRange(1, 200), default=28, show_default=True,
+              help="Denoising steps in the card's snippet; the grid's on a GPU (on a CPU: at most what --eval-budget allows).")
+@click.option("--sample-size", type=click.IntRange(16, 4096), default=1024, show_default=True,
+              help="Image size in the card's snippet; the grid's on a GPU (on a CPU: at most what --eval-budget allows).")
+@click.option("--eval-dataset", default=None, metavar="REPO[:CONFIG][:SPLIT]",
+              help=f"Text dataset on the Hub for the perplexity of a language model (default: {quality_spec.DEFAULT_DATASET}; "
+                   "the default that cannot be read only costs the figure, a named one that cannot be read is an error).")
+@click.option("--eval-tokens", type=click.IntRange(16, 1_000_000), default=quality_spec.DEFAULT_TOKENS, show_default=True,
+              metavar="N", help="Tokens of the evaluation text scored for perplexity (base and quantized).")
+@click.option("--eval-budget", default=quality_spec.DEFAULT_BUDGET, show_default=True, metavar="DURATION",
+              envvar="HF_AO_PUBLISH_EVAL_BUDGET", show_envvar=True,
+              help="Time the quality evaluation may take (e.g. 15m, 1h, 600): the grid's size and steps on a CPU, the "
+                   "continuation's length; 0 turns the evaluation (perplexity, continuation, grid) off.")
+@click.option("--min-quality", "min_quality", multiple=True, metavar="METRIC=VALUE",
+              help=f"Fail (exit 1, nothing pushed) when a quality figure is below VALUE: {', '.join(quality_spec.METRICS)} "
+                   "(e.g. ppl-recovery=95 for a language model, psnr=25 for a pipeline). Repeatable.")
 @click.option("--allow-unquantized", is_flag=True,
               help="Publish a component in which no layer could be quantized (default: an error naming its layer types).")
 @click.option("--benchmark", is_flag=True, help="Measure latency (and GPU memory) against bf16 for the card; always on with a GPU.")
@@ -219,6 +235,7 @@ def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | 
                 revision: str | None, private: bool, token: str | None, output_dir: Path | None, no_push: bool,
                 create_pr: bool, trust_remote_code: bool, keep_going: bool, force: bool, verify_envs: tuple[str, ...],
                 compat: tuple[str, ...], sample_prompt: str | None, sample_steps: int, sample_size: int,
+                eval_dataset: str | None, eval_tokens: int, eval_budget: str, min_quality: tuple[str, ...],
                 allow_unquantized: bool, benchmark: bool, engine: Engine, low_disk: bool | None,
                 max_shard_size: str | None, recheck_published: bool, verify_mode: Mode, on_hf_jobs: str | None,
                 hf_jobs_timeout: str, attach: tuple[str, ...], as_json: bool, debug: bool, quiet: bool) -> None:
@@ -252,8 +269,10 @@ def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | 
     if verify_mode == "streaming" and set(compat) - {"default", "none"}:
         raise click.UsageError("--compat environments reload whole components in another interpreter; "
                                "use --verify-mode full or auto with them")
-    if low_disk and (sample_prompt or benchmark):
-        raise click.UsageError("--sample-prompt and --benchmark run the whole bf16 base, which --low-disk does not download; drop one of them")
+    if low_disk and benchmark:
+        raise click.UsageError("--benchmark runs the whole bf16 base, which --low-disk does not download; drop one of them")
+    evaluation = _run_mapped(debug, quality_spec.settings, eval_dataset, eval_tokens, eval_budget, min_quality,
+                             sample_prompt, sample_size, sample_steps)
     if low_disk and verify_envs and not no_push:
         raise click.UsageError("with --low-disk a push uploads and deletes each shard as it is made, so --verify-env has "
                                "nothing to reload; drop --verify-env, or add --no-push")
@@ -292,6 +311,7 @@ def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | 
         recheck_published=recheck_published,
         force=force,
         command=_command_line(ctx),
+        evaluation=evaluation,
     )
     if on_hf_jobs is not None:
         from publisher.hfjobs import remote

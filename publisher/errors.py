@@ -59,6 +59,10 @@ class VerificationError(PublishError):
     """The saved result does not reload, or differs from the in-memory quantized model."""
 
 
+class QualityError(PublishError):
+    """A quality figure fell below its --min-quality bound (or could not be measured for it): nothing is pushed."""
+
+
 class ResourceError(PublishError):
     """Not enough disk or memory for the plan."""
 

@@ -21,6 +21,7 @@ from typing import Any, Literal
 from publisher import __version__, unfinished
 from publisher import recipes as recipe_registry
 from publisher.errors import Interrupted, PublishError, ResourceError, RunFailed, SourceError, TargetError, VerificationError
+from publisher.quality import stage as quality
 from publisher.recipes import Recipe
 from publisher.stages import card, fetch, leftovers, preflight, push_pr
 from publisher.stages import plan as planning
@@ -71,6 +72,7 @@ class PublishRequest:
     recheck_published: bool = False  # after the push, also read the commit back and reload it (hashes are always checked)
     force: bool = False  # publish even when the target's state says it is up to date
     command: str = "hf-ao-publish"
+    evaluation: quality.Settings | None = None  # perplexity / grid / --min-quality (publisher/quality); None: none
 
 
 @dataclass
@@ -91,10 +93,10 @@ class Outcome:
     components: list[dict[str, Any]] = field(default_factory=list)
     report: VerifyReport | None = None
     published_check: list[dict[str, Any]] = field(default_factory=list)
-    sample: dict[str, Any] | None = None
     seconds: dict[str, float] = field(default_factory=dict)  # stage wall times
     rss_after: dict[str, int] = field(default_factory=dict)  # this process's peak RSS at the end of each stage
     benchmark: dict[str, Any] | None = None  # stages.measure result
+    quality: Any = None  # quality.stage figures (perplexity and continuation, or the grid)
     copied: list[dict[str, Any]] = field(default_factory=list)  # --low-disk push: files copied Hub to Hub
 
     def target(self) -> str:  # the repo id a push writes to (a push always has one: it needs a token)
@@ -120,7 +122,7 @@ class Outcome:
             "verification": self.report.to_dict() if self.report else None,
             "published_check": self.published_check,
             "quality": [asdict(q) for q in self.report.quality] if self.report else [],
-            "sample": self.sample,
+            "evaluation": quality.to_json(self.quality),
             "seconds": self.seconds,
             "peak_rss_after_stage": self.rss_after,
             "benchmark": self.benchmark,
@@ -143,7 +145,8 @@ def card_options(req: PublishRequest, kind: str) -> dict[str, Any]:
     """The options that change only the card (its snippet, measurements and tables), for the plan's kind: a re-run
     that changes one of them is not up to date. Steps and size are a pipeline snippet's only."""
     options: dict[str, Any] = {"sample_prompt": req.sample_prompt, "benchmark": req.benchmark,
-                               "compat": list(req.compat or ("default",)), "verify_envs": list(req.verify_envs)}
+                               "compat": list(req.compat or ("default",)), "verify_envs": list(req.verify_envs),
+                               "evaluation": req.evaluation.to_dict() if req.evaluation else None}
     if kind == "pipeline":
         options.update(sample_steps=req.sample_steps, sample_size=req.sample_size)
     return options
@@ -179,6 +182,8 @@ def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = 
         trust_remote_code=req.trust_remote_code, options=options,
     )
     plan = replace(plan, options={**options, "card": card_options(req, plan.kind)})
+    if req.evaluation is not None:  # a bound on a figure this model has not: a usage error, before any download
+        quality.spec.check_applicable(req.evaluation.bounds, quality.kind_of(plan), f"{req.model} ({plan.quantized[0].class_name})")
     if req.push:  # after the base checks, in the order the preflight promises
         for target in targets.values():
             pushing.check_writable(str(target), token, who)  # a push has a token, so every target is named
@@ -219,7 +224,7 @@ class _Run:
     gating_envs: list[matrix.Env] = field(default_factory=list)  # --verify-env
     compat_envs: dict[str, list[matrix.Env] | None] = field(default_factory=dict)  # recipe -> its matrix (None: none)
     done: dict[str, tuple[Artifacts, VerifyReport]] = field(default_factory=dict)
-    samples: dict[str, Any] = field(default_factory=dict)
+    evaluation: quality.Evaluation | None = None
     finals: dict[str, Path] = field(default_factory=dict)
     caches: dict[str, ComponentCache] = field(default_factory=dict)
     created: dict[str, bool] = field(default_factory=dict)  # --low-disk push: target repo created by this run
@@ -243,13 +248,14 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
         log.info("--low-disk has no effect on a local base folder: its weights are already on disk")
     estimate = preflight.check(plan, req.output_dir or Path(tempfile.gettempdir()), Path(constants.HF_HUB_CACHE),
                                req.engine, req.low_disk, req.push, req.max_shard_size)
-    if estimate.low_disk and (req.sample_prompt or req.benchmark):
+    if estimate.low_disk and req.benchmark:
         raise ResourceError("the base does not fit on disk, so its weights would be read by HTTP range, but "
-                            "--sample-prompt / --benchmark need it whole; drop them or free disk space")
+                            "--benchmark needs it whole; drop it or free disk space")
     if estimate.low_disk and req.push and req.verify_envs:
         raise ResourceError("the base does not fit on disk, so shards would be uploaded and deleted as they are made, "
                             "but --verify-env needs them whole on disk; drop --verify-env or free disk space")
     remote = fetch.RemoteWeights(plan, token) if estimate.low_disk else None
+    text = quality.read_text(req.evaluation, plan, token) if req.evaluation else None  # before the download
     # Environments are built before the download: a spec that cannot be built stops the run while it is cheap.
     gating, measured = matrix.prepare(req.verify_envs, req.compat, [r.name for r in todo], {c.library for c in plan.quantized},
                                       measure=not ((estimate.low_disk and req.push) or req.verify_mode == "streaming"))
@@ -268,6 +274,8 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
     try:
         with _timed(outcomes[0], "inputs"):  # one derivation for every recipe: the same base, the same call
             run.inputs = capture.prepare(plan, base_dir, run.work / "inputs")
+            if req.evaluation is not None:
+                run.evaluation = quality.Evaluation(req.evaluation, text, plan, base_dir, elsewhere, token, run.work)
         for recipe in todo:
             outcome = next(o for o in outcomes if o.recipe == recipe.name)
             try:
@@ -281,7 +289,8 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
                 if not req.keep_going:
                     raise
                 log.error("%s: %s (continuing: --keep-going)", recipe.name, exc)
-        run.card_args = dict(samples=run.samples, benchmarks={o.recipe: o.benchmark for o in outcomes}, command=req.command,
+        run.card_args = dict(evaluations={o.recipe: o.quality for o in outcomes}, evaluation=req.evaluation,
+                             benchmarks={o.recipe: o.benchmark for o in outcomes}, command=req.command,
                              sample={"prompt": req.sample_prompt, "steps": req.sample_steps, "size": req.sample_size},
                              endpoint=_endpoint(), folders=dict(run.finals), shard_size=run.shard_size)
         card.write_cards(plan, run.done, **run.card_args)
@@ -337,7 +346,7 @@ def _up_to_date(req: PublishRequest, outcome: Outcome, state: dict[str, Any],
 
 
 def _build(run: _Run, recipe: Recipe, outcome: Outcome) -> None:
-    """The local stages for one recipe: quantize, verify, state file, measurements, sample. --low-disk with a push: the
+    """The local stages for one recipe: quantize, verify, state file, measurements, quality figures and gate. --low-disk with a push: the
     output shards and the unchanged base files go to the target as the run goes (push_pr), so the target repo exists
     from the start; one this run created goes again on failure."""
     req, plan = run.req, run.plan
@@ -368,7 +377,8 @@ def _build_stages(run: _Run, recipe: Recipe, outcome: Outcome, folder: Path, upl
         artifacts = quantize_recipe(plan, run.base_dir, recipe, partial_folder(folder, run.out_root),
                                     recipe_registry.quantize_device(recipe, run.capability), engine=req.engine, cache=cache,
                                     remote=run.remote, uploader=uploader, fingerprint=run.states[recipe.name]["fingerprint"],
-                                    max_shard_size=run.shard_size, elsewhere=run.elsewhere, inputs=run.inputs)
+                                    max_shard_size=run.shard_size, elsewhere=run.elsewhere, inputs=run.inputs,
+                                    observer=run.evaluation.observer if run.evaluation else None)
     quantize_stage.report_layers(artifacts, run.base_dir, req.allow_unquantized)  # nothing quantized is an error unless accepted
     outcome.components = [c.to_json(artifacts.layers[c.name].to_dict()) for c in artifacts.components]
     with _timed(outcome, "verify"):
@@ -391,12 +401,11 @@ def _build_stages(run: _Run, recipe: Recipe, outcome: Outcome, folder: Path, upl
 
         with _timed(outcome, "benchmark"):
             outcome.benchmark = measure(artifacts.components, report.expected, building, run.base_dir, run_on)
-    if req.sample_prompt and plan.kind == "pipeline":
-        from publisher.stages.sample import compare_samples
-
-        sample = run.samples[recipe.name] = compare_samples(run.base_dir, building, req.sample_prompt, req.sample_steps,
-                                                            req.sample_size, device=run_on)
-        outcome.sample = {"image": sample.image, "psnr": sample.psnr}
+    if run.evaluation is not None and req.evaluation is not None:  # the figures, then the gate: before any push
+        with _timed(outcome, "evaluation"):
+            outcome.quality = run.evaluation.run(artifacts, fetch.base_sources(plan, run.base_dir, run.remote),
+                                                 outcome.seconds["quantize"], recipe)
+        quality.gate(req.evaluation, outcome.quality, recipe.name)
     run.done[recipe.name] = (artifacts, report)
 
 

@@ -50,6 +50,9 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 # reloads each); the tests that measure it ask for it (tests/test_verify_matrix.py). Built environments are kept
 # across test sessions (keyed by spec and by this environment), outside the throw-away HF_HOME.
 os.environ["HF_AO_PUBLISH_COMPAT"] = "none"
+# Likewise the quality evaluation (perplexity, continuation, image grid: publisher/quality/): off unless a test turns
+# it on with --eval-budget (tests/test_quality_e2e.py, the card tests).
+os.environ["HF_AO_PUBLISH_EVAL_BUDGET"] = "0"
 os.environ.setdefault("HF_AO_PUBLISH_ENVS", str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
                                                  / "hf-ao-publish-tests" / "envs"))
 
@@ -66,7 +69,7 @@ def fast_retries(monkeypatch: pytest.MonkeyPatch, hub: Any) -> Any:
     hub.clear_faults()
 
 
-TOKENS = {"tok_alice": "alice", "tok_bob": "bob", "tok_bfl": "bfl", "tok_meta": "meta"}
+TOKENS = {"tok_alice": "alice", "tok_bob": "bob", "tok_bfl": "bfl", "tok_meta": "meta", "tok_sf": "Salesforce"}
 ORGS = {"acme": ["alice"]}
 
 
@@ -149,6 +152,29 @@ def flux_repo(hub: Any, tiny_flux_dir: Path) -> str:
 def llama_repo(hub: Any, tiny_llama_dir: Path) -> str:
     seed("meta/tiny-llama", tiny_llama_dir, "tok_meta")
     return "meta/tiny-llama"
+
+
+@pytest.fixture(scope="session")
+def wikitext_repo(hub: Any) -> str:
+    """The default --eval-dataset (Salesforce/wikitext, wikitext-2-raw-v1, test) as a small parquet dataset repo."""
+    from huggingface_hub import HfApi
+
+    from publisher.testing.quality import DATASET_REPO, build_text_dataset
+
+    folder = build_text_dataset(_SESSION_DIR / "datasets" / "wikitext")
+    api = HfApi(token="tok_sf")
+    api.create_repo(DATASET_REPO, repo_type="dataset", exist_ok=True)
+    api.upload_folder(repo_id=DATASET_REPO, repo_type="dataset", folder_path=folder, commit_message="seed")
+    return DATASET_REPO
+
+
+@pytest.fixture(scope="session")
+def trained_llama_repo(hub: Any) -> str:
+    """A tiny Llama trained on the fixture dataset's sentences (publisher.testing.quality), as meta/trained-llama."""
+    from publisher.testing.quality import build_trained_llama
+
+    seed("meta/trained-llama", build_trained_llama(_SESSION_DIR / "models" / "trained-llama"), "tok_meta")
+    return "meta/trained-llama"
 
 
 @pytest.fixture

@@ -570,6 +570,44 @@ def test_publish_sample_size(fake_run: list[PublishRequest]) -> None:
     assert result.exit_code == 2 and "--sample-size" in result.stderr
 
 
+def test_publish_eval_dataset(fake_run: list[PublishRequest]) -> None:
+    assert publish().exit_code == 0
+    ev = fake_run[-1].evaluation
+    assert ev is not None and ev.dataset.text() == "Salesforce/wikitext:wikitext-2-raw-v1:test" and not ev.explicit_dataset
+    assert publish("--eval-budget", "5m", "--eval-dataset", "me/text:cfg").exit_code == 0
+    ev = fake_run[-1].evaluation
+    assert ev is not None and ev.explicit_dataset and (ev.dataset.repo, ev.dataset.config, ev.dataset.split) == ("me/text", "cfg", "test")
+    result = publish("--eval-budget", "5m", "--eval-dataset", "me/text::x")
+    assert result.exit_code == 2 and "--eval-dataset 'me/text::x' is not REPO[:CONFIG][:SPLIT]" in result.stderr
+
+
+def test_publish_eval_tokens(fake_run: list[PublishRequest]) -> None:
+    assert publish().exit_code == 0 and fake_run[-1].evaluation.tokens == 1024  # type: ignore[union-attr]
+    assert publish("--eval-tokens", "256").exit_code == 0 and fake_run[-1].evaluation.tokens == 256  # type: ignore[union-attr]
+    result = publish("--eval-tokens", "3")
+    assert result.exit_code == 2 and "--eval-tokens" in result.stderr
+
+
+def test_publish_eval_budget(fake_run: list[PublishRequest]) -> None:
+    assert publish().exit_code == 0 and fake_run[-1].evaluation.budget_s == 0  # type: ignore[union-attr]  # the suite's env
+    assert publish(env={"HF_AO_PUBLISH_EVAL_BUDGET": None}).exit_code == 0  # type: ignore[dict-item]
+    assert fake_run[-1].evaluation.budget_s == 900  # type: ignore[union-attr]  # the default: 15m
+    assert publish("--eval-budget", "1h").exit_code == 0 and fake_run[-1].evaluation.budget_s == 3600  # type: ignore[union-attr]
+    assert "--eval-budget" not in fake_run[-2].command and "--eval-budget 1h" in fake_run[-1].command
+    result = publish("--eval-budget", "soon")
+    assert result.exit_code == 2 and "--eval-budget 'soon' is not a duration" in result.stderr
+    assert "HF_AO_PUBLISH_EVAL_BUDGET" in invoke("publish", "--help").stdout
+
+
+def test_publish_min_quality(fake_run: list[PublishRequest]) -> None:
+    assert publish("--eval-budget", "5m", "--min-quality", "ppl-recovery=95", "--min-quality", "psnr=30").exit_code == 0
+    assert [b.text() for b in fake_run[-1].evaluation.bounds] == ["ppl-recovery=95", "psnr=30"]  # type: ignore[union-attr]
+    result = publish("--eval-budget", "5m", "--min-quality", "lpips=0.1")
+    assert result.exit_code == 2 and "'lpips=0.1' is not METRIC=VALUE with METRIC one of ppl-recovery, psnr, ssim" in result.stderr
+    result = publish("--min-quality", "psnr=30")  # the suite's HF_AO_PUBLISH_EVAL_BUDGET=0
+    assert result.exit_code == 2 and "--min-quality needs the quality evaluation, which --eval-budget 0 turns off" in result.stderr
+
+
 def test_publish_allow_unquantized(fake_run: list[PublishRequest]) -> None:
     assert publish().exit_code == 0 and fake_run[-1].allow_unquantized is False
     assert publish("--allow-unquantized").exit_code == 0 and fake_run[-1].allow_unquantized is True

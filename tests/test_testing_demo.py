@@ -25,9 +25,9 @@ def test_the_environment_lines_reach_the_demo_hub(tmp_path: Path) -> None:
 
 def test_the_card_snippets_are_written_in_order(tmp_path: Path) -> None:
     files = demo.write_snippets(ROOT / "tests" / "golden" / "flux-int8wo.md", tmp_path / "snippets")
-    assert [f.name for f in files] == ["1-config.py", "2-usage.py", "3-manual-load.py"]
+    assert [f.name for f in files] == ["1-config.py", "2-usage.py", "3-offload.py", "4-compile.py", "5-manual-load.py"]
     assert "DiffusionPipeline.from_pretrained(" in files[1].read_text()
-    assert "load_into(model, read_checkpoint(folder))" in files[2].read_text()
+    assert "load_into(model, read_checkpoint(folder))" in files[4].read_text()
     for f in files:
         compile(f.read_text(), str(f), "exec")
 

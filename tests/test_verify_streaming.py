@@ -334,8 +334,8 @@ def test_low_disk_is_chosen_when_the_download_would_not_fit(cli: Any, flux_repo:
     result = cli(flux_repo, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "out"), *SMALL)
     assert result.exit_code == 0, result.output
     assert "reading the quantized components' weights by HTTP range instead (--low-disk)" in result.stderr
-    result = cli(flux_repo, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "out3"), "--sample-prompt", "a cat")
-    assert result.exit_code == 1 and "--sample-prompt / --benchmark need it whole" in result.stderr
+    result = cli(flux_repo, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "out3"), "--benchmark")
+    assert result.exit_code == 1 and "--benchmark needs it whole" in result.stderr
     assert not (tmp_path / "out3").exists()
     monkeypatch.setattr(resources, "_fits", lambda est, out, cache: (out, 10**12, 10**9))
     result = cli(flux_repo, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "out2"))
@@ -347,7 +347,7 @@ def test_low_disk_is_chosen_when_the_download_would_not_fit(cli: Any, flux_repo:
 @pytest.mark.parametrize("args,message", [
     (["--verify-mode", "streaming", "--verify-env", "python3"], "--verify-env reloads whole components"),
     (["--low-disk", "--engine", "library"], "--low-disk reads weights by HTTP range"),
-    (["--low-disk", "--sample-prompt", "a cat"], "--sample-prompt and --benchmark run the whole bf16 base"),
+    (["--low-disk", "--benchmark"], "--benchmark runs the whole bf16 base"),
     (["--low-disk", "--verify-env", "python3", "--repo-id", "a/b"], "--verify-env has nothing to reload"),
 ])
 def test_option_conflicts_are_usage_errors(cli: Any, tiny_flux_dir: Path, args: list[str], message: str) -> None:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from publisher import __version__, logs
-from publisher.stages.plan import Plan
+from publisher.stages.plan import DENOISERS, Plan
 from publisher.stages.quantize import Artifacts
 from publisher.verify import claims
 from publisher.verify.report import VerifyReport
@@ -39,8 +39,8 @@ class CardInputs:
     sample: dict[str, Any] = field(default_factory=lambda: {"prompt": "a photo of a cat", "steps": 28, "size": 1024})
     variants: list[dict[str, Any]] = field(default_factory=list)  # sibling repos of a multi-recipe run
     produced_on: str = "cpu"
-    sample_image: str | None = None  # file name of the side-by-side PNG in the repo
-    psnr: float | None = None
+    quality: Any = None  # publisher.quality figures: lm.LmFigures, grid.GridFigures, or None
+    evaluation: Any = None  # publisher.quality.spec.Settings (None: the evaluation was off)
     extra_notes: list[str] = field(default_factory=list)
     benchmark: dict[str, Any] | None = None  # publisher.stages.measure.measure()
     shard_note: str | None = None  # the output shards are not the library's default size
@@ -96,12 +96,22 @@ def _human(n: int | float | None) -> str:
     return f"{n:.2f} TB"
 
 
+def _cell(text: Any) -> str:
+    """Text for one markdown table cell: pipes escaped, line breaks (every kind) shown as a symbol, other control
+    characters as the replacement character, nothing empty."""
+    value = " ⏎ ".join(str(text).splitlines())
+    value = "".join(ch if ch.isprintable() else "\ufffd" for ch in value)
+    value = value.replace("\\", "\\\\").replace("|", "\\|").replace("`", "\\`").strip()
+    return value or "(nothing)"
+
+
 def environment() -> Any:
     """The jinja2 environment cards render in: undefined variables are errors, not blanks."""
     import jinja2
 
     env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True, autoescape=False)
     env.filters["human"] = _human
+    env.filters["cell"] = _cell
     return env
 
 
@@ -160,9 +170,24 @@ def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str |
         compat_warnings=claims.warnings(compat),
         compat_manual=claims.manual_text(compat),
         harmless=logs.card_lines(plan.kind),
+        compile_target=next((c.name for c in artifacts.components if c.name in DENOISERS), first.name),
+        bytes_before=sum(c.bytes_before for c in artifacts.components),
+        bytes_after=sum(c.bytes_after for c in artifacts.components),
+        bench=_bench_summary(inputs.benchmark),
     )
     # Template blocks leave runs of blank lines; collapse them (no fenced block holds two blank lines).
     return re.sub(r"\n{3,}", "\n\n", text)
+
+
+def _bench_summary(benchmark: dict[str, Any] | None) -> list[str]:
+    """One phrase per component that --benchmark measured: eager latency, quantized against bf16."""
+    out = []
+    for row in (benchmark or {}).get("rows", []):
+        q, b = row.get("quantized", {}).get("eager_ms"), row.get("bf16", {}).get("eager_ms")
+        if q and b:
+            where = benchmark.get("gpu", "the CPU") if benchmark else "the CPU"
+            out.append(f"{row['component']}: {q:.1f} ms against {b:.1f} ms in bf16 ({b / q:.2f}x) on {where}")
+    return out
 
 
 def shard_note(artifacts: Artifacts, shard_size: int | None) -> str | None:
@@ -182,8 +207,8 @@ def shard_note(artifacts: Artifacts, shard_size: int | None) -> str | None:
             "every config are what `save_pretrained` writes, and the library loaders read the shards as usual.")
 
 
-def write_cards(plan: Plan, done: dict[str, tuple[Artifacts, VerifyReport]], samples: dict[str, Any],
-                benchmarks: dict[str, Any], *, command: str, sample: dict[str, Any], endpoint: str,
+def write_cards(plan: Plan, done: dict[str, tuple[Artifacts, VerifyReport]], evaluations: dict[str, Any],
+                benchmarks: dict[str, Any], *, command: str, sample: dict[str, Any], endpoint: str, evaluation: Any = None,
                 only: str | None = None, folders: dict[str, Path] | None = None,
                 shard_size: int | None = None) -> list[Path]:
     """Cards are written once every recipe is done, so each can link to its sibling variants. ``only``: rewrite
@@ -194,7 +219,7 @@ def write_cards(plan: Plan, done: dict[str, tuple[Artifacts, VerifyReport]], sam
     variants = []
     if len(done) > 1:
         for name, (artifacts, report) in done.items():
-            quality = ", ".join(f"{q.component} {q.rel_error:.4f}" for q in report.quality) or "n/a"
+            quality = _variant_quality(evaluations.get(name), report)
             variants.append({
                 "recipe": name, "repo_id": plan.targets[name] or "(none chosen)",
                 "url": f"{endpoint}/{plan.targets[name]}" if plan.targets[name] else "",
@@ -212,14 +237,25 @@ def write_cards(plan: Plan, done: dict[str, tuple[Artifacts, VerifyReport]], sam
             produced_on=_produced_on(artifacts),
             benchmark=benchmarks.get(name),
             extra_notes=_fp8_cpu_notes(artifacts),
-            sample_image=samples[name].image if name in samples else None,
-            psnr=samples[name].psnr if name in samples else None,
+            quality=evaluations.get(name),
+            evaluation=evaluation,
             shard_note=shard_note(artifacts, shard_size),
         )
         text = render(plan, artifacts, report, plan.targets[name], inputs, (folders or {}).get(name))
         (artifacts.folder / "README.md").write_text(text, encoding="utf-8")
         written += [artifacts.folder / "README.md", report.write(artifacts.folder)]
     return written
+
+
+def _variant_quality(figures: Any, report: VerifyReport) -> str:
+    """One recipe's quality in the table of sibling variants: its perplexity recovery or lowest grid PSNR, else the
+    verification's relative error."""
+    recovery = getattr(figures, "recovery", None)
+    if recovery is not None:
+        return f"perplexity recovery {recovery:.2f}%"
+    if getattr(figures, "psnr", None):
+        return f"PSNR {min(figures.psnr):.2f} dB (lowest of the grid)"
+    return ", ".join(f"{q.component} rel. error {q.rel_error:.4f}" for q in report.quality) or "n/a"
 
 
 def _produced_on(artifacts: Artifacts) -> str:

@@ -24,11 +24,15 @@ from publisher.stages.plan import Component, Plan
 from publisher.verify.report import ForwardInputs, PassForward
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from publisher.stages.coverage import LayerReport
     from publisher.stages.fetch import RemoteWeights
     from publisher.stages.push_pr import ShardUploader
     from publisher.stages.resume import ComponentCache
     from publisher.verify.inpass import InPassForward
+
+    Observers = Callable[[Component, dict[str, Any]], InPassForward | None]  # another observer of a streamed pass
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +55,7 @@ class QuantizedComponent:
     stage_seconds: dict[str, float] = field(default_factory=dict)
     digests: dict[str, str] = field(default_factory=dict, repr=False)  # streaming engine: in-memory tensor digests
     forward: PassForward | None = field(default=None, repr=False)  # streaming engine: forward passes during the pass
+    eval_forward: PassForward | None = field(default=None, repr=False)  # the same, on the perplexity text (quality/)
 
     @property
     def label(self) -> str:
@@ -141,7 +146,7 @@ def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, d
                     engine: str = "auto", cache: ComponentCache | None = None, remote: RemoteWeights | None = None,
                     uploader: ShardUploader | None = None, fingerprint: str = "0" * 64,
                     max_shard_size: int | str | None = None, elsewhere: frozenset[str] = frozenset(),
-                    inputs: dict[str, ForwardInputs] | None = None) -> Artifacts:
+                    inputs: dict[str, ForwardInputs] | None = None, observer: Observers | None = None) -> Artifacts:
     """Quantize every planned component with ``recipe`` and write the standalone repo into ``folder``.
 
     engine "auto": the streaming engine (one tensor in memory, same bytes as the library path) for every
@@ -153,7 +158,9 @@ def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, d
     (publisher.state.state_for), written into the folder's marker (stages/leftovers.py). ``max_shard_size``: the output shard
     size (default: the library's). ``elsewhere``: unchanged base files that go to the target another way (Hub to
     Hub: ``hubcopy``), so they are not copied into the folder. ``inputs``: the run's forward-check inputs
-    (verify/capture.py) by component name: a streamed component runs its forward checks during the pass."""
+    (verify/capture.py) by component name: a streamed component runs its forward checks during the pass. ``observer``
+    (component, its config) -> another observer of a streamed component's pass, or None (the perplexity pass of
+    quality/stage.py)."""
     remove_partial(partial)  # an earlier run's unfinished folder; refuses anything that is not ours
     make_partial(partial, fingerprint, recipe.name)
     try:
@@ -175,7 +182,8 @@ def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, d
             elif reason is None:
                 log.info("quantizing %s (%s) with %s (streaming engine%s)", comp.label, comp.class_name, recipe.name,
                          ", reading the base by HTTP range" if remote is not None else "")
-                qc = _stream_component(plan, src, comp, recipe, partial, device, remote, uploader, max_shard_size, inputs)
+                qc = _stream_component(plan, src, comp, recipe, partial, device, remote, uploader, max_shard_size, inputs,
+                                       observer)
                 model = None
             else:
                 if engine == "streaming":
@@ -188,7 +196,8 @@ def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, d
             if device == "cpu" and recipe.cpu_producible and model is not None:
                 qc.fp8_check = fp8_dequant_check(model, src, comp.label)  # streamed components were checked tensor by tensor
             if cache is not None and reused is None and uploader is None:
-                cache.store(comp.name, dst, {k: v for k, v in asdict(replace(qc, forward=None)).items() if k != "forward"})
+                cache.store(comp.name, dst, {k: v for k, v in asdict(replace(qc, forward=None, eval_forward=None)).items()
+                                             if k not in ("forward", "eval_forward")})
             done.append(qc)
     except OSError as exc:
         shutil.rmtree(partial, ignore_errors=True)
@@ -248,14 +257,18 @@ class _Fp8Bound:
 
 def _stream_component(plan: Plan, src: Path, comp: Component, recipe: Recipe, out: Path, device: str,
                       remote: RemoteWeights | None, uploader: ShardUploader | None,
-                      max_shard_size: int | str | None, inputs: dict[str, ForwardInputs] | None = None) -> QuantizedComponent:
+                      max_shard_size: int | str | None, inputs: dict[str, ForwardInputs] | None = None,
+                      extra: Observers | None = None) -> QuantizedComponent:
     from publisher.streaming import stream_quantize
+    from publisher.verify.inpass import Together
 
     dst = out / comp.name if comp.name else out
     fp8 = _Fp8Bound(comp.label) if device == "cpu" and recipe.cpu_producible else None
     digests: dict[str, str] = {}
     hook = uploader.for_component(comp.name, dst, digests) if uploader is not None else None
-    observer = _in_pass_forward(src, comp, device, (inputs or {}).get(comp.name))
+    verification = _in_pass_forward(src, comp, device, (inputs or {}).get(comp.name))
+    evaluation = extra(comp, read_object(src / "config.json")) if extra is not None and device == "cpu" else None
+    observer = Together(verification, evaluation) if verification or evaluation else None
     # Range reads in execution order still fetch each byte once and hash each file in file order: what is read
     # ahead of the hash waits on disk here (integrity.SpillingHashedReader), removed however the pass ends.
     with tempfile.TemporaryDirectory(prefix="hf-ao-publish-spill-") as spill:
@@ -269,7 +282,7 @@ def _stream_component(plan: Plan, src: Path, comp: Component, recipe: Recipe, ou
                                  max_shard_size=max_shard_size)
     if uploader is not None:
         uploader.flush()  # every shard checked, hashed and uploaded before the sizes are counted
-    forward = observer.result() if observer is not None else None
+    forward = verification.result() if verification is not None else None
     config = read_object(dst / "config.json")
     return QuantizedComponent(
         name=comp.name,
@@ -288,6 +301,7 @@ def _stream_component(plan: Plan, src: Path, comp: Component, recipe: Recipe, ou
         stage_seconds={**result.stage_seconds, **({f"ship_{k}": v for k, v in uploader.seconds.items()} if uploader else {})},
         digests=dict(result.digests),
         forward=forward,
+        eval_forward=evaluation.result() if evaluation is not None else None,
     )
 
 

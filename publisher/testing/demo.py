@@ -38,12 +38,15 @@ def environment_lines(url: str, work: Path) -> list[str]:
 
 
 def write_snippets(card: Path, folder: Path) -> list[Path]:
-    """The card's Python snippets, one file each, in the order of the card (the config, the usage, the manual path)."""
+    """The card's Python snippets, one file each, in the order of the card (the config, the usage, its offload and
+    torch.compile variants, the manual path), each named by what it does."""
     folder.mkdir(parents=True, exist_ok=True)
-    names = ["config", "usage", "manual-load"]
+    kinds = [("enable_model_cpu_offload()", "offload"), ("torch.compile(", "compile"), ("read_checkpoint(", "manual-load"),
+             ("from_pretrained(", "usage"), ("Config(", "config")]
     out = []
     for i, code in enumerate(re.findall(r"```python\n(.*?)```", card.read_text(), flags=re.S)):
-        path = folder / f"{i + 1}-{names[i] if i < len(names) else 'snippet'}.py"
+        name = next((kind for marker, kind in kinds if marker in code), "snippet")
+        path = folder / f"{i + 1}-{name}.py"
         path.write_text(code)
         out.append(path)
     return out

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,8 +66,11 @@ class InPassForward:
     """A ``TensorObserver`` for ``stream_quantize``: call ``result()`` after the pass."""
 
     def __init__(self, library: str, class_name: str, config: dict[str, Any], inputs: dict[str, Any],
-                 label: str = "") -> None:
+                 label: str = "", prepare: Callable[[Any], None] | None = None) -> None:
+        """``prepare(model)``: applied to each meta-device model before use (the perplexity pass replaces the
+        language-model head's forward with one that returns per-token losses: publisher/quality/lm.py)."""
         self.library, self.class_name, self.config, self.inputs = library, class_name, config, inputs
+        self.prepare = prepare
         self.label = label or "model"
         self.cond = threading.Condition()
         self.slots: dict[str, _Slot] = {}
@@ -82,6 +87,7 @@ class InPassForward:
         self.reason = ""  # why it gave up ("" while it runs)
         self.fed = False  # the engine has delivered everything
         self.threads: list[threading.Thread] = []
+        self.cpu_seconds = {r: 0.0 for r in ROLES}  # each forward thread's own CPU time (waits for tensors excluded)
 
     # ------------------------------------------------------------ TensorObserver
     def begin(self, readable: list[str]) -> list[str] | None:
@@ -118,8 +124,11 @@ class InPassForward:
                     for role, t in zip(ROLES, (stored, value)):
                         if slot.uses[role] > 0:
                             slot.state[role][name] = t
-                            slot.nbytes[role] += _nbytes(t)
-                            self.held_bytes += _nbytes(t)
+                            # A tensor the recipe leaves alone is one object for both roles: its bytes count once
+                            # (else a 1 GB embedding, Llama-3's, counted twice, would exceed MAILBOX_LIMIT alone).
+                            size = 0 if role == "base" and t is stored and slot.uses["quantized"] > 0 else _nbytes(t)
+                            slot.nbytes[role] += size
+                            self.held_bytes += size
                 if slot.ready and not was_ready:
                     self.ready_bytes += sum(slot.nbytes.values())
             self.cond.notify_all()
@@ -144,13 +153,16 @@ class InPassForward:
         if self.reason or any(r not in self.outputs for r in ROLES):
             return PassForward(detail=self.reason or "the forward pass during quantization did not finish")
         return PassForward(self.outputs["quantized"], self.outputs["base"], self.loads, self.peak_block_bytes,
-                           f"forward during quantization with {self.loads} block loads")
+                           f"forward during quantization with {self.loads} block loads", sum(self.cpu_seconds.values()))
 
     # ------------------------------------------------------------ planning
     def _model(self) -> Any:
         from publisher.verify.streaming import meta_model
 
-        return meta_model(self.library, self.class_name, self.config)
+        model = meta_model(self.library, self.class_name, self.config)
+        if self.prepare is not None:
+            self.prepare(model)
+        return model
 
     def _plan(self, readable: set[str]) -> list[str] | None:
         """Trace the block order on the meta device; map each block's tensors to the checkpoint keys that hold them."""
@@ -268,6 +280,7 @@ class InPassForward:
     def _run(self, role: str, model: Any) -> None:
         from publisher.loadpath import forward
 
+        started = time.thread_time()
         try:
             self.outputs[role] = forward(model, self.library, self.inputs).detach().clone()
         except _Abort:
@@ -276,6 +289,7 @@ class InPassForward:
             with self.cond:
                 self._give_up(f"the {role} forward pass failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
         finally:
+            self.cpu_seconds[role] = time.thread_time() - started
             with self.cond:
                 self.done[role] = True
                 self.cond.notify_all()
@@ -288,3 +302,36 @@ class InPassForward:
         for slot in self.slots.values():
             slot.state = {r: {} for r in ROLES}
         self.ready_bytes = self.held_bytes = 0
+
+
+class Together:
+    """Several observers of one pass (the verification's forward and the perplexity pass, publisher/quality/lm.py) as
+    one ``TensorObserver``: the engine reads in one order, so an observer that planned another one (or none: it gave
+    up) stops at once and says why; the others take every tensor as before."""
+
+    def __init__(self, *observers: InPassForward | None) -> None:
+        self.observers = [o for o in observers if o is not None]
+
+    def begin(self, readable: list[str]) -> list[str] | None:
+        order: list[str] | None = None
+        for observer in self.observers:
+            planned = observer.begin(readable)
+            if planned is None:
+                continue
+            if order is None:
+                order = planned
+            elif planned != order:
+                observer.reason = "its forward pass uses the weights in another order than the pass reads them"
+                observer.end(False)  # its threads see the reason and stop
+        return order
+
+    def wants(self, key: str) -> bool:
+        return any(o.wants(key) for o in self.observers)
+
+    def tensor(self, key: str, value: Any, stored: Any) -> None:
+        for observer in self.observers:
+            observer.tensor(key, value, stored)
+
+    def end(self, ok: bool) -> None:
+        for observer in self.observers:
+            observer.end(ok)

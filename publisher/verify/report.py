@@ -181,6 +181,7 @@ class PassForward:
     blocks: int = 0  # block loads of the quantized forward
     peak_block_bytes: int = 0
     detail: str = ""
+    cpu_seconds: float = 0.0  # both forward threads' CPU time
 
 
 def require_passed(report: VerifyReport) -> None:

@@ -1,0 +1,205 @@
+"""Pipelines: a seeded comparison grid, base and quantized, at the size and steps the run can afford.
+
+Fixed prompts (``--sample-prompt`` first when given), one seed each, the same for both pipelines; one image per
+prompt and pipeline, compared by PSNR and SSIM (``images.py``), saved as one PNG in the repo.
+
+How the pipelines run:
+
+- **whole** (a CPU with memory for the whole bf16 pipeline and its files on disk): ``from_pretrained`` of the base
+  folder, then of the quantized one, one pipeline in memory at a time;
+- **offloaded** (otherwise, ``--low-disk`` included): every model component is built on the meta device; one small
+  enough (``BLOCK_BUDGET``) is loaded whole, a larger one block by block as it runs (``verify/streaming.BlockLoader``,
+  the verification's machinery), from the saved files, the local base, or the Hub by HTTP range; the quantized
+  weights of a folder whose shards were uploaded and deleted are the base's quantized again as they are read;
+- **GPU**: the whole pipeline on the GPU, or ``enable_model_cpu_offload()`` when it does not fit there.
+
+On a CPU the size and steps are the largest that the time estimate (``estimate``) fits in ``--eval-budget``;
+when even the smallest does not fit, there is no grid and the card says it needs a GPU (``--on-hf-jobs``).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from publisher.quality.sources import Weights
+
+log = logging.getLogger(__name__)
+
+PROMPTS = ("a photo of a cat", "a red bicycle leaning against a brick wall", "a bowl of fruit on a wooden table")
+IMAGE_NAME = "quality_grid.png"
+CPU_SIZES = (1024, 768, 512, 384, 256, 128, 64)
+CPU_STEPS = (28, 8, 4, 2)
+MIN_SIZE = 64  # SSIM's window needs 11 pixels; below 64 a picture says little
+
+
+@dataclass
+class GridFigures:
+    """What the card and --json say about a pipeline's grid."""
+
+    prompts: list[str]
+    seeds: list[int]
+    image: str | None = None  # file name in the repo
+    size: int = 0
+    steps: int = 0
+    device: str = "cpu"
+    mode: str = ""  # "whole", "offloaded (block by block)", "GPU", "GPU with enable_model_cpu_offload()"
+    psnr: list[float] = field(default_factory=list)
+    ssim: list[float] = field(default_factory=list)
+    metrics: str = ""
+    estimate_s: float | None = None
+    seconds: float = 0.0
+    budget_s: float = 0.0
+    reason: str = ""  # why there is no grid
+    quantized_from: str = ""  # where the quantized weights were read
+
+
+@dataclass
+class Cost:
+    """What one generation costs, for the time estimate: parameters per denoiser call and per image (text encoders,
+    VAE), bytes read per call when offloaded, and this machine's measured rates."""
+
+    denoiser_params: int
+    other_params: int
+    read_bytes_per_call: int  # 0 when the pipeline is whole in memory
+    flops: float  # multiply-adds per second measured here, x2
+    read_rate: float  # bytes per second
+
+
+def tokens_at(size: int, text_tokens: int = 512) -> int:
+    """Tokens a DiT denoiser sees at ``size`` px: one per 16x16 patch (VAE x8, patch 2x2), plus the prompt's."""
+    return (size // 16) ** 2 + text_tokens
+
+
+def estimate(cost: Cost, size: int, steps: int, images: int) -> float:
+    """Seconds for ``images`` images: 2 FLOPs per parameter and token for each denoiser call, the text encoders and
+    VAE once per image (counted at the image's token count), plus the offloaded weights read once per call."""
+    tokens = tokens_at(size)
+    per_call = 2 * cost.denoiser_params * tokens / cost.flops + cost.read_bytes_per_call / cost.read_rate
+    per_image = 2 * cost.other_params * tokens / cost.flops
+    return images * (steps * per_call + per_image)
+
+
+def choose(cost: Cost, budget_s: float, images: int, size: int, steps: int) -> tuple[int, int, float] | None:
+    """The largest size (then the most steps) at most ``size``/``steps`` whose estimate fits the budget."""
+    sizes = [s for s in CPU_SIZES if s <= size] or [MIN_SIZE]
+    step_options = sorted({min(s, steps) for s in CPU_STEPS}, reverse=True)
+    for s in sizes:
+        for st in step_options:
+            seconds = estimate(cost, s, st, images)
+            if seconds <= budget_s:
+                return s, st, seconds
+    return None
+
+
+def measured_flops() -> float:
+    """bf16 matmul FLOPs per second on this machine: a fifth of a second of 256x256 products (small, because a CPU
+    without bf16 kernels, this project's, does about 1.5 GFLOP/s: one 1024x1024 product would take a second)."""
+    import torch
+
+    n, size = 0, 256
+    a = torch.randn(size, size, dtype=torch.bfloat16)
+    a @ a
+    started = time.perf_counter()
+    while n == 0 or time.perf_counter() - started < 0.2:
+        a @ a
+        n += 1
+    return 2 * size**3 * n / (time.perf_counter() - started)
+
+
+def generate(pipe: Any, prompts: list[str], seeds: list[int], size: int, steps: int, device: str) -> list[Any]:
+    import torch
+
+    images = []
+    for prompt, seed in zip(prompts, seeds):
+        out = pipe(prompt=prompt, num_inference_steps=steps, height=size, width=size,
+                   generator=torch.Generator("cpu" if device == "cpu" else device).manual_seed(seed))
+        images.append(out.images[0])
+    return images
+
+
+def whole(folder: Path, device: str) -> Any:
+    import torch
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(folder, dtype=torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    if device == "cuda":
+        import contextlib
+
+        try:
+            return pipe.to("cuda")
+        except torch.OutOfMemoryError:
+            with contextlib.suppress(Exception):
+                pipe.to("cpu")
+            torch.cuda.empty_cache()
+            pipe.enable_model_cpu_offload()  # each component on the GPU only while it runs
+    return pipe
+
+
+class Offloaded:
+    """A pipeline whose model components are meta-device models fed from ``Weights`` (see the module docstring); the
+    block loaders stay attached (and their files open) until ``close()``."""
+
+    def __init__(self, configs: Path, models: dict[str, tuple[str, str, Weights]]) -> None:
+        self.configs, self.models = configs, models
+        self.open: list[Any] = []
+
+    def __enter__(self) -> Any:
+        import torch
+        from diffusers import DiffusionPipeline
+
+        from publisher.jsonfile import read_object
+        from publisher.quality.sources import load_whole
+        from publisher.streaming.shards import TensorReader, build_index
+        from publisher.verify.streaming import BLOCK_BUDGET, BlockLoader, meta_model
+
+        built: dict[str, Any] = {}
+        for name, (library, class_name, weights) in self.models.items():
+            model = meta_model(library, class_name, read_object(self.configs / name / "config.json"))
+            size = sum(p.numel() * 2 for p in model.parameters())
+            if size <= BLOCK_BUDGET:
+                built[name] = load_whole(model, weights, library)
+                continue
+            reader = TensorReader(weights.source, build_index(weights.source))
+            loader = BlockLoader(model, reader, BLOCK_BUDGET, weights.cast)
+            loader.attach()
+            self.open.append((loader, reader))
+            built[name] = model.eval()
+        pipe = DiffusionPipeline.from_pretrained(self.configs, dtype=torch.bfloat16, **built)
+        pipe.set_progress_bar_config(disable=True)
+        cpu = torch.device("cpu")
+        # The meta-device components would make the pipeline create its latents on "meta"; every input is made on
+        # the CPU, where each block runs once it is loaded.
+        pipe.__class__ = type(type(pipe).__name__, (type(pipe),), {"device": property(lambda self: cpu),
+                                                                   "_execution_device": property(lambda self: cpu)})
+        return pipe
+
+    def __exit__(self, *exc: object) -> None:
+        for loader, reader in self.open:
+            loader.detach()
+            reader.close()
+        self.open.clear()
+        gc.collect()
+
+
+def loader_cast(library: str, class_name: str) -> Any:
+    """``cast`` for an unquantized component read tensor by tensor: what ``from_pretrained(dtype=torch.bfloat16)``
+    gives, bf16 floats except the modules the class keeps in float32 (diffusers: ``_keep_in_fp32_modules``;
+    transformers: ``_keep_in_fp32_modules_strict``, its other list being for float16 only)."""
+    import torch
+
+    cls = getattr(__import__(library), class_name, None)
+    attr = "_keep_in_fp32_modules" if library == "diffusers" else "_keep_in_fp32_modules_strict"
+    keep = list(getattr(cls, attr, None) or [])
+
+    def cast(name: str, t: Any) -> Any:
+        if type(t) is not torch.Tensor or not t.is_floating_point():
+            return t
+        return t.to(torch.float32 if any(k in name.split(".") for k in keep) else torch.bfloat16)
+
+    return cast

@@ -1,0 +1,323 @@
+"""The quality stage of a publish run: what it reads before the download, what it hands the quantization pass, what it
+computes after verification, and the gate that runs before anything is pushed.
+
+    settings = Settings.of(...)                       # CLI options, parsed
+    text = read_text(settings, plan, token)           # before any weight is downloaded (an explicit dataset fails here)
+    evaluation = Evaluation(settings, text, plan, base_dir, elsewhere, token, work)   # after the download
+    quantize_recipe(..., observer=evaluation.observer)                                # in-pass perplexity
+    figures = evaluation.run(artifacts, base_sources, pass_seconds)                   # after verification
+    gate(settings, figures, recipe)                                                   # QualityError: exit 1
+
+Figures: ``lm.LmFigures`` for a causal language model, ``grid.GridFigures`` for a pipeline, None otherwise.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from publisher.errors import SourceError
+from publisher.quality import grid, lm, spec
+from publisher.quality.sources import Weights, component_weights, local_shards
+from publisher.quality.spec import Settings
+from publisher.quality.text import MIN_WINDOW, EvalText
+from publisher.stages.plan import DENOISERS
+from publisher.verify.streaming import BLOCK_BUDGET
+
+log = logging.getLogger(__name__)
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".msgpack", ".h5", ".onnx")
+
+
+def kind_of(plan: Any) -> str | None:
+    first = plan.quantized[0] if plan.quantized else None
+    return spec.model_kind(plan.kind, first.class_name if first else "")
+
+
+def read_text(settings: Settings, plan: Any, token: str | None) -> EvalText | None:
+    """The evaluation text of a causal LM (None for other models or with the evaluation off)."""
+    from publisher.quality.text import read_text as read
+
+    if not settings.enabled or kind_of(plan) != spec.CAUSAL_LM:
+        return None
+    return read(settings.dataset, settings.tokens, token, settings.explicit_dataset)
+
+
+def configs_folder(plan: Any, base_dir: Path, elsewhere: frozenset[str], token: str | None, work: Path) -> Path:
+    """A folder with every non-weight file of the base (configs, tokenizers, scheduler): the download folder, or, when
+    some went Hub to Hub without touching the disk (``--low-disk`` push), a copy with those downloaded (small files)."""
+    missing = [f for f in plan.base_files if f in elsewhere and not f.endswith(WEIGHT_SUFFIXES)]
+    if not missing:
+        return base_dir
+    from huggingface_hub import hf_hub_download
+
+    dest = work / "configs"
+    for rel in plan.base_files:
+        if rel.endswith(WEIGHT_SUFFIXES) or rel == "README.md":
+            continue
+        target = dest / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if rel in elsewhere:
+            shutil.copyfile(hf_hub_download(plan.source.repo_id, rel, revision=plan.source.sha, token=token), target)
+        elif (base_dir / rel).is_file():
+            shutil.copyfile(base_dir / rel, target)
+    return dest
+
+
+class Evaluation:
+    """One run's evaluation (shared by its recipes: the same text, windows and folders)."""
+
+    def __init__(self, settings: Settings, text: EvalText | None, plan: Any, base_dir: Path, elsewhere: frozenset[str],
+                 token: str | None, work: Path) -> None:
+        self.settings, self.text, self.plan, self.base_dir, self.token = settings, text, plan, base_dir, token
+        self.kind = kind_of(plan) if settings.enabled else None
+        self.elsewhere = elsewhere
+        self.configs = configs_folder(plan, base_dir, elsewhere, token, work) if self.kind else base_dir
+        self.ids: Any = None
+        self.models: dict[str, Any] = {}
+        self.limited = ""  # why fewer tokens than --eval-tokens are scored
+        self.flops = grid.measured_flops() if self.kind else 0.0  # this CPU's bf16 matmul rate: what the budget buys
+        self.text_reason = ""
+        if self.kind == spec.CAUSAL_LM and text is not None:
+            self._windows()
+
+    def _windows(self) -> None:
+        from publisher.jsonfile import read_object
+        from publisher.quality.text import windows
+
+        assert self.text is not None
+        if self.text.text is None:
+            self.text_reason = f"the dataset {self.text.spec.text()} could not be read: {self.text.reason}"
+            return
+        config = read_object(self.configs / "config.json")
+        tokens = self.settings.tokens
+        # Both forward passes, 2 FLOPs per parameter and token, may take half the budget; on a CPU without fast bf16
+        # matmuls (this project's: about 1.5 GFLOP/s) that is far fewer tokens than a GPU's
+        per_token = 2 * 2 * (self.plan.quantized[0].param_bytes // 2) / max(self.flops, 1.0)
+        affordable = int(0.5 * self.settings.budget_s / per_token) if per_token > 0 else tokens
+        if affordable < tokens:
+            if affordable < MIN_WINDOW:
+                self.text_reason = (f"scoring even {MIN_WINDOW} tokens would take about {MIN_WINDOW * per_token / 60:.0f} min "
+                                    f"on this CPU (bf16 matmuls at {self.flops / 1e9:.1f} GFLOP/s), more than half of "
+                                    f"--eval-budget {self.settings.budget_s / 60:.0f} min; publish on a GPU (--on-hf-jobs "
+                                    "FLAVOR) or raise --eval-budget")
+                return
+            self.limited = (f"{affordable} of the {tokens} asked (--eval-tokens): what half of --eval-budget "
+                            f"({self.settings.budget_s / 60:.0f} min) allows on this CPU, whose bf16 matmuls run at "
+                            f"{self.flops / 1e9:.1f} GFLOP/s")
+            tokens = affordable
+        try:
+            self.ids = windows(self.text.text, self.configs, tokens, config.get("max_position_embeddings"))
+        except ValueError as exc:
+            if self.settings.explicit_dataset:
+                raise SourceError(f"--eval-dataset {self.text.spec.text()}: {exc}; name a dataset with more text") from None
+            self.text_reason = f"the dataset {self.text.spec.text()} is too short: {exc}"
+
+    def observer(self, comp: Any, config: dict[str, Any]) -> Any:
+        """The in-pass perplexity observer for a streamed causal LM (None otherwise)."""
+        if self.ids is None or comp.library != "transformers":
+            return None
+        return lm.observer(comp.library, comp.class_name, config, self.ids, comp.label)
+
+    def run(self, artifacts: Any, base_sources: dict[str, Any], pass_seconds: float, recipe: Any) -> Any:
+        if self.kind == spec.CAUSAL_LM:
+            return self._lm(artifacts, base_sources, pass_seconds, recipe)
+        if self.kind == spec.PIPELINE:
+            return self._grid(artifacts, base_sources, pass_seconds, recipe)
+        return None
+
+    # ------------------------------------------------------------------ language models
+    def _weights(self, comp: Any, artifacts: Any, base_sources: dict[str, Any], recipe: Any) -> tuple[Weights, Weights]:
+        folder = artifacts.folder / comp.name if comp.name else artifacts.folder
+        config_dir = self.configs / comp.name if comp.name else self.configs
+        return component_weights(comp.library, comp.class_name, base_sources[comp.name], config_dir, recipe,
+                                 list(self.plan.exclude), local_shards(folder))
+
+    def _lm(self, artifacts: Any, base_sources: dict[str, Any], pass_seconds: float, recipe: Any) -> lm.LmFigures:
+        from publisher.jsonfile import read_object
+
+        comp = artifacts.components[0]
+        config = read_object(self.configs / "config.json")
+        figures = lm.LmFigures(dataset=self.settings.dataset.text())
+        started = time.monotonic()
+        base_w, quant_w = self._weights(comp, artifacts, base_sources, recipe)
+        if self.ids is None:
+            figures.reason = self.text_reason or "no evaluation text"
+        else:
+            figures.windows, figures.window = int(self.ids.shape[0]), int(self.ids.shape[1])
+            figures.limited = self.limited
+            figures.tokens = figures.windows * (figures.window - 1)
+            passed = getattr(comp, "eval_forward", None)
+            if passed is not None and passed.output is not None and passed.base_output is not None:
+                quant_nll, base_nll = passed.output, passed.base_output
+                figures.where = "during the quantization pass (block by block, the tensors the pass held)"
+                figures.seconds["perplexity_in_pass_cpu"] = round(passed.cpu_seconds, 3)
+            else:
+                if passed is not None:
+                    log.info("perplexity after the pass: %s", passed.detail)
+                base_nll = lm.nll_after_pass(base_w, comp.library, comp.class_name, config, self.ids)
+                quant_nll = lm.nll_after_pass(quant_w, comp.library, comp.class_name, config, self.ids)
+                figures.where = "after the quantization pass, block by block"
+                figures.seconds["perplexity_after_pass"] = round(time.monotonic() - started, 3)
+            figures.base_ppl, figures.quantized_ppl = lm.perplexity(base_nll), lm.perplexity(quant_nll)
+            if self.text is not None:
+                figures.seconds["read_dataset"] = round(self.text.seconds, 3)
+        prompts = ([self.settings.prompt] if self.settings.prompt else []) + list(lm.PROMPTS)
+        figures.prompts = prompts[:3]
+        spent = time.monotonic() - started
+        per_step = self._step_seconds(comp, pass_seconds) + 2 * 2 * (comp.bytes_before // 2) * len(figures.prompts) / max(self.flops, 1.0)
+        affordable = int((self.settings.budget_s - spent) / per_step) - 1 if per_step > 0 else lm.NEW_TOKENS
+        figures.new_tokens = min(lm.NEW_TOKENS, affordable)
+        if figures.new_tokens < 4:
+            figures.new_tokens = 0
+            figures.continuation_reason = (f"a greedy continuation reads the weights once per new token (about "
+                                           f"{per_step:.0f} s a token here, base and quantized), which --eval-budget "
+                                           f"{self.settings.budget_s:.0f} s does not allow for 4 tokens")
+            return figures
+        began = time.monotonic()
+        for role, weights in (("base", base_w), ("quantized", quant_w)):
+            texts = lm.greedy(weights, comp.library, comp.class_name, config, self.configs, figures.prompts, figures.new_tokens)
+            setattr(figures, f"{role}_text", texts)
+        figures.seconds["continuation"] = round(time.monotonic() - began, 3)
+        return figures
+
+    @staticmethod
+    def _step_seconds(comp: Any, pass_seconds: float) -> float:
+        """The reads of one generation step of both models (each reads its weights once): about what the pass took to
+        read the base and write the quantized weights (a conservative rate: the pass also quantized). The caller adds the
+        step's compute."""
+        return max(pass_seconds, 0.0) * (comp.bytes_before + comp.bytes_after) / max(comp.bytes_before, 1)
+
+    # ------------------------------------------------------------------ pipelines
+    def _grid(self, artifacts: Any, base_sources: dict[str, Any], pass_seconds: float, recipe: Any) -> grid.GridFigures:
+        import torch
+
+        prompts = (([self.settings.prompt] if self.settings.prompt else []) + list(grid.PROMPTS))[:3]
+        figures = grid.GridFigures(prompts=prompts, seeds=list(range(len(prompts))), budget_s=self.settings.budget_s,
+                                   metrics="")
+        from publisher.stages.card_usage import output_kind
+
+        if output_kind(self.plan.pipeline_class) != "image":
+            figures.reason = f"{self.plan.pipeline_class} makes {output_kind(self.plan.pipeline_class)}, not images"
+            return figures
+        import psutil
+
+        models, sizes, quantized_from = self._offloaded_models(artifacts, base_sources, recipe)
+        local = self._on_disk(artifacts)
+        # A GPU runs the pipelines from their folders (whole, or with model CPU offload); without the files on disk
+        # (--low-disk) the grid runs offloaded on the CPU, block by block, like a CPU-only machine.
+        device = "cuda" if torch.cuda.is_available() and local else "cpu"
+        figures.device = device
+        whole = local and (device == "cuda" or sum(sizes.values()) <= 0.8 * psutil.virtual_memory().available)
+        figures.quantized_from = "the saved files" if whole else quantized_from
+        size, steps = max(self.settings.size, grid.MIN_SIZE), self.settings.steps
+        if device == "cpu":
+            denoiser = next((n for n in DENOISERS if n in sizes), max(sizes, key=lambda n: sizes[n]))
+            rate = sum(c.bytes_before for c in artifacts.components) / max(pass_seconds, 1e-3)
+            cost = grid.Cost(sizes[denoiser] // 2, (sum(sizes.values()) - sizes[denoiser]) // 2,
+                             0 if whole or sizes[denoiser] <= BLOCK_BUDGET else sizes[denoiser], grid.measured_flops(), rate)
+            choice = grid.choose(cost, self.settings.budget_s, 2 * len(prompts), size, steps)
+            if choice is None:
+                smallest = grid.estimate(cost, grid.MIN_SIZE, min(steps, 2), 2 * len(prompts))
+                figures.estimate_s = round(smallest, 1)
+                figures.reason = (f"on this CPU even {grid.MIN_SIZE}x{grid.MIN_SIZE} px with {min(steps, 2)} steps would "
+                                  f"take about {smallest / 60:.0f} min, more than --eval-budget "
+                                  f"{self.settings.budget_s / 60:.0f} min; the grid needs a GPU: publish with "
+                                  "--on-hf-jobs FLAVOR (a GPU flavor, `hf-ao-publish recipes` lists them) or on a "
+                                  "machine with one, or raise --eval-budget")
+                return figures
+            size, steps, figures.estimate_s = choice[0], choice[1], round(choice[2], 1)
+        figures.size, figures.steps = size, steps
+        figures.mode = ("whole pipeline in memory" if whole and device == "cpu" else "GPU" if device == "cuda"
+                        else "offloaded: each component built on the meta device, loaded block by block as it runs")
+        began = time.monotonic()
+        rows: list[list[Any]] = []
+        for role in ("base", "quantized"):
+            if whole:
+                folder = self.base_dir if role == "base" else artifacts.folder
+                pipe = grid.whole(folder, device)
+                images = grid.generate(pipe, prompts, figures.seeds, size, steps, device)
+                del pipe
+            else:
+                with grid.Offloaded(self.configs, {n: (lib, cls, pair[role == "quantized"])
+                                                   for n, (lib, cls, pair) in models.items()}) as pipe:
+                    images = grid.generate(pipe, prompts, figures.seeds, size, steps, device)
+            rows.append(images)
+        from publisher.quality import images as im
+
+        pairs = list(zip(rows[0], rows[1]))
+        figures.psnr = [im.psnr(a, b) for a, b in pairs]
+        figures.ssim = [im.ssim(a, b) for a, b in pairs]
+        figures.metrics = im.METRICS_NOTE
+        im.grid(pairs).save(artifacts.folder / grid.IMAGE_NAME)
+        figures.image = grid.IMAGE_NAME
+        figures.seconds = round(time.monotonic() - began, 3)
+        return figures
+
+    def _on_disk(self, artifacts: Any) -> bool:
+        """Every weight file of both pipelines is on disk (base and quantized)."""
+        if self.elsewhere or any(local_shards(artifacts.folder / c.name) is None for c in artifacts.components):
+            return False
+        return all(local_shards(self.base_dir / c.name) is not None for c in self.plan.components if c.name in self.models)
+
+    def _offloaded_models(self, artifacts: Any, base_sources: dict[str, Any],
+                          recipe: Any) -> tuple[dict[str, Any], dict[str, int], str]:
+        """component -> (library, class, (base weights, quantized weights)) for every model component with weights; their
+        bytes (read from the safetensors headers); where the quantized weights come from."""
+        from publisher.streaming.shards import HubShards, build_index
+
+        models: dict[str, Any] = {}
+        sizes: dict[str, int] = {}
+        how = ""
+        quantized = {c.name: c for c in artifacts.components}
+        for comp in self.plan.components:
+            weights = [f for f in self.plan.base_files if f.startswith(f"{comp.name}/") and f.endswith(".safetensors")]
+            if not comp.class_name or not comp.name or not weights:
+                continue  # tokenizers, schedulers: no weights
+            if comp.name in quantized:
+                pair = self._weights(quantized[comp.name], artifacts, base_sources, recipe)
+                how = how or pair[1].how
+            else:
+                local = local_shards(self.base_dir / comp.name)
+                source = local if local is not None else HubShards(self.plan.source.repo_id, self.plan.source.sha,
+                                                                   comp.name, self.token)
+                same = Weights(source, grid.loader_cast(comp.library, comp.class_name), "the base")
+                pair = (same, same)
+            index = build_index(pair[0].source)
+            sizes[comp.name] = sum(index.nbytes(n) for n in index.parts)
+            models[comp.name] = (comp.library, comp.class_name, pair)
+        self.models = models
+        return models, sizes, how
+
+
+def gate(settings: Settings, figures: Any, recipe: str) -> None:
+    if not settings.bounds:
+        return
+    values: dict[str, float | None] = {}
+    missing: dict[str, str] = {}
+    if isinstance(figures, lm.LmFigures):
+        values["ppl-recovery"] = figures.recovery
+        missing["ppl-recovery"] = figures.reason
+    elif isinstance(figures, grid.GridFigures):
+        values["psnr"] = min(figures.psnr) if figures.psnr else None
+        values["ssim"] = min(figures.ssim) if figures.ssim else None
+        missing["psnr"] = missing["ssim"] = figures.reason
+    spec.gate(settings.bounds, values, missing, recipe)
+
+
+def to_json(figures: Any) -> dict[str, Any] | None:
+    if figures is None:
+        return None
+    data = asdict(figures)
+    if isinstance(figures, lm.LmFigures):
+        data["recovery_percent"] = figures.recovery
+        data["kind"] = spec.CAUSAL_LM
+    else:
+        data["kind"] = spec.PIPELINE
+        data["psnr"] = [None if p == float("inf") else p for p in figures.psnr]  # JSON has no infinity
+    return data
+
