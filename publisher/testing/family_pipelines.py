@@ -255,7 +255,7 @@ def build_cogvideox(path: Path, seed: int = 0) -> Path:
     with seeded(seed):
         te, tok = _t5()
         transformer = CogVideoXTransformer3DModel(
-            num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4, time_embed_dim=2, text_embed_dim=TEXT,
+            num_attention_heads=4, attention_head_dim=8, in_channels=4, out_channels=4, time_embed_dim=16, text_embed_dim=TEXT,
             num_layers=1, sample_width=2, sample_height=2, sample_frames=9, patch_size=2, temporal_compression_ratio=4,
             max_text_seq_length=226,  # the pipeline's default prompt length, as in CogVideoX-2b
         )
