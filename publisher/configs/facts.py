@@ -74,8 +74,8 @@ class Rule:
 
 
 FP8 = Needs(cuda=True, min_cc=(8, 9))
-INT4_CPU_SPEED = ("none measured: on a CPU it runs by dequantizing each weight to bf16 first, slower than bf16 "
-                  "(docs/cpu-int4.md); torchao's fast int4 kernels need other layouts")
+INT4_CPU_SPEED = ("none: on a CPU 1.2-13x slower than bf16, eager or compiled (docs/cpu-int4.md); torchao's fast int4 "
+                  "CPU kernels need packed layouts safetensors cannot hold in 0.18; GPUs not measured")
 RULES: dict[str, Rule] = {
     "Int8WeightOnlyConfig": Rule(Needs(), Needs(), "any CUDA GPU (memory-bound layers); runs on CPU"),
     "Int8DynamicActivationInt8WeightConfig": Rule(Needs(), Needs(), "any CUDA GPU (int8 matmul kernels); runs on CPU"),
