@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import re
 import shlex
-import textwrap
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,15 +18,11 @@ from publisher import __version__, clijson, compat
 from publisher import recipes as recipe_registry
 from publisher.compat import matrix_plan
 from publisher.quality import spec as quality_spec
+from publisher.recipe_table import recipes_text
 
 if TYPE_CHECKING:  # types only: the job and its stages are imported when a command runs
-    from collections.abc import Sequence
-
-    from publisher.flavors import Flavor
     from publisher.job import Engine
     from publisher.verify.report import Mode
-
-RECIPES_WIDTH = 100  # `hf-ao-publish recipes` fits a 100-column terminal
 
 # Options that several commands share: declared once, so the flag, its help and its env var agree.
 token_option = click.option(
@@ -112,28 +107,6 @@ def _run_mapped(debug: bool, fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise _Failure(message, code) from None
 
 
-def recipes_text(width: int = RECIPES_WIDTH, flavors: Sequence[Flavor] | None = None, source: str = "builtin") -> str:
-    """The registry as text: one block per recipe, every line at most ``width`` columns. ``flavors``: the
-    Hugging Face Jobs hardware (the Hub's list, from ``source``; default: the built-in table)."""
-    label_width = 11
-    indent = " " * (2 + label_width + 2)
-    where = "the Hub's hardware list" if source == "hub" else "the built-in table (the Hub's list was not reachable)"
-    lines = ["Recipes for --quant (hf-ao-publish MODEL_ID --quant RECIPE):",
-             *textwrap.wrap(f"hf jobs: the smallest Hugging Face Jobs flavors for --on-hf-jobs, from {where}.", width)]
-    for recipe in recipe_registry.all_recipes():
-        data = recipe.to_dict(flavors)
-        lines += ["", *textwrap.wrap(f"{recipe.name}  {recipe.summary}", width, subsequent_indent="    ")]
-        facts = [("quantize on", data["quantize_on"]["text"]), ("run on", data["run_on"]["text"]),
-                 ("speed-ups", data["speedup"]), ("config", recipe.expression),
-                 ("hf jobs", recipe.hf_jobs_text(flavors)), *(("note", note) for note in data["notes"])]
-        for label, text in facts:
-            if label == "hf jobs":  # keep "l4x1 (L4, CC 8.9)" on one line: protect the spaces inside parentheses
-                text = re.sub(r"\S+ \([^)]*\)", lambda m: m.group(0).replace(" ", "\0"), text)
-            lines += [line.replace("\0", " ") for line in textwrap.wrap(
-                text, width, initial_indent=f"  {label:<{label_width}}  ", subsequent_indent=indent, break_on_hyphens=False)]
-    return "\n".join(lines)
-
-
 @click.group("hf-ao-publish", cls=_DefaultToPublish, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="hf-ao-publish")
 def main() -> None:
@@ -167,10 +140,17 @@ def recipes_cmd(as_json: bool) -> None:
 
 @main.command("publish")
 @click.argument("model_id", required=False, metavar="MODEL_ID")  # required unless --attach (checked below)
-@click.option("--quant", "quant", multiple=True, metavar="RECIPE",
-              help=f"Recipe ({', '.join(recipe_registry.names())}); repeat or comma-separate for several.  [required]")
+@click.option("--quant", "quant", multiple=True, metavar="RECIPE|CONFIG",
+              help=f"A recipe ({', '.join(recipe_registry.names())}), a torchao config written as its Python call "
+                   "(read, never run), a config_to_dict JSON file, or COMPONENT=CONFIG pairs (one repo, a config per "
+                   "component); see the examples above. Split on top-level commas only; repeat or comma-separate for "
+                   "several repos.  [required]")
 @click.option("--components", default=None, metavar="A,B", help="Pipeline components to quantize (default: the denoiser).")
 @click.option("--exclude", multiple=True, metavar="MODULE", help="Module to keep unquantized (repeatable).")
+@click.option("--layer-config", "layer_config", multiple=True, metavar="[COMPONENT=]FILE",
+              help="Per-layer configs: a JSON object (a file, or inline) mapping a Linear's fqn or re:PATTERN to a config "
+                   "(recipe, call or config_to_dict) or null (left unquantized); --quant gives every other layer's. Stored "
+                   "as torchao's FqnToConfig. COMPONENT= is needed when several components are quantized.")
 @click.option("--repo-id", default=None, metavar="NAMESPACE/NAME",
               help="Target repo (default: <your user>/<base name>-torchao-<recipe>).")
 @revision_option
@@ -231,7 +211,8 @@ def recipes_cmd(as_json: bool) -> None:
 @json_option
 @debug_option
 @quiet_option
-def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | None, exclude: tuple[str, ...], repo_id: str | None,
+def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | None, exclude: tuple[str, ...],
+                layer_config: tuple[str, ...], repo_id: str | None,
                 revision: str | None, private: bool, token: str | None, output_dir: Path | None, no_push: bool,
                 create_pr: bool, trust_remote_code: bool, keep_going: bool, force: bool, verify_envs: tuple[str, ...],
                 compat: tuple[str, ...], sample_prompt: str | None, sample_steps: int, sample_size: int,
@@ -245,6 +226,8 @@ def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | 
     Example:
       hf-ao-publish black-forest-labs/FLUX.1-dev --quant int8wo
       hf-ao-publish ./my-llama --quant int8wo,float8wo --no-push --output-dir out
+      hf-ao-publish ./my-llama --quant 'Int8WeightOnlyConfig(granularity=PerGroup(128))'
+      hf-ao-publish black-forest-labs/FLUX.1-dev --quant transformer=float8wo,text_encoder_2=int8wo
       hf-ao-publish black-forest-labs/FLUX.1-dev --quant int4wo --on-hf-jobs l4x1
     """
     ctx = click.get_current_context()
@@ -288,6 +271,7 @@ def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | 
         quant=list(quant),
         components=[c.strip() for c in components.split(",") if c.strip()] if components else None,
         exclude=list(exclude),
+        layer_config=list(layer_config),
         repo_id=repo_id,
         revision=revision,
         private=private,
@@ -344,7 +328,7 @@ def _require(ctx: click.Context, name: str, value: Any) -> None:
 
 # Options a job's command does not repeat: the job gets its own --quant/--repo-id/--revision/--json, and the
 # token only as a secret; local folders and interpreters do not exist there.
-_NOT_FOR_JOBS = {"model_id", "quant", "repo_id", "revision", "token", "as_json", "output_dir", "on_hf_jobs",
+_NOT_FOR_JOBS = {"model_id", "quant", "layer_config", "repo_id", "revision", "token", "as_json", "output_dir", "on_hf_jobs",
                  "hf_jobs_timeout", "attach", "keep_going"}
 _LOCAL_ONLY = {"output_dir": "--output-dir", "no_push": "--no-push", "verify_envs": "--verify-env"}
 

@@ -19,9 +19,10 @@ To add an environment for every publish, add an entry here; for one run, pass ``
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
-INT8 = ("int8wo", "int8dq")
+INT8 = ("Int8Tensor",)  # the torchao class whose weights torchao 0.15 loads unquantized
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class MatrixEnv:
     spec: str  # one package, pinned exactly: publisher.verify.envs.parse_spec reads it
     why: str  # shown in the log and the card
     libraries: tuple[str, ...] = ("diffusers", "transformers")  # run when a quantized component uses one of these
-    recipes: tuple[str, ...] | None = None  # None: every recipe
+    tensor_classes: tuple[str, ...] | None = None  # run when a quantized layer is of one of these; None: always
 
     @property
     def package(self) -> str:
@@ -43,7 +44,8 @@ class MatrixEnv:
 DEFAULT_MATRIX: tuple[MatrixEnv, ...] = (
     MatrixEnv("torchao==0.18.0", "the torchao release that writes these tensors"),  # skipped while it is this environment's
     MatrixEnv("torchao==0.17.0", "the torchao release before the one that writes these tensors"),
-    MatrixEnv("torchao==0.15.0", "known to load int8 weights unquantized on the library path, without an error", recipes=INT8),
+    MatrixEnv("torchao==0.15.0", "known to load int8 weights unquantized on the library path, without an error",
+              tensor_classes=INT8),
     MatrixEnv("diffusers==0.39.0", "the oldest diffusers whose loader reads torchao safetensors", libraries=("diffusers",)),
     MatrixEnv("diffusers==0.38.0", "known to load a quantized model without its torchao weights, with only a warning",
               libraries=("diffusers",)),
@@ -53,17 +55,18 @@ DEFAULT_MATRIX: tuple[MatrixEnv, ...] = (
 )
 
 
-def default_matrix(recipe: str | None, libraries: set[str], installed: dict[str, str]) -> list[MatrixEnv]:
-    """The entries for ``recipe`` (None: not known, as for a repo another tool made) when the quantized components
-    load with ``libraries``; an entry that pins a package to the version installed here is this environment,
-    which is always checked, so it is left out."""
+def default_matrix(classes: Iterable[str] | None, libraries: set[str], installed: dict[str, str]) -> list[MatrixEnv]:
+    """The entries for a repo whose quantized layers are of the torchao ``classes`` (what its configs make; None: not
+    known) when the quantized components load with ``libraries``; an entry that pins a package to the version
+    installed here is this environment, which is always checked, so it is left out."""
+    found = set(classes or ())
     return [e for e in DEFAULT_MATRIX
-            if (e.recipes is None or recipe in e.recipes) and libraries & set(e.libraries)
+            if (e.tensor_classes is None or found & set(e.tensor_classes)) and libraries & set(e.libraries)
             and installed.get(e.package) != e.version]
 
 
 def most_environments() -> int:
-    """The most environments the default matrix runs with the versions installed here (an int8 recipe, diffusers and
+    """The most environments the default matrix runs with the versions installed here (int8 weights, diffusers and
     transformers components): what the help text and verify's first line state, read from the table above."""
     import importlib.metadata as md
 
@@ -73,7 +76,7 @@ def most_environments() -> int:
             installed[name] = md.version(name)
         except md.PackageNotFoundError:
             continue
-    return len(default_matrix(INT8[0], {"diffusers", "transformers"}, installed))
+    return len(default_matrix(INT8, {"diffusers", "transformers"}, installed))
 
 
 def cost_text() -> str:

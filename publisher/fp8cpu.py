@@ -53,24 +53,17 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from publisher import recipes
 from publisher.errors import QuantizeError
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from publisher.recipes import Recipe
-
-# Recipes whose torchao handler refuses CPUs but whose arithmetic this module can run on one.
 
 # e4m3fn: 3 mantissa bits, so round-to-nearest in the normal range is within 2**-4 relative.
 FP8_E4M3_REL_ERROR = 2.0**-4
 # Below the smallest normal (2**-6) the step is 2**-9: absolute error 2**-10, in units of the scale.
 FP8_E4M3_SUBNORMAL_ABS_ERROR = 2.0**-10
 # Slack for the bf16 rounding of the scale and of the dequantized output (2**-9 relative each).
-# The FP8 dynamic-activation recipes this module makes on a CPU: the registry's cpu_producible ones.
-FLOAT8_DYNAMIC_RECIPES: tuple[str, ...] = tuple(r.name for r in recipes.all_recipes() if r.cpu_producible)
-
 _BOUND_SLACK = 2.0**-8
 
 _lock = threading.RLock()
@@ -100,12 +93,12 @@ def _patch_targets() -> tuple[Any, Any]:
     return quant_api, float8_tensor
 
 
-def cpu_quantize_supported(recipe: Recipe | str) -> bool:
-    """True when ``recipe`` can be quantized on a CPU: natively, or through this module."""
-    r = recipes.get(recipe) if isinstance(recipe, str) else recipe
-    if not r.quantize.cuda:
+def cpu_quantize_supported(recipe: Any) -> bool:
+    """True when ``recipe`` (a publisher.recipes.Recipe: this module never imports the registry, which builds on it)
+    can be quantized on a CPU: natively, or through this module."""
+    if not recipe.quantize.cuda:
         return True
-    if not r.cpu_producible:  # the registry says which recipes this module makes on a CPU
+    if not recipe.cpu_producible:  # the registry says which recipes this module makes on a CPU
         return False
     try:
         _patch_targets()
@@ -114,12 +107,12 @@ def cpu_quantize_supported(recipe: Recipe | str) -> bool:
     return True
 
 
-def needs_cpu_bypass(recipe: Recipe | str) -> bool:
+def needs_cpu_bypass(recipe: Any) -> bool:
     """True when quantizing ``recipe`` on a CPU needs ``allow_cpu_float8_quantization``."""
-    return (recipes.get(recipe) if isinstance(recipe, str) else recipe).cpu_producible
+    return bool(recipe.cpu_producible)
 
 
-def cpu_quantization_context(recipe: Recipe | str) -> ContextManager[None]:
+def cpu_quantization_context(recipe: Any) -> ContextManager[None]:
     """The context to quantize ``recipe`` on a CPU in (a no-op for recipes torchao allows there)."""
     return allow_cpu_float8_quantization() if needs_cpu_bypass(recipe) else nullcontext()
 

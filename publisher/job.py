@@ -49,6 +49,7 @@ class PublishRequest:
     quant: list[str]
     components: list[str] | None = None
     exclude: list[str] = field(default_factory=list)
+    layer_config: list[str] = field(default_factory=list)  # --layer-config [COMPONENT=]FILE|JSON values
     repo_id: str | None = None
     revision: str | None = None
     private: bool = False
@@ -155,9 +156,9 @@ def card_options(req: PublishRequest, kind: str) -> dict[str, Any]:
 def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = True) -> planning.Plan:
     """Everything that can fail cheaply fails here, before any weight is downloaded. ``check_hardware=False``
     when the job runs elsewhere (Hugging Face Jobs: the flavor is checked instead of this machine)."""
-    recipes = planning.parse_recipes(req.quant)
-    for recipe in recipes if check_hardware else ():
-        recipe_registry.check_can_quantize(recipe)
+    units = planning.precheck_recipes(req.quant, req.layer_config, check_hardware=check_hardware)  # no torchao yet
+    components = planning.mapped_components(units, req.components)
+    components_from = "--quant" if components and not req.components else "--components"
     matrix.check(req.verify_envs, req.compat)
     if req.repo_id:
         planning.check_target_id(req.repo_id.replace("{recipe}", "x"))
@@ -166,6 +167,10 @@ def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = 
     if req.output_dir is not None:
         leftovers.check_output_dir(req.output_dir)
     src = source_stage.resolve(req.model, req.revision, token)
+    planning.check_layout(src, components, token, req.trust_remote_code, components_from)  # model_index.json alone
+    recipes = planning.parse_recipes(req.quant, req.layer_config)  # torchao reads every config: one it rejects stops here
+    for recipe in recipes if check_hardware else ():
+        recipe_registry.check_can_quantize(recipe)
     user, who = None, None
     if token:
         from publisher import hub
@@ -178,8 +183,8 @@ def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = 
     targets = planning.target_ids(src, recipes, req.repo_id, user)
     options = {"components": req.components, "exclude": req.exclude}
     plan = planning.build_plan(
-        src, recipes, components=req.components, exclude=list(req.exclude), targets=targets, token=token,
-        trust_remote_code=req.trust_remote_code, options=options,
+        src, recipes, components=components, exclude=list(req.exclude), targets=targets, token=token,
+        trust_remote_code=req.trust_remote_code, options=options, components_from=components_from,
     )
     plan = replace(plan, options={**options, "card": card_options(req, plan.kind)})
     if req.evaluation is not None:  # a bound on a figure this model has not: a usage error, before any download
@@ -257,7 +262,8 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
     remote = fetch.RemoteWeights(plan, token) if estimate.low_disk else None
     text = quality.read_text(req.evaluation, plan, token) if req.evaluation else None  # before the download
     # Environments are built before the download: a spec that cannot be built stops the run while it is cheap.
-    gating, measured = matrix.prepare(req.verify_envs, req.compat, [r.name for r in todo], {c.library for c in plan.quantized},
+    gating, measured = matrix.prepare(req.verify_envs, req.compat, {r.name: r.tensor_classes for r in todo},
+                                      {c.library for c in plan.quantized},
                                       measure=not ((estimate.low_disk and req.push) or req.verify_mode == "streaming"))
     shard_size, elsewhere = push_pr.staging(plan, estimate.low_disk and req.push, req.max_shard_size)
     started = time.monotonic()
@@ -296,7 +302,7 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
         card.write_cards(plan, run.done, **run.card_args)
         for name, (artifacts, report) in run.done.items():
             finalize(artifacts, run.finals[name])
-            report.location = str(artifacts.folder)
+            report.location = "."  # the repo folder itself: a machine's path would be published (and vary)
             report.write(artifacts.folder)
             if not req.push:  # the finished folder is the result: nothing left to resume
                 run.caches[name].drop([c.name for c in plan.quantized])
@@ -357,7 +363,7 @@ def _build(run: _Run, recipe: Recipe, outcome: Outcome) -> None:
     if run.remote is not None and req.push:
         uploader, run.created[recipe.name] = push_pr.open_uploader(
             plan, outcome.target(), run.token, req.private, partial_folder(folder, run.out_root),
-            recipe.tensor_class, run.shard_size, run.elsewhere)
+            recipe.tensor_classes, run.shard_size, run.elsewhere)
     try:
         _build_stages(run, recipe, outcome, folder, uploader)
         if uploader is not None:
@@ -441,7 +447,8 @@ def _push_one(run: _Run, outcome: Outcome, previous: dict[str, Any] | None) -> N
         with _timed(outcome, "published_check"):
             try:
                 results = published.check_published(report, outcome.target(), str(outcome.commit), run.work / outcome.recipe,
-                                                    run.token, files=result.files, recheck=run.req.recheck_published)
+                                                    run.token, files=result.files, recheck=run.req.recheck_published,
+                                                    forward_optional=artifacts.recipe.run.cuda)
             except published.PublishedMismatch as exc:
                 outcome.published_check, outcome.error = [asdict(r) for r in exc.results], str(exc)
                 raise

@@ -148,6 +148,10 @@ def setup(*, debug: bool = False, quiet: bool = False) -> None:
     Ours at INFO (DEBUG with ``debug``, WARNING with ``quiet``); the libraries at their own level
     (WARNING by default). Call before the stages import torch: torchao and diffusers warn at import."""
     handler = _Stderr(show_harmless=debug)
+    if not debug:  # torchao 0.18 warns at every FqnToConfig with "_default", which per-layer repos need (card says so)
+        import warnings
+
+        warnings.filterwarnings("ignore", message=r"Config Deprecation: _default is deprecated", category=UserWarning)
     ours = logging.getLogger("publisher")
     ours.handlers[:] = [handler]
     ours.setLevel(logging.DEBUG if debug else logging.WARNING if quiet else logging.INFO)

@@ -27,6 +27,7 @@ def state_for(plan: Plan, recipe: Recipe) -> dict[str, Any]:
         "base_sha": plan.source.sha or _local_digest(plan),
         "recipe": recipe.name,
         "config": recipe.python,
+        "quant": recipe.quant_json(),  # every config as given and as torchao writes it, per component and per layer
         "components": [c.name or "model" for c in plan.quantized],
         "exclude": sorted(plan.exclude),
         "versions": {n: md.version(n) for n in ("torch", "torchao", "diffusers", "transformers")},

@@ -300,9 +300,9 @@ def run_recipe(chk: Check, name: str, inputs: dict[str, Any], ref_out: Any, args
             free(dev)
             t = time.monotonic()
     fp8 = chk.results["fp8_cpu_vs_device"]
-    if name in fp8cpu.FLOAT8_DYNAMIC_RECIPES and x.get("status") == "failed":
+    if name in recipes.cpu_producible_names() and x.get("status") == "failed":
         fp8[name] = {"status": "skipped", "reason": "device-made checkpoint failed"}
-    elif name in fp8cpu.FLOAT8_DYNAMIC_RECIPES:
+    elif name in recipes.cpu_producible_names():
         fp8_cpu_vs_device(chk, name, inputs, ref_out, out, save_dir, args)
     if fp8.get(name, {}).get("status") != "failed":
         shutil.rmtree(save_dir, ignore_errors=True)  # disk: keep only what a failure needs looking at

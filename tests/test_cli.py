@@ -24,9 +24,10 @@ from click.testing import CliRunner, Result
 
 from publisher import __version__, logs
 from publisher import recipes as recipe_registry
-from publisher.cli import RECIPES_WIDTH, main
+from publisher.cli import main
 from publisher.errors import SourceError, TargetError
 from publisher.job import Outcome, PublishRequest
+from publisher.recipe_table import RECIPES_WIDTH
 from publisher.verify.report import PathResult, VerifyReport
 
 SMALL = ["--sample-steps", "2", "--sample-size", "64"]
@@ -406,7 +407,8 @@ def test_publish_help() -> None:
         result = invoke(*args)
         assert result.exit_code == 0
         assert result.stdout.startswith("Usage: hf-ao-publish publish [OPTIONS] MODEL_ID")
-    assert "--quant RECIPE" in result.stdout and ", ".join(recipe_registry.names()) in " ".join(result.stdout.split())
+    flat = " ".join(result.stdout.split()).replace("- ", "-")  # click may wrap after a hyphen (int8dq-int4)
+    assert "--quant RECIPE|CONFIG" in result.stdout and ", ".join(recipe_registry.names()) in flat
 
 
 def test_publish_model_id(fake_run: list[PublishRequest], tmp_path: Path) -> None:
@@ -438,6 +440,40 @@ def test_publish_unknown_recipe_is_a_usage_error() -> None:
     result = invoke("some/model", "--quant", "int3", "--no-push")
     assert result.exit_code == 2
     assert "unknown recipe 'int3'; choose one of: " + ", ".join(recipe_registry.names()) in result.stderr
+
+
+def test_publish_quant_takes_configs_and_mappings(fake_run: list[PublishRequest]) -> None:
+    # passed on as given: the job splits them on top-level commas only (tests/test_configs.py)
+    call = "IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32))"
+    assert invoke("some/model", "--quant", call, "--quant", "transformer=float8wo,text_encoder_2=int8wo").exit_code == 0
+    assert fake_run[-1].quant == [call, "transformer=float8wo,text_encoder_2=int8wo"]
+
+
+def test_publish_rejected_config_is_a_usage_error_with_the_working_form(tiny_flux_dir: Path, tmp_path: Path) -> None:
+    # the real job: torchao's own refusal (a bare AssertionError in 0.18) becomes one line, before any weight is read
+    result = invoke(str(tiny_flux_dir), "--quant", "Int8WeightOnlyConfig(group_size=128, version=2)", "--no-push",
+                    "--output-dir", str(tmp_path / "out"))
+    assert result.exit_code == 2
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("Error: --quant 'Int8WeightOnlyConfig(group_size=128, version=2)': torchao rejects")
+    assert "Use granularity=PerGroup(128) instead." in line
+    assert line.endswith("the working form: Int8WeightOnlyConfig(granularity=PerGroup(128))")
+    assert "Traceback" not in result.output and not (tmp_path / "out").exists()
+
+
+def test_publish_layer_config(fake_run: list[PublishRequest], tmp_path: Path) -> None:
+    table = tmp_path / "layers.json"
+    table.write_text('{"re:.*attn.*": "int8wo", "proj_out": null}')
+    assert publish("--layer-config", str(table), "--layer-config", 'text_encoder_2={"re:.*": null}').exit_code == 0
+    assert fake_run[-1].layer_config == [str(table), 'text_encoder_2={"re:.*": null}']
+
+
+def test_publish_layer_config_that_is_no_object_is_a_usage_error(tmp_path: Path) -> None:
+    # the real job: a table that is no JSON object fails before anything is read, naming the option
+    table = tmp_path / "layers.json"
+    table.write_text("[1, 2]")
+    result = invoke("some/model", "--quant", "int8wo", "--layer-config", str(table), "--no-push")
+    assert result.exit_code == 2 and "--layer-config" in result.stderr and "JSON object" in result.stderr
 
 
 def test_publish_components(fake_run: list[PublishRequest]) -> None:

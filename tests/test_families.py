@@ -29,12 +29,20 @@ def _params() -> list[Any]:
     return [pytest.param(name, id=name, marks=() if name in FAST else pytest.mark.slow) for name in FAMILIES]
 
 
-def publish(cli: Any, family: str, tmp_path: Path, *extra: str, token: str | None = None) -> tuple[dict[str, Any], Path, Any]:
+# The CPU int4 recipes (IntxUnpackedToInt8Tensor) where they add coverage: a base stored in float32 (the tensor's .to()
+# casts its bf16 scale with the model) with a layer whose in_features (80) its group size does not divide, excluded;
+# and int8 dynamic activations over Linear layers with biases and tied embeddings.
+CPU_INT4 = [pytest.param("sdxl", "intx4wo", ["--exclude", "add_embedding.linear_1"], id="sdxl-intx4wo", marks=pytest.mark.slow),
+            pytest.param("qwen2", "int8dq-int4", [], id="qwen2-int8dq-int4", marks=pytest.mark.slow)]
+
+
+def publish(cli: Any, family: str, tmp_path: Path, *extra: str, token: str | None = None,
+            quant: str = "int8wo") -> tuple[dict[str, Any], Path, Any]:
     from publisher.testing.families import build_family
 
     base = build_family(family, tmp_path / "base" / family)
     out = tmp_path / "out"
-    result = cli(str(base), "--quant", "int8wo", "--no-push", "--output-dir", str(out), "--json", *SMALL, *extra, token=token)
+    result = cli(str(base), "--quant", quant, "--no-push", "--output-dir", str(out), "--json", *SMALL, *extra, token=token)
     data = json.loads(result.stdout) if result.exit_code == 0 else {}
     return data, out, result
 
@@ -65,7 +73,22 @@ def run_snippets(card: str, cwd: Path) -> None:
 def test_family_publishes_verifies_reloads_and_runs(cli: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                      family: str) -> None:
     extra = ["--allow-unquantized"] if family == "gpt2" else []  # GPT-2's Conv1D layers: nothing to quantize
-    data, out, result = publish(cli, family, tmp_path, *extra)
+    check_family(cli, tmp_path, monkeypatch, family, "int8wo", extra)
+
+
+@pytest.mark.parametrize(("family", "quant", "extra"), CPU_INT4)
+def test_cpu_int4_recipes_publish_verify_reload_and_run(cli: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        family: str, quant: str, extra: list[str]) -> None:
+    data = check_family(cli, tmp_path, monkeypatch, family, quant, extra)
+    assert data["components"][0]["tensor_classes"] == {"IntxUnpackedToInt8Tensor": data["components"][0]["quantized_layers"]}
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "int4 values stored unpacked, one per int8 byte" in card  # the card is honest about the storage
+
+
+def check_family(cli: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, family: str, quant: str,
+                 extra: list[str]) -> dict[str, Any]:
+    """Publish ``family`` with ``quant``; every load path, a real forward, the card's claims and its snippets."""
+    data, out, result = publish(cli, family, tmp_path, *extra, quant=quant)
     assert result.exit_code == 0, result.output
     report = data["verification"]
     assert report["passed"] and data["verified"]
@@ -96,3 +119,4 @@ def test_family_publishes_verifies_reloads_and_runs(cli: Any, tmp_path: Path, mo
     kind = FAMILIES[family].kind
     if kind in OUTPUT:
         assert (tmp_path / OUTPUT[kind]).stat().st_size > 0
+    return data

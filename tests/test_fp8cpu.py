@@ -161,11 +161,13 @@ def test_dequantize_bound_catches_a_wrong_weight():
 
 
 def test_recipe_support_flags():
-    assert fp8cpu.cpu_quantize_supported("float8dq") and fp8cpu.cpu_quantize_supported("float8dq-tensor")
-    assert fp8cpu.cpu_quantize_supported("int8wo")
-    assert not fp8cpu.cpu_quantize_supported("int4wo")
-    assert fp8cpu.needs_cpu_bypass(recipes.get("float8dq")) and not fp8cpu.needs_cpu_bypass("float8wo")
-    for name in fp8cpu.FLOAT8_DYNAMIC_RECIPES:
+    get = recipes.get
+    assert fp8cpu.cpu_quantize_supported(get("float8dq")) and fp8cpu.cpu_quantize_supported(get("float8dq-tensor"))
+    assert fp8cpu.cpu_quantize_supported(get("int8wo"))
+    assert not fp8cpu.cpu_quantize_supported(get("int4wo"))
+    assert fp8cpu.needs_cpu_bypass(get("float8dq")) and not fp8cpu.needs_cpu_bypass(get("float8wo"))
+    assert recipes.cpu_producible_names() == ("float8dq", "float8dq-tensor")
+    for name in recipes.cpu_producible_names():
         config = recipes.build_config(recipes.get(name))
         assert isinstance(config, Float8DynamicActivationFloat8WeightConfig)
 
@@ -178,7 +180,7 @@ def test_tiny_flux_saves_reloads_and_carries_the_normal_config(tmp_path):
     base.save_pretrained(tmp_path / "bf16")
     originals = {n: m.weight.detach().clone() for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)}
     config = recipes.build_config(recipes.get("float8dq"))
-    with fp8cpu.cpu_quantization_context("float8dq"):  # diffusers' own quantize-on-load path
+    with fp8cpu.cpu_quantization_context(recipes.get("float8dq")):  # diffusers' own quantize-on-load path
         model = FluxTransformer2DModel.from_pretrained(tmp_path / "bf16", quantization_config=TorchAoConfig(config),
                                                        torch_dtype=torch.bfloat16)
     weights = {n: m.weight for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}

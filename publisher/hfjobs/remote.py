@@ -97,7 +97,7 @@ def publish(request: JobsRequest) -> list[RemoteOutcome]:
     if is_local(req.model):
         raise UsageError(f"{req.model} is a local folder, which a Job cannot read; upload it to the Hub first "
                          "(hf upload NAMESPACE/NAME FOLDER) and pass the repo id")
-    recipes = parse_recipes(req.quant)
+    recipes = parse_recipes(req.quant, req.layer_config)
     token = resolve_token(req.token)
     if not token:
         raise TargetError("a publish on Hugging Face Jobs needs a Hub token that can write and start Jobs; set "
@@ -129,7 +129,7 @@ def _start_and_follow(follower: Follower, plan: Plan, request: JobsRequest, flav
             target = plan.targets[recipe.name]
             if target is None:  # a Job always pushes, so its token chose a target at plan time
                 raise TargetError(f"{recipe.name}: no target repo id was chosen; pass --repo-id NAMESPACE/NAME")
-            args = ["publish", req.model, "--quant", recipe.name, "--repo-id", target,
+            args = ["publish", req.model, *recipe.job_args(), "--repo-id", target,
                     *(["--revision", plan.source.sha] if plan.source.sha else []), *request.options, "--json"]
             spec = {"endpoint": hub.endpoint(), "args": args, "torch": torch_for(flavor),
                     "wheel": {"path": shipped.path, "sha256": shipped.sha256}}

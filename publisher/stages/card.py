@@ -6,7 +6,6 @@ in a published card. Licence fields are copied from the base card, never invente
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -74,7 +73,9 @@ def card_data(plan: Plan, artifacts: Artifacts) -> Any:
 
     lic, _ = licence_fields(plan)
     base_tags = [t for t in plan.source.card_data.get("tags") or [] if isinstance(t, str)]
-    tags = list(dict.fromkeys(["torchao", artifacts.recipe.name, "hf-ao-publish", "quantized", *base_tags]))
+    recipe = artifacts.recipe
+    what = [recipe.name] if recipe.named else sorted({type(c).__name__ for s in recipe.specs() for c in [s.config]})
+    tags = list(dict.fromkeys(["torchao", *what, "hf-ao-publish", "quantized", *base_tags]))
     return ModelCardData(
         base_model=plan.source.repo_id,
         base_model_relation="quantized",
@@ -118,6 +119,7 @@ def environment() -> Any:
 def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str | None, inputs: CardInputs,
            folder: Path | None = None) -> str:
     """The card. ``target``: the repo id a push would use (None: none chosen; the snippets then load ``folder``)."""
+    from publisher.stages import card_config
     from publisher.stages.card_usage import manual_functions, usage
 
     recipe = artifacts.recipe
@@ -127,12 +129,13 @@ def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str |
     current = next((r.versions for r in report.results if r.env == "current" and r.versions), {})
     first = artifacts.components[0]
     template = environment().from_string(template_path().read_text(encoding="utf-8"))
+    config = card_config.section(recipe, artifacts, plan.kind, plan.source.repo_id or str(plan.source.local_dir))
     causal = plan.kind == "transformers" and first.class_name.endswith(("ForCausalLM", "LMHeadModel"))
     manual = [r for r in report.results if r.path == "manual" and r.component == first.name and r.env == "current"]
     compat = claims.summarise(report, {c.library for c in artifacts.components})
     text = template.render(
         card_data=data.to_yaml(),
-        title=f"{(plan.source.repo_id or plan.source.local_dir.name).split('/')[-1]} (torchao {recipe.name})",  # type: ignore[union-attr]
+        title=f"{(plan.source.repo_id or plan.source.local_dir.name).split('/')[-1]} (torchao {recipe.title})",  # type: ignore[union-attr]
         repo_id=target or str(folder or artifacts.folder),
         target_chosen=target is not None,
         usage=usage(plan.pipeline_class, int(inputs.sample["size"]), int(inputs.sample["steps"])) if plan.kind == "pipeline" else None,
@@ -149,7 +152,9 @@ def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str |
         kind=plan.kind,
         pipeline_class=plan.pipeline_class or "",
         recipe=recipe,
-        quant_config_json=json.dumps(first.quantization_config.get("quant_type", first.quantization_config), indent=2, sort_keys=True),
+        config=config,
+        classes_text=" or ".join(f"a `{c}`" for c in config.classes) + (" (as its config implies)" if len(config.classes) > 1
+                                                                            else "") if config.classes else "a torchao tensor",
         quantized=artifacts.components,
         kept=[c for c in plan.kept if c.class_name],
         exclude=list(plan.exclude),
@@ -214,8 +219,6 @@ def write_cards(plan: Plan, done: dict[str, tuple[Artifacts, VerifyReport]], eva
     """Cards are written once every recipe is done, so each can link to its sibling variants. ``only``: rewrite
     one recipe's card and report (after a later check); ``shard_size``: the output shard size, when it is not the
     library's default. Returns the files written."""
-    from publisher import recipes as recipe_registry
-
     variants = []
     if len(done) > 1:
         for name, (artifacts, report) in done.items():
@@ -223,7 +226,7 @@ def write_cards(plan: Plan, done: dict[str, tuple[Artifacts, VerifyReport]], eva
             variants.append({
                 "recipe": name, "repo_id": plan.targets[name] or "(none chosen)",
                 "url": f"{endpoint}/{plan.targets[name]}" if plan.targets[name] else "",
-                "size": sum(artifacts.files().values()), "runs_on": recipe_registry.get(name).run.describe(), "quality": quality,
+                "size": sum(artifacts.files().values()), "runs_on": artifacts.recipe.run.describe(), "quality": quality,
             })
     default_prompt = "a photo of a cat" if plan.kind == "pipeline" else "The capital of France is"
     written: list[Path] = []

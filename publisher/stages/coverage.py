@@ -19,7 +19,8 @@ _LABEL = {"excluded": "Linear kept by the library's rules", "skipped": "Linear s
           "experts": "expert parameters", "Embedding": "embeddings", "conv": "convolutions", "norm": "norms",
           "other": "other parameters"}
 _WHY = {
-    "excluded": "kept on purpose: the library's default rules (output heads, tied embeddings) or --exclude",
+    "excluded": ("kept on purpose: the library's default rules (output heads, tied embeddings), --exclude, or a null "
+                 "entry in --layer-config"),
     "skipped": "torchao left them as they were (a shape the recipe does not support)",
     "Conv1D": "a Linear stored transposed (GPT-2 family); torchao's recipes quantize nn.Linear only",
     "experts": ("fused MoE expert weights (3D parameters, not nn.Linear). torchao 0.18 can quantize them through "

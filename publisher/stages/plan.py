@@ -1,6 +1,6 @@
 """Stage 1: validate the whole job and turn it into a Plan before anything heavy happens.
 
-Checks run in the order a user would want them answered (recipe and hardware first, then the
+Checks run in the order a user would want them answered (recipe syntax and hardware first, then the
 base repo, its layout, components and exclusions). Components are built on the meta device so
 module names, Linear counts and sizes are known without reading a weight.
 """
@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from publisher import recipes as recipe_registry
+from publisher import recipe_args
 from publisher.errors import SourceError, UsageError
 from publisher.integrity import FileHash
 from publisher.jsonfile import weight_map
 from publisher.localfiles import plain_name
 from publisher.recipes import Recipe
-from publisher.stages import prequantized
+from publisher.stages import layercheck, prequantized
 from publisher.stages.basecheck import check_base
 from publisher.stages.source import Source
 
@@ -43,6 +43,9 @@ class Component:
     module_names: frozenset[str] = frozenset()
     param_bytes: int = 0  # parameters at the load dtype (bf16)
     weight_files: tuple[str, ...] = ()  # the base files that hold its weights
+    linear_shapes: tuple[tuple[str, int, int], ...] = ()  # (Linear, out_features, in_features), from the meta build
+    param_names: tuple[str, ...] = ()  # every parameter fqn (per-layer entries are matched against them)
+    default_skips: tuple[str, ...] = ()  # modules the library keeps unquantized by default (transformers: lm_head...)
 
     @property
     def subfolder(self) -> str | None:
@@ -86,19 +89,35 @@ class Plan:
         return {f: self.source.hashes[f] for f in self.base_files if f in self.source.hashes}
 
 
-def parse_recipes(values: tuple[str, ...] | list[str]) -> list[Recipe]:
-    """`--quant a --quant b` and `--quant a,b` both work; order kept, duplicates dropped."""
-    found: list[Recipe] = []
-    for value in values:
-        for name in filter(None, (v.strip() for v in value.split(","))):
-            recipe = recipe_registry.get(name)
-            if recipe in found:
-                log.warning("--quant names %s more than once; it is published once", recipe.name)
-            else:
-                found.append(recipe)
-    if not found:
-        raise UsageError("--quant is required; choose one of: " + ", ".join(recipe_registry.names()))
-    return found
+def parse_recipes(values: tuple[str, ...] | list[str], layer_values: tuple[str, ...] | list[str] = ()) -> list[Recipe]:
+    """`--quant a --quant b` and `--quant a,b` both work (split on top-level commas only: a config's own commas stay);
+    `COMPONENT=CONFIG` pairs make one per-component recipe; order kept, duplicates dropped (publisher/recipes.py)."""
+    return recipe_args.parse(values, layer_values)
+
+
+def precheck_recipes(values: tuple[str, ...] | list[str], layer_values: tuple[str, ...] | list[str] = (), *,
+                     check_hardware: bool = True) -> list[tuple[str, ...]]:
+    """The --quant and --layer-config checks that need no torchao (recipes.precheck: syntax, names, the device rules);
+    each unit's mapped components."""
+    return recipe_args.precheck(values, layer_values, check_hardware=check_hardware)
+
+
+def mapped_components(units: list[tuple[str, ...]], components: list[str] | None) -> list[str] | None:
+    """The components a run quantizes: --components (or the default), or those a per-component --quant names
+    (``units``: each --quant unit's mapped components, empty for one config). Every recipe of one run quantizes the
+    same components (one plan, one download)."""
+    mapped = [m for m in units if m]
+    if not mapped:
+        return components
+    first = mapped[0]
+    if any(set(m) != set(first) for m in mapped) or len(mapped) != len(units):
+        raise UsageError("every --quant of one run must quantize the same components: "
+                         + "; ".join(", ".join(m) if m else "the --components (or the denoiser)" for m in units)
+                         + "; run them separately")
+    if components and set(components) != set(first):
+        raise UsageError(f"--components {','.join(components)} contradicts --quant, which names {', '.join(first)}; "
+                         "drop --components (a per-component --quant chooses them)")
+    return list(first)
 
 
 def check_target_id(repo_id: str) -> str:
@@ -220,9 +239,11 @@ def build_plan(
     token: str | None,
     trust_remote_code: bool = False,
     options: dict[str, Any] | None = None,
+    components_from: str = "--components",
 ) -> Plan:
+    """``components_from``: the option that chose ``components`` (a per-component --quant names them), for messages."""
     kind, pipeline_class, found = detect_layout(source, token, trust_remote_code)
-    check_component_names(source, kind, [name for name, _, _ in found], components)  # before any library is imported
+    check_component_names(source, kind, [name for name, _, _ in found], components, components_from)  # before any import
     # an already-quantized base is refused first, by its configs (its weights' headers are read below)
     prequantized.refuse_quantized_configs(source, [name for name, _, _ in found], token)
     model_comps = {name: (lib, cls) for name, lib, cls in found if _model_class(lib, cls) is not None}
@@ -238,7 +259,8 @@ def build_plan(
             for name in chosen:  # every name is one of the index's (check_component_names)
                 if name not in model_comps:
                     raise UsageError(
-                        f"--components: {name!r} is not a model and cannot be quantized; quantizable: {', '.join(sorted(model_comps))}"
+                        f"{components_from}: {name!r} is not a model and cannot be quantized; quantizable: "
+                        f"{', '.join(sorted(model_comps))}"
                     )
         else:
             chosen = [d for d in DENOISERS if d in model_comps][:1]
@@ -259,6 +281,10 @@ def build_plan(
     prequantized.refuse_quantized_tensors(source, check_base(source, base_files, token))
     comps = [_with_meta_structure(source, c, token) if c.quantize else c for c in comps]
     _check_excludes(exclude, [c for c in comps if c.quantize])
+    quantized = [c for c in comps if c.quantize]
+    recipes = [layercheck.bind(r, quantized) for r in recipes]
+    for recipe in recipes:  # before any download: a layer torchao cannot quantize with its config, a stray pattern
+        layercheck.check(recipe, quantized, exclude)
 
     pipeline_tag = source.card_data.get("pipeline_tag")
     library_name = "diffusers" if kind == "pipeline" else "transformers"
@@ -278,20 +304,30 @@ def build_plan(
     )
 
 
-def check_component_names(source: Source, kind: str, names: list[str], components: list[str] | None) -> None:
+def check_layout(source: Source, components: list[str] | None, token: str | None, trust_remote_code: bool,
+                 components_from: str = "--components") -> None:
+    """The base's layout and the component names, from model_index.json / config.json alone (no library imported):
+    run before torchao reads the configs, so a misspelt component fails in seconds."""
+    kind, _, found = detect_layout(source, token, trust_remote_code)
+    check_component_names(source, kind, [name for name, _, _ in found], components, components_from)
+
+
+def check_component_names(source: Source, kind: str, names: list[str], components: list[str] | None,
+                          what: str = "--components") -> None:
     """--components against the names model_index.json gives, as soon as it is read: a misspelt name fails in
     seconds, before the libraries are imported to tell models from tokenizers and schedulers."""
     if not components:
         return
     if kind == "transformers":
-        raise UsageError(f"--components applies to diffusers pipelines; {source.display} is a transformers model (it is quantized whole)")
+        raise UsageError(f"{what} applies to diffusers pipelines; {source.display} is a transformers model (it is quantized "
+                         "whole: give --quant one config)")
     import difflib
 
     for name in dict.fromkeys(components):
         if name not in names:
             close = difflib.get_close_matches(name, names, n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            raise UsageError(f"--components: {source.display} has no component {name!r}{hint}; its model_index.json "
+            raise UsageError(f"{what}: {source.display} has no component {name!r}{hint}; its model_index.json "
                              f"names: {', '.join(sorted(names))}")
 
 
@@ -324,9 +360,16 @@ def _with_meta_structure(source: Source, comp: Component, token: str | None) -> 
     modules = frozenset(n for n, _ in model.named_modules() if n)
     # bf16 is the load dtype for every quantized component (2 bytes per parameter)
     nbytes = sum(p.numel() * 2 for p in model.parameters())
+    shapes = tuple((n, m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear))
+    skips: tuple[str, ...] = ()
+    if comp.library == "transformers":
+        from transformers.quantizers.base import get_keys_to_not_convert
+
+        skips = tuple(sorted(get_keys_to_not_convert(model)))
     return Component(
         name=comp.name, library=comp.library, class_name=comp.class_name, quantize=True,
         linear_names=linears, module_names=modules, param_bytes=nbytes, weight_files=comp.weight_files,
+        linear_shapes=shapes, param_names=tuple(n for n, _ in model.named_parameters()), default_skips=skips,
     )
 
 

@@ -51,7 +51,7 @@ def estimate(plan: Plan, engine: str = "auto", low_disk: bool = False, push: boo
     shard = size_bytes(max_shard_size or LOW_DISK_SHARD) + OVERLAP
     output = 0
     for recipe in plan.recipes:
-        sizes = [c.param_bytes * recipe.bits // 16 for c in plan.quantized]
+        sizes = [int(c.param_bytes * recipe.bits / 16) for c in plan.quantized]  # the configs' stored bits (int4 unpacked: ~8.75)
         output += kept + (min(max(sizes, default=0), shard) if staged else sum(sizes))
     largest = max((c.param_bytes for c in plan.quantized), default=0)
     if engine == "library":

@@ -50,7 +50,7 @@ LOW_DISK_SHARD = "2GB"
 class ShardUploader:
     """One target repo; ``for_component`` gives the engine's callbacks for one streamed component."""
 
-    def __init__(self, repo_id: str, token: str | None, root: Path, tensor_class: str, shard_bytes: int) -> None:
+    def __init__(self, repo_id: str, token: str | None, root: Path, tensor_class: str | tuple[str, ...], shard_bytes: int) -> None:
         self.api, self.repo_id, self.root, self.tensor_class = hub.client(token), repo_id, root, tensor_class
         self.token = token
         self.ops: dict[str, Any] = {}  # path in repo -> pre-uploaded CommitOperationAdd
@@ -253,7 +253,7 @@ def staging(plan: Plan, staged: bool, max_shard_size: str | None) -> tuple[int |
     return shard, frozenset(unchanged_files(plan)) if staged and plan.source.repo_id else frozenset()
 
 
-def open_uploader(plan: Plan, target: str, token: str | None, private: bool, root: Path, tensor_class: str,
+def open_uploader(plan: Plan, target: str, token: str | None, private: bool, root: Path, tensor_class: str | tuple[str, ...],
                   shard_size: int | None, unchanged: frozenset[str]) -> tuple[ShardUploader, bool]:
     """The uploader of one recipe's target (created if needed: True then), with the copy of ``unchanged`` base files
     from the base repo to the target already under way."""

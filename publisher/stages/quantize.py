@@ -11,6 +11,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections import Counter
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -56,6 +57,7 @@ class QuantizedComponent:
     digests: dict[str, str] = field(default_factory=dict, repr=False)  # streaming engine: in-memory tensor digests
     forward: PassForward | None = field(default=None, repr=False)  # streaming engine: forward passes during the pass
     eval_forward: PassForward | None = field(default=None, repr=False)  # the same, on the perplexity text (quality/)
+    layer_classes: dict[str, str] = field(default_factory=dict, repr=False)  # quantized Linear -> its torchao class
 
     @property
     def label(self) -> str:
@@ -193,6 +195,7 @@ def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, d
                     remote.download(comp)  # the library loaders read local files only
                 model, qc = _quantize_component(plan, base_dir, comp, recipe, partial, device, max_shard_size)
                 models[comp.name] = model
+            _kept_by_table(recipe, comp, qc)
             if device == "cpu" and recipe.cpu_producible and model is not None:
                 qc.fp8_check = fp8_dequant_check(model, src, comp.label)  # streamed components were checked tensor by tensor
             if cache is not None and reused is None and uploader is None:
@@ -208,6 +211,18 @@ def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, d
         shutil.rmtree(partial, ignore_errors=True)
         raise
     return Artifacts(recipe=recipe, folder=partial, components=done, models=models, device=device, uploader=uploader)
+
+
+def _kept_by_table(recipe: Recipe, comp: Component, qc: QuantizedComponent) -> None:
+    """Layers a per-layer table maps to None were kept on purpose, not skipped by torchao."""
+    from publisher.configs.layers import resolve
+
+    if recipe.table_for(comp.name) is None:
+        return
+    table = recipe.config_for(comp.name).fqn_to_config
+    kept = [n for n in qc.skipped if resolve(comp.library, table, f"{n}.weight")[0] is None]
+    qc.skipped = [n for n in qc.skipped if n not in kept]
+    qc.excluded = sorted(set(qc.excluded) | set(kept))
 
 
 def report_layers(artifacts: Artifacts, base_dir: Path, allow_unquantized: bool) -> None:
@@ -227,7 +242,8 @@ def _streaming_reason(comp: Component, src: Path, recipe: Recipe, device: str, r
     from publisher.streaming import supports
 
     listing = remote.listing(comp) if remote is not None else ()
-    return supports(comp.library, src, recipe, class_name=comp.class_name, device=device, remote_files=listing)
+    return supports(comp.library, src, recipe, class_name=comp.class_name, device=device, remote_files=listing,
+                    component=comp.name)
 
 
 class _Fp8Bound:
@@ -279,7 +295,7 @@ def _stream_component(plan: Plan, src: Path, comp: Component, recipe: Recipe, ou
                                  digests=digests, on_planned=hook.planned if hook else None,
                                  on_output_file=hook.on_output if hook else None, observer=observer,
                                  reserve=uploader.reserve if uploader is not None else None,
-                                 max_shard_size=max_shard_size)
+                                 max_shard_size=max_shard_size, component=comp.name)
     if uploader is not None:
         uploader.flush()  # every shard checked, hashed and uploaded before the sizes are counted
     forward = verification.result() if verification is not None else None
@@ -291,7 +307,7 @@ def _stream_component(plan: Plan, src: Path, comp: Component, recipe: Recipe, ou
         quantized=list(result.quantized),
         skipped=list(result.skipped),
         excluded=list(result.excluded),
-        tensor_classes={recipe.tensor_class: len(result.quantized)} if result.quantized else {},
+        tensor_classes=dict(Counter(result.classes.values())),
         bytes_before=comp.param_bytes,
         bytes_after=sum(p.stat().st_size for p in dst.glob("*.safetensors")) + (uploader.uploaded_bytes(dst) if uploader else 0),
         quantization_config=config.get("quantization_config", {}),
@@ -302,6 +318,7 @@ def _stream_component(plan: Plan, src: Path, comp: Component, recipe: Recipe, ou
         digests=dict(result.digests),
         forward=forward,
         eval_forward=evaluation.result() if evaluation is not None else None,
+        layer_classes=dict(result.classes),
     )
 
 
@@ -345,7 +362,7 @@ def _quantize_component(plan: Plan, base_dir: Path, comp: Component, recipe: Rec
 
     from publisher.fp8cpu import cpu_quantization_context
 
-    config = build_config(recipe)
+    config = build_config(recipe, comp.name)
     # On a GPU the libraries quantize layer by layer as they load (device_map); on a CPU they load
     # then quantize. FP8 recipes on a CPU run torchao's own handler minus its hardware assertion.
     placement: dict[str, Any] = {"device_map": device} if device == "cuda" else {}
@@ -397,6 +414,7 @@ def summarize(model: Any, comp: Component, recipe: Recipe, folder: Path) -> Quan
     quantized: list[str] = []
     plain: list[str] = []
     classes: dict[str, int] = {}
+    layer_classes: dict[str, str] = {}
     for name, module in model.named_modules():
         if not isinstance(module, torch.nn.Linear):
             continue
@@ -404,6 +422,7 @@ def summarize(model: Any, comp: Component, recipe: Recipe, folder: Path) -> Quan
         if isinstance(weight, TorchAOBaseTensor):
             quantized.append(name)
             classes[type(weight).__name__] = classes.get(type(weight).__name__, 0) + 1
+            layer_classes[name] = type(weight).__name__
         else:
             plain.append(name)
     config = read_object(folder / "config.json")
@@ -425,6 +444,7 @@ def summarize(model: Any, comp: Component, recipe: Recipe, folder: Path) -> Quan
         bytes_before=comp.param_bytes,
         bytes_after=after,
         quantization_config=qconfig,
+        layer_classes=layer_classes,
     )
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -44,6 +44,7 @@ class StreamResult:
     peak_rss_bytes: int  # the process's peak RSS so far (ru_maxrss), import of torch & co included
     stage_seconds: dict[str, float]  # plan/read/quantize/write
     digests: dict[str, str]  # state-dict name -> digest of the tensor as it was in memory (loadpath.tensor_digest)
+    classes: dict[str, str] = field(default_factory=dict)  # quantized module -> the torchao class of its weight
 
 
 def _static_reason(library: str, src_dir: Path, recipe: Any, device: str) -> str | None:
@@ -98,12 +99,15 @@ def _quantize_context(recipe: Any, device: str) -> Any:
     return nullcontext()
 
 
-def _component(library: str, src_dir: Path, recipe: Any, exclude: Sequence[str], class_name: str | None) -> Any:
+def _component(library: str, src_dir: Path, recipe: Any, exclude: Sequence[str], class_name: str | None,
+               component: str = "") -> Any:
+    """The meta-device component, prepared with the config ``component`` is quantized with (its own, per-component
+    and per-layer included)."""
     from publisher.recipes import build_config
     from publisher.streaming.meta_model import diffusers_component, transformers_component
 
     build = diffusers_component if library == "diffusers" else transformers_component
-    return build(src_dir, build_config(recipe), list(exclude), class_name)
+    return build(src_dir, build_config(recipe, component), list(exclude), class_name)
 
 
 def _checkpoint_keys(src_dir: Path, comp: Any, fetch: Callable[[str], Any] | None) -> dict[str, str] | None:
@@ -129,7 +133,7 @@ def _checkpoint_keys(src_dir: Path, comp: Any, fetch: Callable[[str], Any] | Non
 
 
 def supports(library: str, src_dir: Path, recipe: Any, *, class_name: str | None = None,
-             device: str | None = None, remote_files: Collection[str] = ()) -> str | None:
+             device: str | None = None, remote_files: Collection[str] = (), component: str = "") -> str | None:
     """None if the streaming engine can handle this component; else the reason (caller falls back to the library path and logs it).
 
     Needs config.json and the safetensors index (or the single weights file) in ``src_dir``; builds the model on the
@@ -145,7 +149,7 @@ def supports(library: str, src_dir: Path, recipe: Any, *, class_name: str | None
     if reason:
         return reason
     try:
-        comp = _component(library, src_dir, recipe, (), class_name)
+        comp = _component(library, src_dir, recipe, (), class_name, component)
     except (ValueError, TypeError, AttributeError, OSError, ImportError) as exc:
         return f"building {src_dir.name or src_dir} on the meta device failed: {exc}"
     keys = _checkpoint_keys(src_dir, comp, None)
@@ -182,6 +186,7 @@ def stream_quantize(
     max_shard_size: int | str | None = None,
     observer: TensorObserver | None = None,
     reserve: Callable[[Path, int], None] | None = None,
+    component: str = "",
 ) -> StreamResult:
     """Quantize one component folder into ``dst_dir`` exactly as from_pretrained + save_pretrained would.
 
@@ -198,7 +203,8 @@ def stream_quantize(
     bypass, as the library path does); ``max_shard_size`` defaults to save_pretrained's default.
     ``observer`` (``engine.TensorObserver``) sees every tensor in memory and may choose the reading order (a forward
     pass during quantization); ``reserve(path, nbytes)`` runs before bytes are written to an output file and may
-    wait (a disk budget: output shards that leave the disk once uploaded).
+    wait (a disk budget: output shards that leave the disk once uploaded). ``component``: the pipeline component
+    this folder is (its config when the recipe has one per component, or a per-layer table).
     On error the files already written stay in ``dst_dir`` (the caller owns the folder).
     """
     from publisher.streaming.engine import execute, peak_rss_bytes, remove_stale_shards
@@ -215,7 +221,7 @@ def stream_quantize(
     fetch = fetch_shard or (lambda name: src_dir / name)
     release = release_shard or (lambda path: None)
     try:
-        comp = _component(library, src_dir, recipe, exclude, class_name)
+        comp = _component(library, src_dir, recipe, exclude, class_name, component)
         keys = _checkpoint_keys(src_dir, comp, fetch)
         if keys is None:
             raise ValueError(f"{src_dir} has neither {comp.index_name} nor {comp.weights_name}")
@@ -224,7 +230,7 @@ def stream_quantize(
         # Probing on the meta device is free, but fp8cpu's bypass and GPU handlers want real tensors.
         probe_device = "meta" if device == "cpu" and not recipe.quantize.cuda else device
         with _quantize_context(recipe, device):
-            plan = build_plan(comp, keys, device, probe_device, recipe.tensor_class, max_shard_size)
+            plan = build_plan(comp, keys, device, probe_device, set(recipe.classes_for(component)), max_shard_size)
     except RangeIgnored as exc:  # the server, not the model: the message says what to do
         raise QuantizeError(str(exc)) from exc
     except (ValueError, TypeError, AttributeError, OSError, ImportError, RuntimeError, AssertionError) as exc:
@@ -271,5 +277,5 @@ def stream_quantize(
         raise QuantizeError(f"streaming {src_dir} into {dst_dir} failed: {exc}") from exc
     return StreamResult(
         quantized=plan.quantized, skipped=plan.skipped, excluded=plan.excluded, files=written,
-        peak_rss_bytes=peak_rss_bytes(), stage_seconds=seconds, digests=digests,
+        peak_rss_bytes=peak_rss_bytes(), stage_seconds=seconds, digests=digests, classes=dict(plan.classes),
     )

@@ -64,6 +64,7 @@ class Plan:
     quantized: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     excluded: list[str] = field(default_factory=list)
+    classes: dict[str, str] = field(default_factory=dict)  # quantized module -> the torchao class of its weight
 
 
 def _probe(comp: Component, key: str, device: str, cache: dict[tuple, tuple]) -> tuple[str | None, list, str]:
@@ -71,22 +72,16 @@ def _probe(comp: Component, key: str, device: str, cache: dict[tuple, tuple]) ->
 
     ``device`` is "meta" (no data at all) or the real quantize device; one probe per distinct shape.
     """
-    import torch
     from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
 
     shape = tuple(comp.meta[key].shape)
     mod = comp.module_of(key)
-    sig = (shape, type(mod).__name__, getattr(mod, "bias", None) is not None)
+    # the config this key gets: one per component, or its FqnToConfig entry (same shape, other config: other layout)
+    sig = (shape, type(mod).__name__, getattr(mod, "bias", None) is not None, key.rpartition(".")[2], comp.config_key(key))
     if sig in cache:
         return cache[sig]
-    if device == "meta":
-        value = torch.empty(shape, dtype=comp.cast_dtype, device="meta")
-        target: Any = "meta"
-    else:
-        value = torch.randn(shape, dtype=comp.cast_dtype, device=device)  # ordinary data: no 0/0 scales
-        target = torch.device(device)
     try:
-        weight = comp.quantize_param(key, value, target)
+        weight = _quantize_probe(comp, key, shape, device)
         flat, meta = flatten_tensor_state_dict({key: weight.detach()})
     finally:
         comp.detach_weight(key)
@@ -95,6 +90,24 @@ def _probe(comp: Component, key: str, device: str, cache: dict[tuple, tuple]) ->
     result = (None if cls == "Tensor" else cls, parts, meta[key])
     cache[sig] = result
     return result
+
+
+def _quantize_probe(comp: Component, key: str, shape: tuple[int, ...], device: str) -> Any:
+    """The library's quantize call on a stand-in of ``key``: on the meta device (no data) when ``device`` is "meta",
+    with random values on the CPU when the config's algorithm reads values (HQQ's ``.item()``)."""
+    import torch
+
+    if device != "meta":
+        value = torch.randn(shape, dtype=comp.cast_dtype, device=device)  # ordinary data: no 0/0 scales
+        return comp.quantize_param(key, value, torch.device(device))
+    try:
+        return comp.quantize_param(key, torch.empty(shape, dtype=comp.cast_dtype, device="meta"), "meta")
+    except (RuntimeError, NotImplementedError):  # a data-dependent algorithm: the values of a stand-in are enough
+        comp.detach_weight(key)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(0)
+            value = torch.randn(shape, dtype=comp.cast_dtype)
+        return comp.quantize_param(key, value, torch.device("cpu"))
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
@@ -106,8 +119,10 @@ def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
 
 
 def build_plan(comp: Component, key_files: dict[str, str], device: str, probe_device: str,
-               expected_class: str | None, max_shard_size: int | str | None) -> Plan:
-    """Lay out the output exactly as ``save_pretrained`` would, from the meta model and the checkpoint index."""
+               expected_classes: set[str] | None, max_shard_size: int | str | None) -> Plan:
+    """Lay out the output exactly as ``save_pretrained`` would, from the meta model and the checkpoint index.
+    ``expected_classes``: the torchao classes the component's configs make (a planned tensor of another class stops
+    the run)."""
     from huggingface_hub.serialization import split_state_dict_into_shards_factory
 
     missing = [k for k in comp.names if k not in key_files and k not in comp.dropped_on_save]
@@ -119,6 +134,7 @@ def build_plan(comp: Component, key_files: dict[str, str], device: str, probe_de
     flat: dict[str, OutTensor] = {}  # the flattened state dict save_pretrained shards, in its order
     qmeta: dict[str, str] = {}
     quantized, skipped, excluded = [], [], []
+    classes: dict[str, str] = {}
     plain_meta = json.dumps({"_type": "Tensor"})
     for key in comp.names:
         shape = tuple(comp.meta[key].shape)
@@ -127,13 +143,17 @@ def build_plan(comp: Component, key_files: dict[str, str], device: str, probe_de
         if key in comp.quantize_keys and key in key_files:
             cls, parts, meta = _probe(comp, key, probe_device, cache)
             if cls is None:
-                skipped.append(module)
+                if key.endswith(".weight"):  # a parameter the library offers its op (a guarded bias) is no layer
+                    skipped.append(module)
                 kind, dtype = "skip", comp.cast_dtype
                 outs = [OutTensor(key, dtype, shape, _nbytes(dtype, shape))]
             else:
-                if expected_class and cls != expected_class:
-                    raise ValueError(f"torchao produced {cls} for {key}, the recipe expects {expected_class}")
-                quantized.append(module)
+                if expected_classes and cls not in expected_classes:
+                    raise ValueError(f"torchao produced {cls} for {key}, the recipe expects "
+                                     f"{' or '.join(sorted(expected_classes))}")
+                if key.endswith(".weight"):
+                    quantized.append(module)
+                    classes[module] = cls
                 kind, dtype = "quantize", comp.cast_dtype
                 outs = [OutTensor(f"{module}.{suffix}", d, s, _nbytes(d, s)) for suffix, d, s in parts]
         else:
@@ -167,7 +187,7 @@ def build_plan(comp: Component, key_files: dict[str, str], device: str, probe_de
     # Consume input shards in name order (shard 1 first: the output order follows it best).
     input_files = sorted({w.src_file for w in work})
     work.sort(key=lambda w: input_files.index(w.src_file))
-    return Plan(comp, device, work, input_files, files, index, quantized, skipped, excluded)
+    return Plan(comp, device, work, input_files, files, index, quantized, skipped, excluded, classes)
 
 
 def _lay_out(name: str, entries: list[OutTensor], metadata: dict[str, str]) -> OutFile:

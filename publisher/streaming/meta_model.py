@@ -48,6 +48,7 @@ class Component:
     save_order: Callable[[list[str]], list[str]] = list  # order of the flattened dict save_pretrained shards
     default_skips: set[str] = field(default_factory=set)  # Linear modules the library keeps by default
     meta_params: dict[str, Any] = field(default_factory=dict)  # key -> the meta Parameter to restore
+    config_key: Callable[[str], str] = lambda key: ""  # key -> identity of the config it gets (per-layer tables)
 
     def module_of(self, key: str) -> Any:
         return self.model.get_submodule(key.rpartition(".")[0])
@@ -154,7 +155,23 @@ def diffusers_component(src: Path, ao_config: Any, exclude: list[str], class_nam
         cast_dtype=dtype, quantizer=quantizer,
     )
     comp.meta_params = dict(model.named_parameters(remove_duplicate=False))
+    comp.config_key = _config_key("diffusers", ao_config)
     return comp
+
+
+def _config_key(library: str, ao_config: Any) -> Callable[[str], str]:
+    """For an ``FqnToConfig``: the identity of the entry the library applies to a key (configs/layers.py's rule)."""
+    table = getattr(ao_config, "fqn_to_config", None)
+    if type(ao_config).__name__ != "FqnToConfig" or not isinstance(table, dict):
+        return lambda key: ""
+    from publisher.configs.layers import resolve
+    from publisher.configs.render import canonical
+
+    def key_of(key: str) -> str:
+        config = resolve(library, table, key)[0]
+        return canonical(config) if config is not None else "none"
+
+    return key_of
 
 
 def transformers_component(src: Path, ao_config: Any, exclude: list[str], class_name: str | None) -> Component:
@@ -237,6 +254,7 @@ def transformers_component(src: Path, ao_config: Any, exclude: list[str], class_
         save_order=lambda keys: sorted(keys, key=dot_natural_key),
     )
     comp.meta_params = dict(model.named_parameters(remove_duplicate=False))
+    comp.config_key = _config_key("transformers", ao_config)
     return comp
 
 

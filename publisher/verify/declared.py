@@ -22,13 +22,16 @@ from __future__ import annotations
 
 import json
 import logging
-import re
-from contextlib import nullcontext
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+from publisher.configs.layers import resolve
+from publisher.configs.probe import quantized_weight
 from publisher.errors import VerificationError
-from publisher.verify.layout import TargetComponent
+from publisher.verify import stored as stored_files
+from publisher.verify.layout import TargetComponent, weight_format
+from publisher.verify.report import Expected
 from publisher.verify.stored import Stored, StoredSet, parse_flat
 
 log = logging.getLogger(__name__)
@@ -105,24 +108,11 @@ def quantizes(declared: Declared, q: Any, model: Any, param: str) -> bool:
 
 
 def layer_config(declared: Declared, param: str) -> tuple[Any, str]:
-    """(the torchao config the library applies to ``param``, where it comes from); None: left unquantized."""
+    """(the torchao config the library applies to ``param``, where it comes from); None: left unquantized. The rule
+    is configs/layers.py's, which the quantize stage and the streaming engine follow too."""
     if not declared.per_layer:
         return declared.config, "the quant_type"
-    table = declared.config.fqn_to_config
-    module = param.rsplit(".", 1)[0] if "." in param else ""
-    for fqn in (param, module):
-        if fqn in table:
-            return table[fqn], f"its entry {fqn!r}"
-    patterns = [p for p in table if p.startswith("re:")]
-    # transformers tries each pattern on the parameter then the module; diffusers every pattern on the parameter first
-    order = ([(p, f) for p in patterns for f in (param, module)] if declared.library == "transformers"
-             else [(p, f) for f in (param, module) for p in patterns])
-    for pattern, fqn in order:
-        if re.fullmatch(pattern[3:], fqn):
-            return table[pattern], f"its pattern {pattern!r}"
-    if "_default" in table:
-        return table["_default"], "its _default"
-    return None, "no entry and no _default"
+    return resolve(declared.library, declared.config.fqn_to_config, param)
 
 
 _PROBES: dict[tuple[Any, ...], Stored | None | str] = {}
@@ -147,28 +137,14 @@ def probe(kind: str, shape: tuple[int, ...], dtype: str, config: Any, library: s
 
 
 def _probe(kind: str, shape: tuple[int, ...], dtype: str, config: Any, library: str, per_layer: bool) -> Stored | None:
-    import torch
     from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
-    from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, quantize_
 
-    from publisher.fp8cpu import allow_cpu_float8_quantization
-
-    torch_dtype = getattr(torch, dtype)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        weight = torch.randn(shape, dtype=torch.float32).to(torch_dtype)
-    module: Any = (torch.nn.Linear(shape[1], shape[0], bias=False, device="meta") if kind == "linear"
-                   else torch.nn.Embedding(shape[0], shape[1], device="meta"))
-    module.weight = torch.nn.Parameter(weight, requires_grad=False)
     # transformers applies an FqnToConfig entry to the lone module with filter_fn "always"; every other call (and
     # diffusers) uses quantize_'s default filter (Linear layers only)
-    extra = {"filter_fn": lambda m, fqn: True} if (library == "transformers" and per_layer) else {}
-    fp8 = isinstance(config, Float8DynamicActivationFloat8WeightConfig)
-    with allow_cpu_float8_quantization() if fp8 else nullcontext():
-        quantize_(module, config, **extra)
-    if type(module.weight) in (torch.nn.Parameter, torch.Tensor):
+    weight = quantized_weight(config, shape, dtype, kind=kind, every_module=library == "transformers" and per_layer)
+    if type(weight).__name__ in ("Parameter", "Tensor"):
         return None
-    flat, metadata = flatten_tensor_state_dict({"p.weight": module.weight})
+    flat, metadata = flatten_tensor_state_dict({"p.weight": weight})
     found = parse_flat(flat, metadata).get("p.weight")
     return found if found is not None and found.quantized else None
 
@@ -293,3 +269,41 @@ def check(comp: TargetComponent, declared: Declared, stored: StoredSet, model: A
         result.notes.append(f"{len(stored_plain)} layer(s) the config would quantize are stored unquantized "
                             f"({', '.join(stored_plain[:SHOWN])}{', ...' if len(stored_plain) > SHOWN else ''})")
     return result
+
+
+def check_saved(comp: TargetComponent, files: Path, where: str) -> tuple[Declared | None, DeclaredCheck]:
+    """``comp``'s files in ``files`` against its declared config (``check``): (the rebuilt config, or None when it
+    cannot be rebuilt, and the layer check)."""
+    from publisher.loadpath import meta_model
+
+    found = stored_files.describe_files(files, weight_format(files))
+    try:
+        decl = read_declared(comp, where)
+    except VerificationError as exc:
+        return None, DeclaredCheck(comp.name, "unreadable", problems=[str(exc)])
+    result = check(comp, decl, found, meta_model(comp.library, comp.class_name, comp.config))
+    result.notes = found.not_checked + result.notes
+    return decl, result
+
+
+def apply_to_expected(expected: list[Expected], folders: dict[str, Path], made: dict[str, dict[str, str]]) -> list[str]:
+    """A publish's expected records get the class each layer's config implies, derived the way ``verify TARGET``
+    derives it: the saved files against their declared config. ``folders``: component -> its saved folder (absent:
+    its shards were uploaded and deleted, so the classes the streaming engine planned and checked, ``made``, stand).
+    Returns the problems (a layer stored otherwise than its config makes it)."""
+    problems: list[str] = []
+    for exp in expected:
+        folder = folders.get(exp.component)
+        if not exp.quantized:  # published unquantized on request (--allow-unquantized): no layer to derive
+            continue
+        if folder is None:
+            exp.classes = dict(made.get(exp.component, {}))
+            continue
+        config = json.loads((folder / "config.json").read_text())
+        comp = TargetComponent(exp.component, exp.library, exp.class_name, config)
+        _, result = check_saved(comp, folder, f"{comp.label}/config.json")
+        problems += result.problems
+        exp.classes = dict(result.classes)
+        missing = [n for n in exp.quantized if n not in exp.classes and n in made.get(exp.component, {})]
+        exp.classes.update({n: made[exp.component][n] for n in missing})  # formats this machine cannot derive
+    return problems

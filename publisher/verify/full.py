@@ -87,7 +87,7 @@ def record_expected(artifacts: Artifacts, work: Path, device: str = "cpu",
             model.to(device)
             try:
                 output = loadpath.forward(model, comp.library, loadpath.load_call(inputs_file, device)).detach().cpu().clone()
-            except (RuntimeError, NotImplementedError) as exc:
+            except (RuntimeError, NotImplementedError, AssertionError) as exc:
                 if not (device == "cpu" and artifacts.recipe.run.cuda):
                     raise VerificationError(f"the quantized {comp.label} cannot run a forward pass on {device}: {exc}") from exc
                 # A GPU recipe verified on a CPU whose torch lacks the kernel (e.g. per-row FP8
@@ -144,6 +144,7 @@ def verify(
     mode, why = choose_mode(mode, artifacts, device)
     inputs = inputs if inputs is not None else default_inputs(artifacts, work)
     expected, notes = record_expected(artifacts, work, device, inputs)
+    _declared_classes(artifacts, expected)
     report = VerifyReport(
         recipe=artifacts.recipe.name,
         location=str(artifacts.folder),
@@ -193,9 +194,16 @@ def verify(
                 try:
                     _block_reference(exp, LocalShards(folder))
                     continue
-                except (OSError, ValueError, KeyError, RuntimeError, TypeError, NotImplementedError) as exc:
-                    log.warning("block-by-block forward of %s failed (%s); the library-path reload gives the reference",
-                                exp.component or "model", str(exc).splitlines()[0][:200])
+                except (OSError, ValueError, KeyError, RuntimeError, TypeError, NotImplementedError, AssertionError) as exc:
+                    first = (str(exc).splitlines() or [type(exc).__name__])[0][:160]
+                    if artifacts.recipe.run.cuda:  # a GPU format this CPU cannot run (as record_expected): weights only
+                        exp.inputs = None
+                        report.forward[exp.component or "model"] = ForwardInputs(None, "", "its forward pass cannot run on this CPU")
+                        report.notes.append(f"{exp.component or 'model'}: forward pass not checked on this CPU ({first}); "
+                                            "tensors compared byte for byte")
+                    else:
+                        log.warning("block-by-block forward of %s failed (%s); the library-path reload gives the reference",
+                                    exp.component or "model", first)
             report.results.append(_adopt_reference(exp, str(artifacts.folder), work, token, artifacts.recipe.tensor_class, device))
         report.results += check_location(expected, str(artifacts.folder), None, work, envs=envs, token=token,
                                          tensor_class=artifacts.recipe.tensor_class, device=device, skip_reference=True)
@@ -209,6 +217,20 @@ def verify(
     report.expected = expected
     report.device = device
     return report
+
+
+def _declared_classes(artifacts: Artifacts, expected: list[Expected]) -> None:
+    """Each layer's class, as its config implies it, read the way ``verify TARGET`` reads it (verify/declared.py: the
+    saved files against their declared quantization_config); a layer stored otherwise fails here."""
+    from publisher.verify.declared import apply_to_expected
+
+    uploader = artifacts.uploader
+    folders = {e.component: artifacts.folder / e.component if e.component else artifacts.folder for e in expected
+               if uploader is None or not uploader.checked.get(e.component)}
+    made = {c.name: c.layer_classes for c in artifacts.components}
+    problems = apply_to_expected(expected, folders, made)
+    if problems:
+        raise VerificationError(f"{artifacts.recipe.name}: the saved files differ from their declared config: {problems[0]}")
 
 
 def _block_reference(exp: Expected, source: ShardSource) -> None:

@@ -16,7 +16,7 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -77,13 +77,14 @@ def check(verify_values: Sequence[str], compat_values: Sequence[str]) -> None:
     check_choices(compat_values)
 
 
-def prepare(verify_values: Sequence[str], compat_values: Sequence[str], recipes: Sequence[str], libraries: set[str], *,
-            measure: bool) -> tuple[list[Env], dict[str, list[Env] | None]]:
-    """Build the --verify-env environments and each recipe's matrix (an environment shared by recipes is built
-    once); ``measure`` False (streaming verification): no matrix."""
+def prepare(verify_values: Sequence[str], compat_values: Sequence[str], recipes: Mapping[str, Sequence[str]],
+            libraries: set[str], *, measure: bool) -> tuple[list[Env], dict[str, list[Env] | None]]:
+    """Build the --verify-env environments and each recipe's matrix (``recipes``: name -> the torchao classes its
+    configs make; an environment shared by recipes is built once); ``measure`` False (streaming verification): no
+    matrix."""
     gating = verify_envs(verify_values)
     skip = [e.record.name for e in gating]
-    matrices = {r: matrix_envs(compat_values, r, libraries, skip=skip) for r in recipes} if measure else {}
+    matrices = {r: matrix_envs(compat_values, c, libraries, skip=skip) for r, c in recipes.items()} if measure else {}
     return gating, matrices
 
 
@@ -99,17 +100,18 @@ def verify_envs(values: Sequence[str]) -> list[Env]:
     return out
 
 
-def matrix_envs(compat_values: Sequence[str], recipe: str | None, libraries: set[str],
+def matrix_envs(compat_values: Sequence[str], classes: Sequence[str] | None, libraries: set[str],
                 skip: Sequence[str] = ()) -> list[Env] | None:
-    """The measured environments for one recipe whose quantized components load with ``libraries`` (None:
-    --compat none); ``skip``: names already run as gating environments."""
+    """The measured environments for a repo whose quantized layers are of the torchao ``classes`` (None: not known)
+    and whose quantized components load with ``libraries`` (returns None: --compat none); ``skip``: names already
+    run as gating environments."""
     use_default, specs = check_choices(compat_values)
     if not use_default and not specs:
         return None
     installed = env_builder.installed_versions()
     wanted: dict[str, str] = {}
     if use_default:
-        for entry in compat.default_matrix(recipe, libraries, installed):
+        for entry in compat.default_matrix(classes, libraries, installed):
             wanted[env_builder.parse_spec(entry.spec).text] = entry.why
     for spec in specs:
         wanted.setdefault(spec, "--compat")

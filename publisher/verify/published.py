@@ -14,7 +14,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from publisher import recipes as recipe_registry
 from publisher.errors import VerificationError
 from publisher.verify.commit_hashes import CommitFile, check_commit
 from publisher.verify.full import check_location
@@ -59,10 +58,11 @@ def check_pull_request(artifacts: Artifacts, report: VerifyReport, repo_id: str,
 
 
 def check_published(report: VerifyReport, repo_id: str, commit: str, work: Path, token: str | None, *,
-                    files: dict[str, CommitFile], recheck: bool = False) -> list[PathResult]:
+                    files: dict[str, CommitFile], recheck: bool = False, forward_optional: bool = False) -> list[PathResult]:
     """The Hub's hashes of every file of the pushed commit against ``files`` (taken from the verified bytes); with
     ``recheck``, also load the published repo itself and compare with the in-memory model again: the library path,
-    or, when the folder was verified streaming, tensor by tensor and block by block over HTTP range reads.
+    or, when the folder was verified streaming, tensor by tensor and block by block over HTTP range reads
+    (``forward_optional``: the recipe runs on a GPU, so a CPU without its kernel costs only the forward check).
     Returns the results; raises PublishedMismatch (naming the first difference) when one fails."""
     results = [check_commit(repo_id, commit, files, token)] if files else []
     if recheck:
@@ -70,9 +70,8 @@ def check_published(report: VerifyReport, repo_id: str, commit: str, work: Path,
             from publisher.streaming.shards import HubShards
             from publisher.verify.streaming import streaming_check
 
-            cuda_recipe = recipe_registry.get(report.recipe).run.cuda
             reloads = [streaming_check(exp, HubShards(repo_id, commit, exp.component, token),
-                                       report.tensor_class, forward_optional=cuda_recipe) for exp in report.expected]
+                                       report.tensor_class, forward_optional=forward_optional) for exp in report.expected]
         else:
             reloads = check_location(report.expected, repo_id, commit, work, token=token,
                                      tensor_class=report.tensor_class, paths=("library",), device=report.device)

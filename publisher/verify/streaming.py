@@ -20,7 +20,7 @@ Peak memory: one block (bf16 for the base forward) plus activations, whatever th
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,16 +43,22 @@ class TensorCheck:
     of_class: int = 0  # tensors of the recipe's class among those checked
 
 
-def check_tensors(source: ShardSource, expected: dict[str, str], quantized: list[str], tensor_class: str,
-                  index: CheckpointIndex | None = None, only: set[str] | None = None) -> TensorCheck:
+def check_tensors(source: ShardSource, expected: dict[str, str], quantized: list[str], tensor_class: str | Collection[str],
+                  index: CheckpointIndex | None = None, only: set[str] | None = None,
+                  layer_classes: Mapping[str, str] | None = None) -> TensorCheck:
     """Every saved tensor against the digest of the in-memory tensor it came from (one at a time).
 
-    ``only``: check just these names (the shard uploader checks a shard's tensors as they complete)."""
+    ``tensor_class``: the recipe's class, or the classes its configs make; ``layer_classes``: layer -> the class its config
+    implies (per-layer configs), which takes precedence. ``only``: check just these names (the shard uploader checks a
+    shard's tensors as they complete)."""
     from publisher.loadpath import tensor_digest
 
     index = index or build_index(source)
     names = [n for n in index.names if only is None or n in only]
     wanted_class = {f"{m}.weight" for m in quantized}
+    allowed = {tensor_class} if isinstance(tensor_class, str) else set(tensor_class)
+    allowed |= set((layer_classes or {}).values())
+    allowed.discard("")
     seen: set[str] = set()
     classes = of_class = 0
     known = set(expected.values())
@@ -61,10 +67,12 @@ def check_tensors(source: ShardSource, expected: dict[str, str], quantized: list
         for name in names:
             bar.update(index.nbytes(name))
             t = reader.read(name)
-            of_class += type(t).__name__ == tensor_class
+            of_class += type(t).__name__ in allowed
             if name in wanted_class:
-                if type(t).__name__ != tensor_class:
-                    return TensorCheck(False, len(seen), f"layer {name[:-7]} reloaded as {type(t).__name__}, expected {tensor_class}")
+                want = (layer_classes or {}).get(name[:-7])
+                if (type(t).__name__ != want) if want else (type(t).__name__ not in allowed):
+                    expected_text = want or " or ".join(sorted(allowed))
+                    return TensorCheck(False, len(seen), f"layer {name[:-7]} reloaded as {type(t).__name__}, expected {expected_text}")
                 classes += 1
             digest = tensor_digest(t)
             del t
@@ -308,7 +316,7 @@ def streaming_check(exp: Expected, source: ShardSource, tensor_class: str, env: 
         return res
     try:
         index = build_index(source)
-        tc = check_tensors(source, exp.digests, exp.quantized, tensor_class, index)
+        tc = check_tensors(source, exp.digests, exp.quantized, tensor_class, index, layer_classes=exp.classes)
         res.tensors_checked, res.quantized_layers = tc.checked, tc.quantized_layers
         if not tc.ok:
             res.detail = tc.detail

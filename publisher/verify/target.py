@@ -20,9 +20,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from publisher import recipe_args
 from publisher import recipes as recipe_registry
-from publisher.errors import UsageError, VerificationError
-from publisher.loadpath import load_call, meta_model
+from publisher.errors import UsageError
+from publisher.loadpath import load_call
 from publisher.stages.push import STATE_FILE
 from publisher.verify import against_base, capture, declared, layout, matrix, stored
 from publisher.verify import hashes as hashes_check
@@ -53,31 +54,34 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), compat
     if not Path(target).is_dir():
         hashes_check.fetch_target_components(target, sha, hashes, [c.name for c in comps], token)
     state = layout.read_json(folder, STATE_FILE)
-    recipe = recipe_registry.get(state["recipe"]) if state and state.get("recipe") in recipe_registry.names() else None
-    device = recipe_registry.run_device(recipe, recipe_registry.cuda_capability()) if recipe else "cpu"
-    report = VerifyReport(recipe=recipe.name if recipe else "unknown", location=target, passed=False,
-                          tensor_class=recipe.tensor_class if recipe else "")
+    report = VerifyReport(recipe=str(state.get("recipe")) if state and state.get("recipe") else "unknown", location=target,
+                          passed=False)
     checks = {}
     for comp in comps:
         decl, check, rows = check_files(comp, folder, target)
         checks[comp.name] = (decl, check)
         report.content += rows
+    recipe = declared_recipe(report.recipe, checks)
+    device = recipe_registry.run_device(recipe, recipe_registry.cuda_capability()) if recipe else "cpu"
     implied = {c for _, check in checks.values() for c in check.classes.values()}
-    if not recipe and len(implied) == 1:  # one class for every layer: the report's class, as a recipe's would be
+    if len(implied) == 1:  # one class for every layer: the report's class, as a recipe's would be
         report.tensor_class = implied.pop()
+    elif recipe is not None:
+        report.tensor_class = recipe.tensor_class
     chosen, why = against_base.find(base, *layout.declared_base(folder, state), state, token) if requantize else (
         None, "--no-requantize")
     report.forward = _forward_inputs(target, comps, work, token, revision)
     # built before any load: a spec that cannot be built stops here
     gating = matrix.verify_envs(envs)
-    measured = matrix.matrix_envs(compat, recipe.name if recipe else _matching_recipe(checks), {c.library for c in comps},
+    classes = sorted(implied | set(recipe.tensor_classes if recipe else ()))
+    measured = matrix.matrix_envs(compat, classes or None, {c.library for c in comps},
                                   skip=[e.record.name for e in gating])
     for comp in comps:
         decl, check = checks[comp.name]
         inputs_file = report.forward[comp.label].file
         exp = None
         if chosen is not None and decl is not None:
-            exp = _against(comp, decl, check, chosen, state, folder, inputs_file, device, target, token, report)
+            exp = _against(comp, decl, check, chosen, state, folder, inputs_file, device, target, token, report, recipe)
         if exp is None:
             exp = _self_reference(comp, check, inputs_file, where, where_rev, work, token, device, report)
         report.expected_layers[comp.label] = len(exp.quantized)
@@ -101,19 +105,22 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), compat
     return report
 
 
-def _matching_recipe(checks: dict[str, tuple[declared.Declared | None, declared.DeclaredCheck]]) -> str | None:
-    """The registry recipe whose config every component declares (its default matrix then applies), or None."""
-    import json
+def declared_recipe(name: str, checks: dict[str, tuple[declared.Declared | None, declared.DeclaredCheck]]
+                    ) -> recipe_registry.Recipe | None:
+    """The target's declared configs as a recipe (its hardware follows the configs, whoever made them); None when a
+    component's config cannot be rebuilt or described here."""
+    from publisher.errors import UsageError as NotDescribable
 
-    from torchao.core.config import config_to_dict
-
-    found = {json.dumps(config_to_dict(d.config), sort_keys=True) for d, _ in checks.values() if d is not None}
-    if len(found) != 1:
+    configs = {comp: d.config for comp, (d, _) in checks.items() if d is not None}
+    if len(configs) != len(checks):
         return None
-    for candidate in recipe_registry.all_recipes():
-        if json.dumps(config_to_dict(recipe_registry.build_config(candidate)), sort_keys=True) in found:
-            return candidate.name
-    return None
+    try:
+        recipe = recipe_args.from_configs(name, configs)
+        recipe.facts  # noqa: B018 - probed now: a config this machine cannot describe leaves the defaults
+    except NotDescribable as exc:
+        log.info("the declared configs' hardware needs are not known here (%s); verifying on the CPU", exc)
+        return None
+    return recipe
 
 
 def check_files(comp: TargetComponent, folder: Path, target: str
@@ -122,52 +129,49 @@ def check_files(comp: TargetComponent, folder: Path, target: str
     tensors, and the stored values. Returns the rebuilt config (None: unreadable), the layer check and the rows."""
     where = f"{target}/{comp.name + '/' if comp.name else ''}config.json"
     files = folder / comp.name if comp.name else folder
-    found = stored.describe_files(files, layout.weight_format(files))
-    try:
-        decl = declared.read_declared(comp, where)
-    except VerificationError as exc:
-        return None, declared.DeclaredCheck(comp.name, "unreadable"), [ContentCheck(comp.name, "declared config", False, str(exc))]
-    result = declared.check(comp, decl, found, meta_model(comp.library, comp.class_name, comp.config))
+    decl, result = declared.check_saved(comp, files, where)
+    if decl is None:
+        return None, declared.DeclaredCheck(comp.name, "unreadable"), [ContentCheck(comp.name, "declared config", False,
+                                                                                     result.problems[0])]
     detail = (result.problems[0] if result.problems else
               f"{result.checked} quantized layers stored as the declared {decl.text} makes them")
-    rows = [ContentCheck(comp.name, "declared config", not result.problems, detail, found.not_checked + result.notes,
-                         result.checked)]
+    rows = [ContentCheck(comp.name, "declared config", not result.problems, detail, result.notes, result.checked)]
+    found = stored.describe_files(files, layout.weight_format(files))
     problems, value_notes = stored.scan_values(files, found)
     rows.append(ContentCheck(comp.name, "stored values", not problems, problems[0] if problems else
                              "every stored value is finite", value_notes, len(found.tensors)))
     return decl, result, rows
 
 
-def _strict(state: dict[str, Any] | None, chosen: against_base.Base) -> str | None:
+def _strict(state: dict[str, Any] | None, chosen: against_base.Base, qdevice: str) -> str | None:
     """Why the target must equal the base's re-quantization bit for bit (None: it was not made as here)."""
     import importlib.metadata as md
 
-    if not state or state.get("base_model") != chosen.name or state.get("recipe") not in recipe_registry.names():
+    if not state or state.get("base_model") != chosen.name or not state.get("recipe") or state.get("tool") != "hf-ao-publish":
         return None
     made = state.get("versions") or {}
     here = {n: md.version(n) for n in ("torch", "torchao")}
     if any(made.get(n) != v for n, v in here.items()):
         return None
-    recipe = recipe_registry.get(state["recipe"])
-    if recipe_registry.quantize_device(recipe, recipe_registry.cuda_capability()) != "cpu":
+    if qdevice != "cpu":
         return None  # a GPU quantizes with kernels whose rounding this check does not claim to reproduce
-    return (f"its hf_ao_publish.json records {recipe.name} made with torch {here['torch']} and torchao {here['torchao']}, "
-            "which quantize deterministically on a CPU, as here")
+    return (f"its hf_ao_publish.json records {state['recipe']} made with torch {here['torch']} and torchao "
+            f"{here['torchao']}, which quantize deterministically on a CPU, as here")
 
 
 def base_row(comp: TargetComponent, decl: declared.Declared, check: declared.DeclaredCheck, chosen: against_base.Base,
-             state: dict[str, Any] | None, folder: Path, target: str, token: str | None) -> tuple[ContentCheck, Any, str]:
+             state: dict[str, Any] | None, folder: Path, target: str, token: str | None,
+             recipe: recipe_registry.Recipe | None = None) -> tuple[ContentCheck, Any, str]:
     """The target's component against its base re-quantized with the declared config: the content row, the
     re-quantized model when the target equals it bit for bit (else None), and how it was made."""
     from publisher.loadpath import load_component
 
     src = against_base.component_folder(chosen, comp, target, token)
-    strict = _strict(state, chosen)
+    # where the target's configs are made (a GPU-only format on its GPU); anything else, as diffusers does, on the CPU
+    qdevice = recipe_registry.quantize_device(recipe, recipe_registry.cuda_capability()) if recipe else "cpu"
+    strict = _strict(state, chosen, qdevice)
     ours = f"{state['recipe']} (its declared {decl.text})" if strict and state else f"the declared {decl.text}"
     what = f"the base re-quantized with {ours}"
-    recipe = recipe_registry.get(state["recipe"]) if state and state.get("recipe") in recipe_registry.names() else None
-    # where the target's recipe is made (a GPU-only format on its GPU); anything else, as diffusers does, on the CPU
-    qdevice = recipe_registry.quantize_device(recipe, recipe_registry.cuda_capability()) if recipe else "cpu"
     reference = against_base.requantize(comp, decl, src, check.dtype, qdevice, chosen)
     files = folder / comp.name if comp.name else folder
     try:
@@ -183,12 +187,12 @@ def base_row(comp: TargetComponent, decl: declared.Declared, check: declared.Dec
 
 def _against(comp: TargetComponent, decl: declared.Declared, check: declared.DeclaredCheck, chosen: against_base.Base,
              state: dict[str, Any] | None, folder: Path, inputs_file: Path | None, device: str, target: str,
-             token: str | None, report: VerifyReport) -> Expected | None:
+             token: str | None, report: VerifyReport, recipe: recipe_registry.Recipe | None = None) -> Expected | None:
     """Compare the target with its base re-quantized; the expected record for the load paths when they are
     bit-identical (else None: the load paths are compared with each other, and the content row decides)."""
     from publisher.loadpath import forward, inspect_model
 
-    row, reference, what = base_row(comp, decl, check, chosen, state, folder, target, token)
+    row, reference, what = base_row(comp, decl, check, chosen, state, folder, target, token, recipe)
     report.content.append(row)
     if reference is None:
         gc.collect()
