@@ -56,8 +56,8 @@ TEST_WORKERS ?= 2
 # The suite runs with Xet, as users' transfers do; the tests marked `transfer` run a second time with Xet off
 # (HF_AO_TEST_TRANSFER=lfs: plain LFS and HTTP, multipart uploads), so each guarantee holds on both paths.
 test: lint
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile
-	HF_AO_TEST_TRANSFER=lfs $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m transfer
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=40
+	HF_AO_TEST_TRANSFER=lfs $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m transfer --durations=15
 
 test-fast: lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile -m "not slow"
