@@ -167,11 +167,7 @@ def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = 
     if req.output_dir is not None:
         leftovers.check_output_dir(req.output_dir)
     src = source_stage.resolve(req.model, req.revision, token)
-    planning.check_layout(src, components, token, req.trust_remote_code, components_from)  # model_index.json alone
-    recipes = planning.parse_recipes(req.quant, req.layer_config)  # torchao reads every config: one it rejects stops here
-    for recipe in recipes if check_hardware else ():
-        recipe_registry.check_can_quantize(recipe)
-    user, who = None, None
+    user, who = None, None  # before any file of the base is read: a gated base needs the token's gated access
     if token:
         from publisher import hub
         from publisher.tokens import TokenRights
@@ -180,6 +176,10 @@ def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = 
         user = who.get("name")
         if src.gated and src.repo_id and (reason := TokenRights.of(who).gated_reason(src.repo_id)) is not None:
             raise SourceError(reason)
+    planning.check_layout(src, components, token, req.trust_remote_code, components_from)  # model_index.json alone
+    recipes = planning.parse_recipes(req.quant, req.layer_config)  # torchao reads every config: one it rejects stops here
+    for recipe in recipes if check_hardware else ():
+        recipe_registry.check_can_quantize(recipe)
     targets = planning.target_ids(src, recipes, req.repo_id, user)
     options = {"components": req.components, "exclude": req.exclude}
     plan = planning.build_plan(

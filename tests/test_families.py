@@ -49,7 +49,9 @@ def publish(cli: Any, family: str, tmp_path: Path, *extra: str, token: str | Non
 
 def usage_snippet(card: str) -> str:
     snippets = re.findall(r"```python\n(.*?)```", card, flags=re.S)
-    return next(s for s in snippets if "from_pretrained(" in s and "init_empty_weights" not in s)
+    # the config block names from_pretrained only in a comment; the manual path builds the model itself
+    return next(s for s in snippets if "from_pretrained(" in s and "init_empty_weights" not in s
+                and "quantization_config = " not in s)
 
 
 def run_snippets(card: str, cwd: Path) -> None:

@@ -39,7 +39,10 @@ def test_all_paths_text_encoder_and_llama(cli: Any, tiny_flux_dir: Path, tiny_ll
             assert r["ok"] and r["forward_checked"] and r["max_abs_diff"] == 0.0
             assert r["quantized_layers"] == report["expected_layers"][r["component"] or "model"] > 0
         assert report["tensor_class"] == tensor_class
-        assert all(0 <= q["rel_error"] < 0.1 and q["cosine"] > 0.99 for q in data["quality"])
+        # 4-bit weights of these tiny random models: relative error 0.10-0.18, cosine 0.983-0.995 measured (int8: 0.01)
+        four_bit = "torch.int4" in recipes.get(recipe).expression
+        bound, cosine = (0.3, 0.97) if four_bit else (0.1, 0.99)
+        assert all(0 <= q["rel_error"] < bound and q["cosine"] > cosine for q in data["quality"]), data["quality"]
 
 
 @pytest.fixture(scope="module")

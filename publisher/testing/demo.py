@@ -42,7 +42,7 @@ def write_snippets(card: Path, folder: Path) -> list[Path]:
     torch.compile variants, the manual path), each named by what it does."""
     folder.mkdir(parents=True, exist_ok=True)
     kinds = [("enable_model_cpu_offload()", "offload"), ("torch.compile(", "compile"), ("read_checkpoint(", "manual-load"),
-             ("from_pretrained(", "usage"), ("Config(", "config")]
+             ("quantization_config = ", "config"), ("from_pretrained(", "usage"), ("Config(", "config")]
     out = []
     for i, code in enumerate(re.findall(r"```python\n(.*?)```", card.read_text(), flags=re.S)):
         name = next((kind for marker, kind in kinds if marker in code), "snippet")
