@@ -3,7 +3,7 @@
 Modules, in the order the steps use them:
 
     workflow  workflow commands (::error::, groups, masks, stop-commands), step outputs, the job summary file
-    inputs    HFAO_* variables -> the CLI's argv list (never through a shell); InputError
+    inputs    HFAO_* variables -> the CLI's argv list (never through a shell); ActionInputError
     disk      the opt-in free-disk step
     install   the venv with the pinned torch and the action's own copy of the tool
     result    the CLI's --json result and the action's outputs derived from it

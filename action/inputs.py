@@ -21,7 +21,7 @@ FORBIDDEN_EXTRA = ("--token", "--json", "--output-dir", "--help", "-h", "--versi
 RUN_ON = ("runner", "hf-jobs")  # input run-on: this runner, or Hugging Face Jobs (flavor: input hf-jobs-flavor)
 
 
-class InputError(StepFailed):
+class ActionInputError(StepFailed):
     """An action input is malformed: exit code 2, as the CLI uses for a usage error."""
 
     def __init__(self, message: str) -> None:
@@ -37,7 +37,7 @@ def parse_bool(name: str, value: str | None, default: bool) -> bool:
         return True
     if text == "false":
         return False
-    raise InputError(f"input {name} must be 'true' or 'false', got {value!r}")
+    raise ActionInputError(f"input {name} must be 'true' or 'false', got {value!r}")
 
 
 def split_list(value: str | None) -> list[str]:
@@ -54,10 +54,10 @@ def parse_matrix(value: str | None) -> list[str]:
         if item in ("default", "none"):
             continue
         if item.startswith("-") or "/" in item or "\\" in item or not re.search(r"(==|>=|<=|~=|!=|<|>)", item):
-            raise InputError(f"input verify-matrix: {item!r} is not an environment; give default, none, or version specs "
+            raise ActionInputError(f"input verify-matrix: {item!r} is not an environment; give default, none, or version specs "
                              "like diffusers==0.39.0")
     if "none" in items and len(items) > 1:
-        raise InputError("input verify-matrix: none cannot be combined with other environments")
+        raise ActionInputError("input verify-matrix: none cannot be combined with other environments")
     return items
 
 
@@ -83,27 +83,27 @@ def parse_extra_args(value: str | None) -> list[str]:
     try:
         args = shlex.split(value or "", comments=False, posix=True)
     except ValueError as exc:
-        raise InputError(f"input extra-args cannot be parsed ({exc}); quote it like a shell command line") from None
+        raise ActionInputError(f"input extra-args cannot be parsed ({exc}); quote it like a shell command line") from None
     for arg in args:
         name = arg.split("=", 1)[0]
         if name == "--token":
-            raise InputError("input extra-args must not contain --token; pass the token with the hf-token input "
+            raise ActionInputError("input extra-args must not contain --token; pass the token with the hf-token input "
                              "(from a secret)")
         if name in FORBIDDEN_EXTRA:
-            raise InputError(f"input extra-args must not contain {name}: the action sets it itself")
+            raise ActionInputError(f"input extra-args must not contain {name}: the action sets it itself")
     return args
 
 
 def build_request(env: Mapping[str, str]) -> Request:
-    """The CLI arguments for the action's inputs. Raises InputError on the first malformed one."""
+    """The CLI arguments for the action's inputs. Raises ActionInputError on the first malformed one."""
     model = env.get("HFAO_MODEL", "").strip()
     if not model:
-        raise InputError("input model is required (a Hub repo id such as black-forest-labs/FLUX.1-dev)")
+        raise ActionInputError("input model is required (a Hub repo id such as black-forest-labs/FLUX.1-dev)")
     if model.startswith("-"):  # click would read it as an option
-        raise InputError(f"input model must be a repo id or a folder, not an option: {model!r}")
+        raise ActionInputError(f"input model must be a repo id or a folder, not an option: {model!r}")
     recipes = split_list(env.get("HFAO_QUANT"))
     if not recipes:
-        raise InputError("input quant is required (one or several recipes, e.g. 'int8wo' or 'int8wo,float8wo')")
+        raise ActionInputError("input quant is required (one or several recipes, e.g. 'int8wo' or 'int8wo,float8wo')")
     # --name=value everywhere: a value that starts with '-' cannot be taken for an option.
     args = ["publish", model]
     args += [f"--quant={recipe}" for recipe in recipes]
@@ -133,7 +133,7 @@ def build_request(env: Mapping[str, str]) -> Request:
     if remote:
         args.append(f"--on-hf-jobs={remote}")
     if (push or remote) and not token:
-        raise InputError("input hf-token is required to push (pass a write token from a secret), or set push: 'false'"
+        raise ActionInputError("input hf-token is required to push (pass a write token from a secret), or set push: 'false'"
                          if not remote else "input hf-token is required with run-on: hf-jobs (the job is started "
                          "and billed with it, and receives it as a job secret)")
     return Request(model=model, args=args, push=push, keep_output=keep_output, token=token, remote=bool(remote))
@@ -144,20 +144,20 @@ def _run_on(env: Mapping[str, str], push: bool, keep_output: bool, model: str) -
     run_on = (env.get("HFAO_RUN_ON") or "runner").strip().lower()
     flavor = (env.get("HFAO_HF_JOBS_FLAVOR") or "").strip()
     if run_on not in RUN_ON:
-        raise InputError(f"input run-on must be one of {', '.join(RUN_ON)}, got {run_on!r}")
+        raise ActionInputError(f"input run-on must be one of {', '.join(RUN_ON)}, got {run_on!r}")
     if run_on == "runner":
         if flavor:
-            raise InputError("input hf-jobs-flavor is only used with run-on: hf-jobs; set run-on or drop the flavor")
+            raise ActionInputError("input hf-jobs-flavor is only used with run-on: hf-jobs; set run-on or drop the flavor")
         return ""
     if not re.fullmatch(r"[a-z0-9][a-z0-9-]{1,40}", flavor):
-        raise InputError(f"input hf-jobs-flavor must name a Jobs flavor such as l4x1 or a10g-small, got {flavor!r} "
+        raise ActionInputError(f"input hf-jobs-flavor must name a Jobs flavor such as l4x1 or a10g-small, got {flavor!r} "
                          "(`hf-ao-publish recipes` lists them per recipe)")
     if not push:
-        raise InputError("run-on: hf-jobs publishes from the job; push: 'false' would leave the repo folder in the job, "
+        raise ActionInputError("run-on: hf-jobs publishes from the job; push: 'false' would leave the repo folder in the job, "
                          "where nobody can read it")
     if keep_output:
-        raise InputError("run-on: hf-jobs leaves no repo folder on the runner; drop keep-output")
+        raise ActionInputError("run-on: hf-jobs leaves no repo folder on the runner; drop keep-output")
     if model.startswith((".", "/", "~")) or Path(model).exists():  # the step runs in the workspace
-        raise InputError(f"run-on: hf-jobs needs a Hub repo id as model (a job cannot read {model!r} from the "
+        raise ActionInputError(f"run-on: hf-jobs needs a Hub repo id as model (a job cannot read {model!r} from the "
                          "workspace); upload the folder to the Hub first")
     return flavor

@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
-from action.inputs import InputError
+from action.inputs import ActionInputError
 from action.workflow import StepFailed, group, write_output
 
 TORCH_VERSION = "2.13.0"  # the pin of pyproject.toml (a test keeps them equal)
@@ -36,7 +36,7 @@ def torch_index(build: str | None) -> str:
         return ""
     if name == "cpu" or re.fullmatch(r"cu\d{3}", name) or re.fullmatch(r"rocm\d+(\.\d+)+", name):
         return TORCH_INDEX + name
-    raise InputError(f"input torch-build must be cpu, cuXYZ (e.g. cu126, cu128), rocmX.Y or pypi, got {build!r}")
+    raise ActionInputError(f"input torch-build must be cpu, cuXYZ (e.g. cu126, cu128), rocmX.Y or pypi, got {build!r}")
 
 
 def action_path(env: Mapping[str, str]) -> Path:
@@ -82,7 +82,7 @@ def _use_existing(env: Mapping[str, str], version: str) -> str:
     python = env.get("HF_AO_PUBLISH_PYTHON") or sys.executable
     found = installed_versions(python)
     if found is None or not versions_match(found, version):
-        raise InputError(f"HF_AO_PUBLISH_SKIP_INSTALL is set but {python} does not have torch {TORCH_VERSION} and "
+        raise ActionInputError(f"HF_AO_PUBLISH_SKIP_INSTALL is set but {python} does not have torch {TORCH_VERSION} and "
                          f"hf-ao-publish {version} (found {found}); unset it to let the action install them")
     print(f"HF_AO_PUBLISH_SKIP_INSTALL: using {python} (torch {found['torch']}, hf-ao-publish {version})")
     return python
@@ -108,7 +108,7 @@ def install(env: Mapping[str, str]) -> int:
         return 0
     index = torch_index(env.get("HFAO_TORCH_BUILD"))
     if sys.version_info < MIN_PYTHON:
-        raise InputError(f"hf-ao-publish needs Python >= 3.11, this is {sys.version.split()[0]}; "
+        raise ActionInputError(f"hf-ao-publish needs Python >= 3.11, this is {sys.version.split()[0]}; "
                          "set the python-version input (e.g. '3.11')")
     venv = Path(env.get("RUNNER_TEMP") or tempfile.gettempdir()) / "hf-ao-publish-venv"
     python = str(venv / "bin" / "python")

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from action import result
-from action.inputs import InputError, build_request, secret_values, split_list
+from action.inputs import ActionInputError, build_request, secret_values, split_list
 from action.summary import build_summary
 from action.workflow import (
     TITLE,
@@ -180,7 +180,7 @@ def run(env: Mapping[str, str]) -> int:
         mask(secret)
     try:
         req = build_request(env)
-    except InputError as exc:
+    except ActionInputError as exc:
         return fail_early(env, model, str(exc), secrets, exc.code)
     temp_root = Path(env.get("RUNNER_TEMP") or tempfile.gettempdir())
     temp_root.mkdir(parents=True, exist_ok=True)

@@ -21,8 +21,8 @@ from publisher.quality import spec as quality_spec
 from publisher.recipe_table import recipes_text
 
 if TYPE_CHECKING:  # types only: the job and its stages are imported when a command runs
+    from publisher.handoffs.report import Mode
     from publisher.job import Engine
-    from publisher.verify.report import Mode
 
 # Options that several commands share: declared once, so the flag, its help and its env var agree.
 token_option = click.option(
@@ -405,7 +405,7 @@ def verify_cmd(target: str, revision: str | None, token: str | None, verify_envs
 
 
 def _check_size(value: str) -> None:
-    from publisher.stages.push_pr import size_bytes
+    from publisher.stages.lowdisk_push import size_bytes
 
     try:
         size_bytes(value)

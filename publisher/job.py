@@ -6,7 +6,6 @@ PublishError (or huggingface_hub's errors); the CLI turns them into one-line mes
 
 from __future__ import annotations
 
-import json
 import logging
 import shutil
 import signal
@@ -18,30 +17,28 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
-from publisher import __version__, unfinished
+from publisher import __version__, hub
 from publisher import recipes as recipe_registry
 from publisher.errors import Interrupted, PublishError, ResourceError, RunFailed, SourceError, TargetError, VerificationError
+from publisher.handoffs.artifacts import Artifacts
+from publisher.handoffs.report import ForwardInputs, Mode, VerifyReport, require_passed
 from publisher.quality import stage as quality
 from publisher.recipes import Recipe
-from publisher.stages import card, fetch, leftovers, preflight, push_pr
+from publisher.stages import card, fetch, lowdisk_push, preflight, unfinished
 from publisher.stages import plan as planning
 from publisher.stages import push as pushing
 from publisher.stages import quantize as quantize_stage
 from publisher.stages import source as source_stage
-from publisher.stages.quantize import Artifacts, finalize, partial_folder, prepare_output, quantize_recipe
-from publisher.stages.resume import ComponentCache, default_root
+from publisher.stages.quantize import quantize_recipe
+from publisher.stages.unfinished import ComponentCache, default_root, finalize, partial_folder, prepare_output
 from publisher.state import state_for
 from publisher.streaming.engine import bound_heap
 from publisher.verify import capture, matrix, published
 from publisher.verify.full import verify
-from publisher.verify.report import ForwardInputs, Mode, VerifyReport, require_passed
 
 log = logging.getLogger(__name__)
 
 Engine = Literal["auto", "streaming", "library"]
-
-GITATTRIBUTES = "*.safetensors filter=lfs diff=lfs merge=lfs -text\n*.png filter=lfs diff=lfs merge=lfs -text\n"
-
 
 @dataclass
 class PublishRequest:
@@ -69,7 +66,7 @@ class PublishRequest:
     verify_mode: Mode = "auto"
     benchmark: bool = False  # measure latency/memory vs bf16 also on a CPU (always on a GPU)
     allow_unquantized: bool = False  # publish a component in which no layer could be quantized
-    max_shard_size: str | None = None  # output shard size; None: the library's, or push_pr.LOW_DISK_SHARD with --low-disk
+    max_shard_size: str | None = None  # output shard size; None: the library's, or lowdisk_push.LOW_DISK_SHARD with --low-disk
     recheck_published: bool = False  # after the push, also read the commit back and reload it (hashes are always checked)
     force: bool = False  # publish even when the target's state says it is up to date
     command: str = "hf-ao-publish"
@@ -165,7 +162,7 @@ def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = 
     if req.push and not token:
         raise TargetError("pushing needs a Hub token with write access; set HF_TOKEN (or pass --token), or use --no-push")
     if req.output_dir is not None:
-        leftovers.check_output_dir(req.output_dir)
+        unfinished.check_output_dir(req.output_dir)
     src = source_stage.resolve(req.model, req.revision, token)
     user, who = None, None  # before any file of the base is read: a gated base needs the token's gated access
     if token:
@@ -265,7 +262,7 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
     gating, measured = matrix.prepare(req.verify_envs, req.compat, {r.name: r.tensor_classes for r in todo},
                                       {c.library for c in plan.quantized},
                                       measure=not ((estimate.low_disk and req.push) or req.verify_mode == "streaming"))
-    shard_size, elsewhere = push_pr.staging(plan, estimate.low_disk and req.push, req.max_shard_size)
+    shard_size, elsewhere = lowdisk_push.staging(plan, estimate.low_disk and req.push, req.max_shard_size)
     started = time.monotonic()
     base_dir = fetch.fetch(plan, token, skip=(remote.files if remote is not None else frozenset()) | elsewhere)
     for outcome in outcomes:
@@ -298,7 +295,7 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
         run.card_args = dict(evaluations={o.recipe: o.quality for o in outcomes}, evaluation=req.evaluation,
                              benchmarks={o.recipe: o.benchmark for o in outcomes}, command=req.command,
                              sample={"prompt": req.sample_prompt, "steps": req.sample_steps, "size": req.sample_size},
-                             endpoint=_endpoint(), folders=dict(run.finals), shard_size=run.shard_size)
+                             endpoint=hub.endpoint(), folders=dict(run.finals), shard_size=run.shard_size)
         card.write_cards(plan, run.done, **run.card_args)
         for name, (artifacts, report) in run.done.items():
             finalize(artifacts, run.finals[name])
@@ -317,7 +314,7 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
                     _push_one(run, outcome, previous.get(outcome.recipe))
     except BaseException as exc:
         for name, created in run.created.items():  # --low-disk push: repos made for recipes never pushed
-            push_pr.discard(str(plan.targets[name]), token, created)
+            lowdisk_push.discard(str(plan.targets[name]), token, created)
         if isinstance(exc, KeyboardInterrupt):
             unfinished.discard_unfinished(out_root, run.finals, auto_dir=auto_dir, existed=existed, exc=exc)
         raise
@@ -346,14 +343,14 @@ def _up_to_date(req: PublishRequest, outcome: Outcome, state: dict[str, Any],
         log.info("%s is up to date; publishing it again (--force)", outcome.target())
         return False
     outcome.up_to_date, outcome.verified, outcome.commit = True, bool(prev.get("verified", True)), head
-    outcome.url = f"{_endpoint()}/{outcome.target()}"
+    outcome.url = f"{hub.endpoint()}/{outcome.target()}"
     outcome.pr_url = f"{outcome.url}/discussions/{pr[0]}" if pr else None
     return True  # said once, by the CLI's summary line
 
 
 def _build(run: _Run, recipe: Recipe, outcome: Outcome) -> None:
     """The local stages for one recipe: quantize, verify, state file, measurements, quality figures and gate. --low-disk with a push: the
-    output shards and the unchanged base files go to the target as the run goes (push_pr), so the target repo exists
+    output shards and the unchanged base files go to the target as the run goes (lowdisk_push), so the target repo exists
     from the start; one this run created goes again on failure."""
     req, plan = run.req, run.plan
     folder = prepare_output(run.out_root, recipe, len(plan.recipes) > 1)
@@ -361,7 +358,7 @@ def _build(run: _Run, recipe: Recipe, outcome: Outcome) -> None:
     run.finals[recipe.name] = folder
     uploader = None
     if run.remote is not None and req.push:
-        uploader, run.created[recipe.name] = push_pr.open_uploader(
+        uploader, run.created[recipe.name] = lowdisk_push.open_uploader(
             plan, outcome.target(), run.token, req.private, partial_folder(folder, run.out_root),
             recipe.tensor_classes, run.shard_size, run.elsewhere)
     try:
@@ -371,11 +368,11 @@ def _build(run: _Run, recipe: Recipe, outcome: Outcome) -> None:
     except BaseException:
         if uploader is not None:
             uploader.close()
-            push_pr.discard(uploader.repo_id, run.token, run.created.pop(recipe.name, False))
+            lowdisk_push.discard(uploader.repo_id, run.token, run.created.pop(recipe.name, False))
         raise
 
 
-def _build_stages(run: _Run, recipe: Recipe, outcome: Outcome, folder: Path, uploader: push_pr.ShardUploader | None) -> None:
+def _build_stages(run: _Run, recipe: Recipe, outcome: Outcome, folder: Path, uploader: lowdisk_push.ShardUploader | None) -> None:
     req, plan = run.req, run.plan
     run_on = recipe_registry.run_device(recipe, run.capability)
     with _timed(outcome, "quantize"):
@@ -399,9 +396,7 @@ def _build_stages(run: _Run, recipe: Recipe, outcome: Outcome, folder: Path, upl
         matrix.measure(report, str(artifacts.folder), None, run.work / recipe.name, run.compat_envs.get(recipe.name, []),
                        run.gating_envs, token=run.token, device=run_on)
     building = artifacts.folder  # the .partial folder until finalize()
-    (building / ".gitattributes").write_text(GITATTRIBUTES)
-    state = dict(run.states[recipe.name], verified=report.passed)
-    (building / pushing.STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+    pushing.write_repo_files(building, dict(run.states[recipe.name], verified=report.passed))
     if run_on == "cuda" or req.benchmark:
         from publisher.stages.measure import measure
 
@@ -423,8 +418,8 @@ def _push_one(run: _Run, outcome: Outcome, previous: dict[str, Any] | None) -> N
     started = time.monotonic()
     description = pushing.changes(previous, state, forced=run.req.force) + f"\n\nMade with hf-ao-publish {__version__}."
     try:
-        if artifacts.uploader is not None:
-            result = push_pr.push_staged(
+        if isinstance(artifacts.uploader, lowdisk_push.ShardUploader):  # --low-disk: shards already uploaded
+            result = lowdisk_push.push_staged(
                 artifacts.folder, report, artifacts.uploader, token=run.token, create_pr=run.req.create_pr,
                 message=message, description=description, created=run.created.pop(outcome.recipe, False),
                 check=lambda oid: _check_pull_request(run, outcome, oid))
@@ -488,8 +483,3 @@ def _peak_rss() -> dict[str, int]:
     return {"process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
             "children": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}
 
-
-def _endpoint() -> str:
-    from huggingface_hub import constants
-
-    return constants.ENDPOINT.rstrip("/")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import signal
 
+from publisher import hub
 from publisher.errors import Interrupted, PublishError, RunFailed
 
 
@@ -34,10 +35,10 @@ def describe(exc: BaseException) -> tuple[str, int] | None:
     if isinstance(exc, hf.GatedRepoError):
         repo = exc.repo_id
         return (f"{repo or 'the repo'} is gated and this token has no access; accept its terms at "
-                f"{_endpoint()}/{repo or ''} and use a token of that account"), 1
+                f"{hub.endpoint()}/{repo or ''} and use a token of that account"), 1
     if isinstance(exc, hf.RepositoryNotFoundError):
         repo = exc.repo_id
-        return (f"repo {repo or ''} not found on {_endpoint()} (or private and not visible to this token); "
+        return (f"repo {repo or ''} not found on {hub.endpoint()} (or private and not visible to this token); "
                 "check the id, or set HF_TOKEN to a token that can read it"), 1
     if isinstance(exc, hf.RevisionNotFoundError):
         return "revision not found in the repo; pass an existing branch, tag or commit sha with --revision", 1
@@ -48,7 +49,7 @@ def describe(exc: BaseException) -> tuple[str, int] | None:
         cause = describe(exc.__cause__) if exc.__cause__ is not None else None
         if cause is not None:
             return cause
-        return (f"a file could not be downloaded from {_endpoint()} and is not in the local cache; "
+        return (f"a file could not be downloaded from {hub.endpoint()} and is not in the local cache; "
                 "check the network or HF_ENDPOINT"), 1
     if isinstance(exc, hf.HfHubHTTPError):
         status = getattr(getattr(exc, "response", None), "status_code", None)
@@ -67,14 +68,14 @@ def describe(exc: BaseException) -> tuple[str, int] | None:
     if isinstance(exc, OSError) and str(exc).startswith("Consistency check failed"):  # a short body, every try
         from publisher.hub import settings
 
-        return (f"a download from {_endpoint()} was cut short on each of {settings()[0]} tries ({_first_line(exc)}); "
+        return (f"a download from {hub.endpoint()} was cut short on each of {settings()[0]} tries ({_first_line(exc)}); "
                 "check the network or proxy, then re-run the same command"), 1
     if isinstance(exc, hf.OfflineModeIsEnabled):
         return "HF_HUB_OFFLINE is set; unset it to reach the Hub, or pass a local folder as MODEL_ID", 1
     if isinstance(exc, hf.HFValidationError):
         return f"invalid repo id: {_first_line(exc)}", 2
     if _is_connection_error(exc):
-        return f"cannot reach the Hub at {_endpoint()} ({type(exc).__name__}); check the network or HF_ENDPOINT", 1
+        return f"cannot reach the Hub at {hub.endpoint()} ({type(exc).__name__}); check the network or HF_ENDPOINT", 1
     return None
 
 
@@ -120,11 +121,6 @@ def _is_connection_error(exc: BaseException) -> bool:
         pass
     return isinstance(exc, ConnectionError)
 
-
-def _endpoint() -> str:
-    from huggingface_hub import constants
-
-    return constants.ENDPOINT.rstrip("/")
 
 
 def _first_line(exc: BaseException) -> str:

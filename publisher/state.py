@@ -12,8 +12,8 @@ import json
 from typing import Any
 
 from publisher import __version__
+from publisher.handoffs.plan import Plan
 from publisher.recipes import Recipe
-from publisher.stages.plan import Plan
 
 
 def state_for(plan: Plan, recipe: Recipe) -> dict[str, Any]:

@@ -7,7 +7,7 @@ import re
 import pytest
 
 from action.inputs import (
-    InputError,
+    ActionInputError,
     build_request,
     parse_bool,
     parse_matrix,
@@ -25,7 +25,7 @@ def test_bool_inputs_are_strings() -> None:
     for bad in ("yes", "1", "on", "true "):
         if bad.strip() in ("true",):
             continue
-        with pytest.raises(InputError, match="'true' or 'false'"):
+        with pytest.raises(ActionInputError, match="'true' or 'false'"):
             parse_bool("x", bad, False)
 
 
@@ -87,7 +87,7 @@ def test_verify_matrix() -> None:
     (_env(VERIFY_MATRIX="--debug"), "verify-matrix: '--debug' is not an environment"),
 ])
 def test_request_rejects(env: dict[str, str], message: str) -> None:
-    with pytest.raises(InputError, match=re.escape(message)) as info:
+    with pytest.raises(ActionInputError, match=re.escape(message)) as info:
         build_request(env)
     assert info.value.code == 2  # a usage error, as the CLI's own
 
@@ -116,6 +116,6 @@ def test_run_on_hf_jobs() -> None:
     (_env(EXTRA_ARGS="--attach 123"), "must not contain --attach"),
 ])
 def test_run_on_rejects(env: dict[str, str], message: str) -> None:
-    with pytest.raises(InputError, match=re.escape(message)) as info:
+    with pytest.raises(ActionInputError, match=re.escape(message)) as info:
         build_request(env)
     assert info.value.code == 2

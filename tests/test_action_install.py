@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from action.inputs import InputError
+from action.inputs import ActionInputError
 from action.install import (
     TORCH_VERSION,
     installed_versions,
@@ -27,7 +27,7 @@ def test_torch_index() -> None:
     assert torch_index("rocm6.4") == "https://download.pytorch.org/whl/rocm6.4"
     assert torch_index("pypi") == ""
     for bad in ("cuda", "cu12.8", "cpu; rm -rf /", "https://evil.example/simple"):
-        with pytest.raises(InputError, match="torch-build"):
+        with pytest.raises(ActionInputError, match="torch-build"):
             torch_index(bad)
     # script mode, as the install step runs it (no package import, isolated interpreter)
     proc = subprocess.run([sys.executable, "-I", str(ROOT / "action" / "main.py"), "torch-index", "cu126"],

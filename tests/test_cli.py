@@ -26,9 +26,9 @@ from publisher import __version__, logs
 from publisher import recipes as recipe_registry
 from publisher.cli import main
 from publisher.errors import SourceError, TargetError
+from publisher.handoffs.report import PathResult, VerifyReport
 from publisher.job import Outcome, PublishRequest
 from publisher.recipe_table import RECIPES_WIDTH
-from publisher.verify.report import PathResult, VerifyReport
 
 SMALL = ["--sample-steps", "2", "--sample-size", "64"]
 SECRET = "hf_s3cret_never_printed"
@@ -276,7 +276,7 @@ def test_verify_compat(fake_verify: dict[str, Any]) -> None:
 
 def test_verify_prints_three_outcomes_and_measured_failures_do_not_fail(monkeypatch: pytest.MonkeyPatch) -> None:
     import publisher.verify.target as target_module
-    from publisher.verify.report import EnvRecord
+    from publisher.handoffs.report import EnvRecord
 
     def verify_target(target: str, work: Path, **kwargs: Any) -> VerifyReport:
         versions = {"torch": "2.13.0", "torchao": "0.18.0", "diffusers": "0.42.1", "safetensors": "0.8.0"}
@@ -325,7 +325,7 @@ def test_verify_base(fake_verify: dict[str, Any]) -> None:
 
 def test_verify_says_when_values_were_only_checked_for_self_consistency(monkeypatch: pytest.MonkeyPatch) -> None:
     import publisher.verify.target as target_module
-    from publisher.verify.report import ContentCheck
+    from publisher.handoffs.report import ContentCheck
 
     def verify_target(target: str, work: Path, **kwargs: Any) -> VerifyReport:
         result = PathResult("", "library", "current", {"torch": "2.x"}, ok=True, quantized_layers=3)

@@ -15,8 +15,8 @@ from click.testing import CliRunner, Result
 
 from publisher.cli import main
 from publisher.errors import RunFailed, SourceError
+from publisher.handoffs.report import PathResult, VerifyReport
 from publisher.job import Outcome, PublishRequest
-from publisher.verify.report import PathResult, VerifyReport
 
 
 def invoke(*args: str) -> Result:

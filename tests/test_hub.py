@@ -362,8 +362,8 @@ def test_unsafe_base_file_names_are_refused_before_download(cli: Any, hub: Any, 
     from huggingface_hub import CommitOperationAdd
 
     from publisher.errors import SourceError
-    from publisher.stages.plan import Component, _base_files
-    from publisher.stages.source import Source
+    from publisher.handoffs.plan import Component, Source
+    from publisher.stages.plan import _base_files
 
     # A repo cannot even hold such a name: the client refuses it, and so does the (loopback) Hub.
     with pytest.raises(ValueError):

@@ -1,5 +1,5 @@
 """Local folders we do not own (publisher/localfiles.py), the JSON reader (publisher/jsonfile.py) and our own
-leftovers (publisher/stages/leftovers.py): the rules the hostile-input suite relies on, one by one (fast)."""
+leftovers (publisher/stages/unfinished.py): the rules the hostile-input suite relies on, one by one (fast)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 from publisher import jsonfile
 from publisher.errors import InputError, TargetError
 from publisher.localfiles import allowed_roots, copy_regular, list_folder, open_regular
-from publisher.stages import leftovers
+from publisher.stages import unfinished
 
 
 def test_links_inside_the_folder_are_read_as_their_target(tmp_path: Path) -> None:
@@ -107,26 +107,26 @@ def test_torch_dtypes_for_every_byte_sized_safetensors_dtype() -> None:
 # ---- our own leftovers -----------------------------------------------------------------------------------------
 def test_only_marked_partial_folders_are_cleared(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    leftovers.make_partial(out / "int8wo.partial", "f" * 64, "int8wo")
+    unfinished.make_partial(out / "int8wo.partial", "f" * 64, "int8wo")
     (out / "int8wo.partial" / "model.safetensors").write_bytes(b"x")
-    leftovers.make_partial(out / ".hf-ao-publish.partial", "0" * 64, "float8wo")  # another run's inputs: ours too
-    leftovers.clear_output_dir(out)
+    unfinished.make_partial(out / ".hf-ao-publish.partial", "0" * 64, "float8wo")  # another run's inputs: ours too
+    unfinished.clear_output_dir(out)
     assert list(out.iterdir()) == []
 
     for name, make in {
         "no marker": lambda p: p.mkdir(),
-        "marker of another tool": lambda p: (p.mkdir(), (p / leftovers.MARKER).write_text('{"tool": "x"}')),
-        "marker not JSON": lambda p: (p.mkdir(), (p / leftovers.MARKER).write_text("{")),
-        "marker a link": lambda p: (p.mkdir(), (p / leftovers.MARKER).symlink_to(tmp_path / "elsewhere.json")),
+        "marker of another tool": lambda p: (p.mkdir(), (p / unfinished.MARKER).write_text('{"tool": "x"}')),
+        "marker not JSON": lambda p: (p.mkdir(), (p / unfinished.MARKER).write_text("{")),
+        "marker a link": lambda p: (p.mkdir(), (p / unfinished.MARKER).symlink_to(tmp_path / "elsewhere.json")),
     }.items():
         (tmp_path / "elsewhere.json").write_text(json.dumps({"tool": "hf-ao-publish", "fingerprint": "f" * 64, "recipe": "x"}))
         folder = out / "mine.partial"
         make(folder)
         (folder / "thesis.tex").write_text("years of work")
         with pytest.raises(TargetError, match="mine.partial is not an unfinished folder of hf-ao-publish"):
-            leftovers.clear_output_dir(out)
+            unfinished.clear_output_dir(out)
         with pytest.raises(TargetError, match="is in the way"):
-            leftovers.remove_partial(folder)
+            unfinished.remove_partial(folder)
         assert (folder / "thesis.tex").read_text() == "years of work", name
         for p in folder.iterdir():
             p.unlink()
@@ -134,12 +134,12 @@ def test_only_marked_partial_folders_are_cleared(tmp_path: Path) -> None:
 
 
 def test_the_marker_never_reaches_the_repo_or_the_resume_cache(tmp_path: Path) -> None:
+    from publisher.handoffs.artifacts import Artifacts
     from publisher.recipes import get
-    from publisher.stages.quantize import Artifacts, finalize
-    from publisher.stages.resume import ComponentCache
+    from publisher.stages.unfinished import ComponentCache, finalize
 
     partial = tmp_path / "out" / "int8wo.partial"
-    leftovers.make_partial(partial, "a" * 64, "int8wo")
+    unfinished.make_partial(partial, "a" * 64, "int8wo")
     (partial / "config.json").write_text("{}")
     artifacts = Artifacts(recipe=get("int8wo"), folder=partial, components=[])
     assert artifacts.files() == {"config.json": 2}
@@ -171,4 +171,4 @@ def test_a_base_with_links_inside_publishes_plain_files(cli: Any, tiny_llama_dir
     assert copied.is_file() and not copied.is_symlink()
     assert copied.read_bytes() == (base / "shared" / "tokenizer_config.json").read_bytes()
     assert [p for p in out.rglob("*") if p.is_symlink()] == []
-    assert not list(out.rglob(leftovers.MARKER)) and not list(tmp_path.rglob("*.partial"))
+    assert not list(out.rglob(unfinished.MARKER)) and not list(tmp_path.rglob("*.partial"))

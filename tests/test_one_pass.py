@@ -162,14 +162,14 @@ def test_a_pull_request_whose_files_are_not_the_verified_bytes_is_closed(cli: An
     request is closed, nothing is merged, the repo made for it is deleted."""
     from huggingface_hub import HfApi
 
-    from publisher.stages import push_pr
+    from publisher.stages import lowdisk_push
     from publisher.verify.commit_hashes import CommitFile, of_operation
 
     def off(op: Any) -> CommitFile:
         got = of_operation(op)
         return CommitFile(got.size, got.sha256, "0" * 40) if op.path_in_repo == "README.md" else got
 
-    monkeypatch.setattr(push_pr, "of_operation", off)
+    monkeypatch.setattr(lowdisk_push, "of_operation", off)
     result = cli(flux_repo, "--quant", "int8wo", "--low-disk", "--repo-id", "alice/lowdisk-wrong-hash", token="tok_alice")
     assert result.exit_code == 1
     assert "does not hold the verified bytes: 1 of" in result.stderr and "README.md has git blob" in result.stderr

@@ -1,4 +1,4 @@
-"""SIGTERM and SIGINT end a run cleanly at any stage (publisher/signals.py, procs.py, leftovers.py).
+"""SIGTERM and SIGINT end a run cleanly at any stage (publisher/signals.py, procs.py, stages/unfinished.py).
 
 Each test starts the real CLI as a subprocess against the loopback Hub, with TMPDIR and HF_HOME pointed at its own
 folders, holds it in one stage (a worker process that is running, or the loopback Hub delaying an answer), sends the

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from publisher.handoffs.report import EnvRecord, PathResult, VerifyReport
 from publisher.verify import claims
-from publisher.verify.report import EnvRecord, PathResult, VerifyReport
 
 HERE = {"torch": "2.13.0+cpu", "torchao": "0.18.0", "diffusers": "0.42.1", "transformers": "5.23.0", "safetensors": "0.8.0"}
 

@@ -179,7 +179,7 @@ class _NotATensor:
 
 
 def _exp(classes: dict[str, str]) -> Any:
-    from publisher.verify.report import Expected
+    from publisher.handoffs.report import Expected
 
     return Expected("", "transformers", "LlamaForCausalLM", None, None, {"a": "1"}, sorted(classes), "the library path",
                     classes=classes)

@@ -361,9 +361,9 @@ def test_block_forward_failure_counts_unless_the_recipe_runs_on_a_gpu(streamed: 
                                                                        tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                                                        optional: bool) -> None:
     """A CPU without a GPU recipe's kernel costs the forward check (said in the detail); any other failure fails."""
+    from publisher.handoffs.report import Expected
     from publisher.streaming.shards import LocalShards
     from publisher.verify import streaming as verify_stream
-    from publisher.verify.report import Expected
     from publisher.verify.streaming import streaming_check
 
     out, res = streamed(*COMPONENTS[0], "int8wo")
@@ -384,7 +384,7 @@ def test_shard_uploader_uploads_each_checked_shard_and_deletes_it(hub: Any, tiny
     """Many small output shards: each leaves the disk once its tensors (parts may span shards) are checked."""
     from huggingface_hub import HfApi
 
-    from publisher.stages.push_pr import ShardUploader, ensure_repo
+    from publisher.stages.lowdisk_push import ShardUploader, ensure_repo
     from publisher.streaming import stream_quantize
 
     monkeypatch.setenv("HF_TOKEN", "tok_alice")

@@ -30,7 +30,7 @@ from publisher.stages.source import is_local
 if TYPE_CHECKING:
     from huggingface_hub import HfApi
 
-    from publisher.stages.plan import Plan
+    from publisher.handoffs.plan import Plan
 
 log = logging.getLogger(__name__)
 

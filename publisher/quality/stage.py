@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from publisher.errors import SourceError
+from publisher.handoffs.plan import DENOISERS
 from publisher.quality import grid, lm, spec
 from publisher.quality.sources import Weights, component_weights, local_shards
 from publisher.quality.spec import Settings
 from publisher.quality.text import MIN_WINDOW, EvalText
-from publisher.stages.plan import DENOISERS
 from publisher.verify.streaming import BLOCK_BUDGET
 
 log = logging.getLogger(__name__)

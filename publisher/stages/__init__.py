@@ -1,3 +1,3 @@
 """Pipeline stages, one module each, in run order: source, plan, preflight, fetch, quantize (with resume),
-then verification (publisher.verify), sample and measure, card, push (or push_pr: through a checked pull request).
+then verification (publisher.verify), sample and measure, card, push (or lowdisk_push: through a checked pull request).
 """

@@ -18,7 +18,7 @@ from pathlib import Path
 
 from publisher import jsonfile
 from publisher.errors import InputError
-from publisher.stages.source import Source
+from publisher.handoffs.plan import Source
 from publisher.streaming.validate import HeaderEntry
 
 Header = tuple[dict[str, str], dict[str, HeaderEntry]]  # (``__metadata__``, tensors by name) of one safetensors file

@@ -12,10 +12,10 @@ from pathlib import Path
 from typing import Any
 
 from publisher import __version__, logs
-from publisher.stages.plan import DENOISERS, Plan
-from publisher.stages.quantize import Artifacts
+from publisher.handoffs.artifacts import Artifacts
+from publisher.handoffs.plan import DENOISERS, Plan
+from publisher.handoffs.report import VerifyReport
 from publisher.verify import claims
-from publisher.verify.report import VerifyReport
 
 TEMPLATE_NAME = "modelcard.md.j2"
 _LICENSE_FILE_PREFIXES = ("LICENSE", "LICENCE", "NOTICE")

@@ -9,11 +9,11 @@ was left alone, and refuses a component with no quantized layer unless the user 
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from publisher.errors import QuantizeError
+from publisher.handoffs.artifacts import KeptKind, LayerReport
 
 _LABEL = {"excluded": "Linear kept by the library's rules", "skipped": "Linear skipped by torchao", "Conv1D": "Conv1D layers",
           "experts": "expert parameters", "Embedding": "embeddings", "conv": "convolutions", "norm": "norms",
@@ -31,35 +31,6 @@ _WHY = {
     "norm": "normalisation scales and shifts: small, kept in bf16",
     "other": "other parameters (biases of unquantized layers, scale and position tables); kept in bf16",
 }
-
-
-@dataclass
-class KeptKind:
-    kind: str  # e.g. "Conv1D", "Embedding", "experts"
-    label: str  # for people: "Conv1D layers", "expert parameters"
-    count: int  # modules (or parameters, for experts)
-    nbytes: int  # their weights in bf16
-    why: str
-    examples: list[str] = field(default_factory=list)
-
-
-@dataclass
-class LayerReport:
-    quantized: int  # Linear layers whose weight became a torchao tensor
-    linear: int  # every nn.Linear of the component
-    kept: list[KeptKind]
-    total_bytes: int  # every parameter, in bf16
-
-    def kind(self, name: str) -> KeptKind | None:
-        return next((k for k in self.kept if k.kind == name), None)
-
-    def expert_share(self) -> float:
-        """The fraction of the component's bf16 weights held by expert parameters (which stay bf16)."""
-        experts = self.kind("experts")
-        return experts.nbytes / self.total_bytes if experts and self.total_bytes else 0.0
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _kind_of(module: Any, torch: Any) -> str:

@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
-from publisher.stages.plan import Component, Plan
+from publisher.handoffs.plan import Component, Plan
 
 if TYPE_CHECKING:
     from publisher.streaming.shards import HubShards, ShardSource

@@ -27,7 +27,7 @@ from typing import Any
 
 from publisher import hub, xetupload
 from publisher.errors import SourceError
-from publisher.stages.plan import Plan
+from publisher.handoffs.plan import Plan
 from publisher.verify.commit_hashes import CommitFile, git_blob_id
 
 log = logging.getLogger(__name__)

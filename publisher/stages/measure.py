@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 from publisher.loadpath import forward, load_component
 
 if TYPE_CHECKING:
-    from publisher.stages.quantize import QuantizedComponent
-    from publisher.verify.report import Expected
+    from publisher.handoffs.artifacts import QuantizedComponent
+    from publisher.handoffs.report import Expected
 
 log = logging.getLogger(__name__)
 

@@ -9,84 +9,23 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from publisher import recipe_args
 from publisher.errors import SourceError, UsageError
-from publisher.integrity import FileHash
+from publisher.handoffs.plan import DENOISERS, Component, Plan, Source
 from publisher.jsonfile import weight_map
 from publisher.localfiles import plain_name
 from publisher.recipes import Recipe
 from publisher.stages import layercheck, prequantized
 from publisher.stages.basecheck import check_base
-from publisher.stages.source import Source
 
 log = logging.getLogger(__name__)
 
-DENOISERS = ("transformer", "unet", "prior", "decoder")
 NO_TARGET = ("no repo id was chosen: there is no --repo-id and no token to ask the Hub whose the default "
              "<user>/<base>-torchao-<recipe> would be; pass --repo-id NAMESPACE/NAME or set HF_TOKEN")
 _TARGET_RE = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}$")
-
-
-@dataclass(frozen=True)
-class Component:
-    """One model of the base: a pipeline component, or the whole transformers model (name "")."""
-
-    name: str
-    library: str  # "diffusers" | "transformers"
-    class_name: str
-    quantize: bool
-    linear_names: tuple[str, ...] = ()  # every nn.Linear, from the meta-device build
-    module_names: frozenset[str] = frozenset()
-    param_bytes: int = 0  # parameters at the load dtype (bf16)
-    weight_files: tuple[str, ...] = ()  # the base files that hold its weights
-    linear_shapes: tuple[tuple[str, int, int], ...] = ()  # (Linear, out_features, in_features), from the meta build
-    param_names: tuple[str, ...] = ()  # every parameter fqn (per-layer entries are matched against them)
-    default_skips: tuple[str, ...] = ()  # modules the library keeps unquantized by default (transformers: lm_head...)
-
-    @property
-    def subfolder(self) -> str | None:
-        return self.name or None
-
-    @property
-    def label(self) -> str:
-        return self.name or "model"
-
-    def path(self, root: Path) -> Path:
-        return root / self.name if self.name else root
-
-
-@dataclass(frozen=True)
-class Plan:
-    source: Source
-    kind: str  # "pipeline" | "transformers"
-    pipeline_class: str | None
-    components: tuple[Component, ...]
-    recipes: tuple[Recipe, ...]
-    exclude: tuple[str, ...]
-    targets: dict[str, str | None]  # recipe name -> target repo id (None: none chosen, --no-push without a token)
-    base_files: tuple[str, ...]  # what the snapshot stage downloads
-    library_name: str
-    pipeline_tag: str | None
-    trust_remote_code: bool = False
-    options: dict[str, Any] = field(default_factory=dict)  # the user's options, for the card and fingerprint
-
-    @property
-    def quantized(self) -> list[Component]:
-        return [c for c in self.components if c.quantize]
-
-    @property
-    def kept(self) -> list[Component]:
-        return [c for c in self.components if not c.quantize]
-
-    @property
-    def base_hashes(self) -> dict[str, FileHash]:
-        """The Hub's sha256 / git blob id of every base file the run reads (empty for a local folder): each download
-        and each range-read shard is compared with it before use, and the state file records it."""
-        return {f: self.source.hashes[f] for f in self.base_files if f in self.source.hashes}
 
 
 def parse_recipes(values: tuple[str, ...] | list[str], layer_values: tuple[str, ...] | list[str] = ()) -> list[Recipe]:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from publisher.errors import ResourceError
-from publisher.stages.plan import Plan
+from publisher.handoffs.plan import Plan
 
 log = logging.getLogger(__name__)
 
@@ -34,11 +34,11 @@ class Estimate:
 def estimate(plan: Plan, engine: str = "auto", low_disk: bool = False, push: bool = False,
              max_shard_size: str | None = None) -> Estimate:
     """``low_disk`` and ``push``: output shards are uploaded and deleted as they are finished, so the output folder
-    holds about one shard plus push_pr.OVERLAP at a time, and the files the run does not change go from the base
+    holds about one shard plus lowdisk_push.OVERLAP at a time, and the files the run does not change go from the base
     repo to the target without touching the disk."""
     from publisher.stages.fetch import weight_files
     from publisher.stages.hubcopy import unchanged_files
-    from publisher.stages.push_pr import LOW_DISK_SHARD, OVERLAP, size_bytes
+    from publisher.stages.lowdisk_push import LOW_DISK_SHARD, OVERLAP, size_bytes
 
     src = plan.source
     staged = low_disk and push

@@ -17,8 +17,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from publisher.errors import SourceError
+from publisher.handoffs.plan import Source
 from publisher.stages.basecheck import Header
-from publisher.stages.source import Source
 
 # names other quantizers give the parts of a quantized weight (bitsandbytes, GPTQ/AWQ, compressed-tensors, fbgemm fp8)
 QUANTIZED_SUFFIXES = (".qweight", ".qzeros", ".g_idx", ".SCB", ".absmax", ".quant_map", ".quant_state.bitsandbytes__nf4",

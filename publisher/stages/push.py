@@ -19,14 +19,21 @@ from typing import Any
 
 from publisher import hub
 from publisher.errors import InputError, TargetError, VerificationError
+from publisher.handoffs.report import VerifyReport
+from publisher.handoffs.state import STATE_FILE
 from publisher.jsonfile import read_object
 from publisher.verify.commit_hashes import CommitFile, check_uploaded, of_file
-from publisher.verify.report import VerifyReport
 
 log = logging.getLogger(__name__)
 
-STATE_FILE = "hf_ao_publish.json"  # what produced the repo; lets a re-run detect "nothing changed"
+GITATTRIBUTES = "*.safetensors filter=lfs diff=lfs merge=lfs -text\n*.png filter=lfs diff=lfs merge=lfs -text\n"
 
+
+def write_repo_files(folder: Path, state: dict[str, Any]) -> None:
+    """The files every published repo carries besides weights and card: .gitattributes (weights and images in LFS)
+    and the state file (what produced the repo, for the next run's "nothing changed")."""
+    (folder / ".gitattributes").write_text(GITATTRIBUTES)
+    (folder / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
 
 @dataclass
 class PushResult:

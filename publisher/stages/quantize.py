@@ -8,140 +8,33 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import shutil
 import tempfile
 from collections import Counter
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from publisher.errors import QuantizeError, TargetError
+from publisher.errors import QuantizeError
+from publisher.handoffs.artifacts import Artifacts, QuantizedComponent
+from publisher.handoffs.plan import Component, Plan
+from publisher.handoffs.report import ForwardInputs
 from publisher.jsonfile import read_object
 from publisher.recipes import Recipe, build_config
-from publisher.stages.leftovers import MARKER, make_partial, remove_partial
-from publisher.stages.plan import Component, Plan
-from publisher.verify.report import ForwardInputs, PassForward
+from publisher.stages.unfinished import make_partial, remove_partial
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from publisher.stages.coverage import LayerReport
     from publisher.stages.fetch import RemoteWeights
-    from publisher.stages.push_pr import ShardUploader
-    from publisher.stages.resume import ComponentCache
+    from publisher.stages.lowdisk_push import ShardUploader
+    from publisher.stages.unfinished import ComponentCache
     from publisher.verify.inpass import InPassForward
 
     Observers = Callable[[Component, dict[str, Any]], InPassForward | None]  # another observer of a streamed pass
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class QuantizedComponent:
-    name: str
-    library: str
-    class_name: str
-    quantized: list[str]  # Linear layers whose weight is now a torchao tensor
-    skipped: list[str]  # Linear layers meant to be quantized that torchao left as they were
-    excluded: list[str]  # Linear layers kept on purpose (--exclude, library defaults)
-    tensor_classes: dict[str, int]  # torchao tensor class -> count
-    bytes_before: int  # bf16 weights
-    bytes_after: int  # saved weight files
-    quantization_config: dict[str, Any]  # as stored in config.json
-    engine: str = "library"
-    fp8_check: dict[str, Any] | None = None  # FP8 made on a CPU: dequantized weights vs the bf16 base
-    peak_rss_bytes: int | None = None  # streaming engine: the process's peak RSS after this component
-    stage_seconds: dict[str, float] = field(default_factory=dict)
-    digests: dict[str, str] = field(default_factory=dict, repr=False)  # streaming engine: in-memory tensor digests
-    forward: PassForward | None = field(default=None, repr=False)  # streaming engine: forward passes during the pass
-    eval_forward: PassForward | None = field(default=None, repr=False)  # the same, on the perplexity text (quality/)
-    layer_classes: dict[str, str] = field(default_factory=dict, repr=False)  # quantized Linear -> its torchao class
-
-    @property
-    def label(self) -> str:
-        return self.name or "model"
-
-    def to_json(self, layers: dict[str, Any]) -> dict[str, Any]:
-        """The component in the run's --json output (``layers``: coverage.LayerReport.to_dict())."""
-        return {
-            "layers": layers,
-            "name": self.label,
-            "class": self.class_name,
-            "quantized_layers": len(self.quantized),
-            "skipped_layers": self.skipped,
-            "excluded_layers": len(self.excluded),
-            "tensor_classes": self.tensor_classes,
-            "bytes_before": self.bytes_before,
-            "bytes_after": self.bytes_after,
-            "engine": self.engine,
-            "stage_seconds": self.stage_seconds,
-        }
-
-
-@dataclass
-class Artifacts:
-    recipe: Recipe
-    folder: Path
-    components: list[QuantizedComponent]
-    models: dict[str, Any] = field(default_factory=dict, repr=False)  # in-memory quantized models, for verify
-    device: str = "cpu"  # where the weights were quantized
-    uploader: ShardUploader | None = None  # shards already pre-uploaded and deleted (--low-disk push)
-    layers: dict[str, LayerReport] = field(default_factory=dict)  # component name -> what was quantized, left alone, why
-    notes: list[str] = field(default_factory=list)  # for the card (e.g. a component published unquantized on request)
-
-    def files(self) -> dict[str, int]:
-        """Every file of the repo: those on disk and those already uploaded."""
-        local = {p.relative_to(self.folder).as_posix(): p.stat().st_size for p in self.folder.rglob("*")
-                 if p.is_file() and p.name != MARKER}
-        if self.uploader is not None:
-            local.update(self.uploader.sizes)
-        return dict(sorted(local.items()))
-
-    def release_models(self) -> None:
-        self.models.clear()
-
-
-def prepare_output(output_dir: Path, recipe: Recipe, several: bool) -> Path:
-    """The final folder for a recipe; refuses a non-empty folder we did not create."""
-    folder = output_dir / recipe.name if several else output_dir
-    if folder.exists() and any(p for p in folder.iterdir() if p.name != PARTIAL_NAME):
-        raise TargetError(f"output folder {folder} is not empty; choose an empty or new --output-dir")
-    try:
-        output_dir.mkdir(parents=True, exist_ok=True)
-        probe = output_dir / f".{recipe.name}.write-test"
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as exc:
-        raise TargetError(f"output folder {output_dir} is not writable ({exc.strerror}); pass a writable --output-dir") from None
-    return folder
-
-
-PARTIAL_NAME = ".hf-ao-publish.partial"
-
-
-def partial_folder(folder: Path, output_dir: Path) -> Path:
-    """Where a recipe's repo is built: inside --output-dir (same filesystem, so the final move is a
-    rename), under a name that is never taken for a finished folder."""
-    return output_dir / PARTIAL_NAME if folder == output_dir else folder.with_name(folder.name + ".partial")
-
-
-def finalize(artifacts: Artifacts, folder: Path) -> None:
-    """Give the finished repo folder its final name: the last local step, after verify and the card,
-    so a killed run never leaves something that looks finished."""
-    partial = artifacts.folder
-    (partial / MARKER).unlink(missing_ok=True)  # ours until now; never part of the repo
-    if partial.parent == folder:  # built inside the output folder: move the entries up, README.md last
-        entries = sorted(partial.iterdir(), key=lambda p: p.name == "README.md")
-        for entry in entries:
-            os.replace(entry, folder / entry.name)
-        partial.rmdir()
-    else:
-        if folder.exists():
-            folder.rmdir()
-        partial.rename(folder)
-    artifacts.folder = folder
 
 
 def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, device: str = "cpu",
@@ -155,9 +48,9 @@ def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, d
     component it supports, the library path otherwise; "library" / "streaming" force one.
     ``remote`` (``fetch.RemoteWeights``, --low-disk): the quantized components' weight files were not
     downloaded; the streaming engine reads them by HTTP range, the library path has them fetched first.
-    ``uploader`` (``push_pr.ShardUploader``): each finished shard of a streamed component is checked,
+    ``uploader`` (``lowdisk_push.ShardUploader``): each finished shard of a streamed component is checked,
     pre-uploaded and deleted at once (no resume cache then: its files leave the disk). ``fingerprint``: the run's
-    (publisher.state.state_for), written into the folder's marker (stages/leftovers.py). ``max_shard_size``: the output shard
+    (publisher.state.state_for), written into the folder's marker (stages/unfinished.py). ``max_shard_size``: the output shard
     size (default: the library's). ``elsewhere``: unchanged base files that go to the target another way (Hub to
     Hub: ``hubcopy``), so they are not copied into the folder. ``inputs``: the run's forward-check inputs
     (verify/capture.py) by component name: a streamed component runs its forward checks during the pass. ``observer``

@@ -8,85 +8,16 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from publisher.errors import SourceError, UsageError
-from publisher.integrity import FileHash, hashes_of
+from publisher.handoffs.plan import Source
+from publisher.integrity import hashes_of
 
 log = logging.getLogger(__name__)
 
 _SHA_RE = re.compile(r"^[0-9a-f]{40}$")
-
-
-@dataclass(frozen=True)
-class Source:
-    """The base model, pinned."""
-
-    model_id: str  # as the user gave it
-    repo_id: str | None  # Hub repo id, None for a local folder
-    local_dir: Path | None  # set for a local folder
-    revision: str | None  # as the user gave it
-    sha: str | None  # resolved commit sha (Hub only)
-    sizes: dict[str, int] = field(default_factory=dict)  # every file of the base -> size in bytes
-    card_data: dict[str, Any] = field(default_factory=dict)  # YAML front matter of the base README
-    endpoint: str | None = None
-    # Hub only: every file's sha256 (LFS) or git blob id as the Hub reports it at the pinned sha; every download
-    # and range read of the base is compared with it before use (publisher.integrity)
-    hashes: dict[str, FileHash] = field(default_factory=dict)
-    gated: bool = False  # Hub only: its files need accepted terms (and, for a fine-grained token, gated read access)
-
-    @property
-    def files(self) -> list[str]:
-        return sorted(self.sizes)
-
-    @property
-    def display(self) -> str:
-        if self.repo_id:
-            return f"{self.repo_id}@{self.sha}"
-        return str(self.local_dir)
-
-    def url(self) -> str | None:
-        if not self.repo_id:
-            return None
-        from huggingface_hub import constants
-
-        return f"{(self.endpoint or constants.ENDPOINT).rstrip('/')}/{self.repo_id}"
-
-    def read_json(self, path: str, token: str | None) -> dict[str, Any]:
-        """A JSON file of the base (model_index.json, a config, an index) as an object, through the one JSON
-        reader; its size limit is checked from the listing first, so an oversized file is never downloaded."""
-        from publisher import jsonfile
-
-        what = self.where(path)
-        limit = jsonfile.limit_for(path)
-        if self.sizes.get(path, 0) > limit:
-            raise jsonfile.too_big(what, self.sizes[path], limit)
-        return jsonfile.read_object(self.local_path(path, token), what, limit, roots=self.roots())
-
-    def where(self, path: str) -> str:
-        """How errors name a file of the base: repo@sha/path, or the local path."""
-        if self.local_dir is not None:
-            return str(self.local_dir / path)
-        return f"{self.repo_id}@{(self.sha or '')[:12]}/{path}"
-
-    def roots(self) -> tuple[Path, ...] | None:
-        """Where a local base's files may resolve to (links never lead outside the folder)."""
-        from publisher.localfiles import allowed_roots
-
-        return allowed_roots(self.local_dir) if self.local_dir is not None else None
-
-    def local_path(self, path: str, token: str | None) -> Path:
-        """A small file of the base on local disk (downloaded at the pinned sha for a Hub base)."""
-        if path not in self.sizes:
-            raise SourceError(f"{self.display} has no file {path}")
-        if self.local_dir is not None:
-            return self.local_dir / path
-        from publisher.downloads import download
-
-        # a Hub file is checked against the hash its repo records before anything reads it
-        return download(self.repo_id, self.sha, [path], self.hashes, token) / path  # type: ignore[arg-type]
 
 
 def is_local(model_id: str) -> bool:

@@ -208,7 +208,7 @@ def stream_quantize(
     On error the files already written stay in ``dst_dir`` (the caller owns the folder).
     """
     from publisher.streaming.engine import execute, peak_rss_bytes, remove_stale_shards
-    from publisher.streaming.layout import build_plan
+    from publisher.streaming.layout import build_layout
     from publisher.streaming.meta_model import check_transformers_keys
     from publisher.streaming.shards import RangeIgnored
 
@@ -230,7 +230,7 @@ def stream_quantize(
         # Probing on the meta device is free, but fp8cpu's bypass and GPU handlers want real tensors.
         probe_device = "meta" if device == "cpu" and not recipe.quantize.cuda else device
         with _quantize_context(recipe, device):
-            plan = build_plan(comp, keys, device, probe_device, set(recipe.classes_for(component)), max_shard_size)
+            plan = build_layout(comp, keys, device, probe_device, set(recipe.classes_for(component)), max_shard_size)
     except RangeIgnored as exc:  # the server, not the model: the message says what to do
         raise QuantizeError(str(exc)) from exc
     except (ValueError, TypeError, AttributeError, OSError, ImportError, RuntimeError, AssertionError) as exc:

@@ -24,7 +24,7 @@ from typing import Any, BinaryIO, Protocol
 from publisher.errors import QuantizeError
 from publisher.streaming import safetensors_io as stio
 from publisher.streaming.feed import Feed, Item
-from publisher.streaming.layout import OutFile, OutTensor, Plan, Work
+from publisher.streaming.layout import Layout, OutFile, OutTensor, Work
 
 
 def peak_rss_bytes() -> int:
@@ -175,7 +175,7 @@ class TensorObserver(Protocol):
         """The pass is over (``ok`` False: it failed)."""
 
 
-def execute(plan: Plan, dst: Path, *, fetch_shard: Callable[[str], Any],
+def execute(plan: Layout, dst: Path, *, fetch_shard: Callable[[str], Any],
             release_shard: Callable[[Any], None], report: Callable[[Path], None], progress: bool,
             seconds: dict[str, float], digests: dict[str, str] | None = None,
             on_tensor: Callable[[str, Any, Any], None] | None = None, observer: TensorObserver | None = None,
@@ -233,7 +233,7 @@ TRIM_EVERY = 1 << 30  # hand freed heap back to the OS after about this many byt
 class _Ctx:
     """What every tensor's step shares."""
 
-    def __init__(self, plan: Plan, outputs: _Outputs, seconds: dict[str, float], digests: dict[str, str],
+    def __init__(self, plan: Layout, outputs: _Outputs, seconds: dict[str, float], digests: dict[str, str],
                  on_tensor: Callable[[str, Any, Any], None] | None, sink: _Sink, observer: TensorObserver | None) -> None:
         self.plan, self.outputs, self.seconds, self.digests, self.on_tensor = plan, outputs, seconds, digests, on_tensor
         self.sink, self.observer = sink, observer

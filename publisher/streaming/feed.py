@@ -30,7 +30,7 @@ from typing import Any, BinaryIO
 from publisher.errors import QuantizeError
 from publisher.localfiles import open_regular
 from publisher.streaming import safetensors_io as stio
-from publisher.streaming.layout import Plan, Work
+from publisher.streaming.layout import Layout, Work
 
 
 @dataclass
@@ -59,7 +59,7 @@ AHEAD_BYTES = 96 << 20  # about one of FLUX.1-dev's largest tensors (94 MB)
 class Feed:
     """Iterate over ``Item``s in the planned order; ``close()`` stops the reader (always call it)."""
 
-    def __init__(self, plan: Plan, fetch_shard: Callable[[str], Any], release_shard: Callable[[Any], None], *,
+    def __init__(self, plan: Layout, fetch_shard: Callable[[str], Any], release_shard: Callable[[Any], None], *,
                  order: list[str] | None = None, whole: Callable[[str], bool] = lambda key: False,
                  seconds: dict[str, float] | None = None) -> None:
         self.plan, self.fetch, self.release, self.order, self.whole = plan, fetch_shard, release_shard, order, whole

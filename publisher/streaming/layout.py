@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from publisher.streaming import safetensors_io as stio
-from publisher.streaming.meta_model import Component
+from publisher.streaming.meta_model import MetaModel
 
 if TYPE_CHECKING:
     import torch
@@ -54,8 +54,10 @@ class OutFile:
 
 
 @dataclass
-class Plan:
-    component: Component
+class Layout:
+    """Where every saved tensor of one component goes (files, offsets, classes), planned on the meta device."""
+
+    component: MetaModel
     device: str
     work: list[Work]  # grouped by input file, then by position in that file once known
     input_files: list[str]  # in processing order
@@ -67,7 +69,7 @@ class Plan:
     classes: dict[str, str] = field(default_factory=dict)  # quantized module -> the torchao class of its weight
 
 
-def _probe(comp: Component, key: str, device: str, cache: dict[tuple, tuple]) -> tuple[str | None, list, str]:
+def _probe(comp: MetaModel, key: str, device: str, cache: dict[tuple, tuple]) -> tuple[str | None, list, str]:
     """(tensor class or None if torchao left it, [(suffix, dtype, shape)], metadata) for a quantized key.
 
     ``device`` is "meta" (no data at all) or the real quantize device; one probe per distinct shape.
@@ -92,7 +94,7 @@ def _probe(comp: Component, key: str, device: str, cache: dict[tuple, tuple]) ->
     return result
 
 
-def _quantize_probe(comp: Component, key: str, shape: tuple[int, ...], device: str) -> Any:
+def _quantize_probe(comp: MetaModel, key: str, shape: tuple[int, ...], device: str) -> Any:
     """The library's quantize call on a stand-in of ``key``: on the meta device (no data) when ``device`` is "meta",
     with random values on the CPU when the config's algorithm reads values (HQQ's ``.item()``)."""
     import torch
@@ -118,8 +120,8 @@ def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     return math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
 
 
-def build_plan(comp: Component, key_files: dict[str, str], device: str, probe_device: str,
-               expected_classes: set[str] | None, max_shard_size: int | str | None) -> Plan:
+def build_layout(comp: MetaModel, key_files: dict[str, str], device: str, probe_device: str,
+               expected_classes: set[str] | None, max_shard_size: int | str | None) -> Layout:
     """Lay out the output exactly as ``save_pretrained`` would, from the meta model and the checkpoint index.
     ``expected_classes``: the torchao classes the component's configs make (a planned tensor of another class stops
     the run)."""
@@ -187,7 +189,7 @@ def build_plan(comp: Component, key_files: dict[str, str], device: str, probe_de
     # Consume input shards in name order (shard 1 first: the output order follows it best).
     input_files = sorted({w.src_file for w in work})
     work.sort(key=lambda w: input_files.index(w.src_file))
-    return Plan(comp, device, work, input_files, files, index, quantized, skipped, excluded, classes)
+    return Layout(comp, device, work, input_files, files, index, quantized, skipped, excluded, classes)
 
 
 def _lay_out(name: str, entries: list[OutTensor], metadata: dict[str, str]) -> OutFile:

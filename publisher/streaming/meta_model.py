@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 
 @dataclass
-class Component:
+class MetaModel:
     """A meta-device model plus the library hooks the engine calls for one component."""
 
     library: str
@@ -75,7 +75,7 @@ def _save_default(cls: Any) -> int | str:
     return inspect.signature(cls.save_pretrained).parameters["max_shard_size"].default
 
 
-def diffusers_component(src: Path, ao_config: Any, exclude: list[str], class_name: str | None) -> Component:
+def diffusers_component(src: Path, ao_config: Any, exclude: list[str], class_name: str | None) -> MetaModel:
     """Mirror ``ModelMixin.from_pretrained`` (diffusers 0.42) up to the point where weights are read."""
     import diffusers
     import torch
@@ -144,7 +144,7 @@ def diffusers_component(src: Path, ao_config: Any, exclude: list[str], class_nam
         model.save_config(dst)
         return [dst / "config.json"]
 
-    comp = Component(
+    comp = MetaModel(
         library="diffusers", class_name=cls.__name__, model=model, names=names, meta=sd,
         linear_weights=_linear_weights(model), quantize_keys=quantize_keys, dropped_on_save=set(),
         weights_name=SAFETENSORS_WEIGHTS_NAME, index_name=SAFE_WEIGHTS_INDEX_NAME,
@@ -174,7 +174,7 @@ def _config_key(library: str, ao_config: Any) -> Callable[[str], str]:
     return key_of
 
 
-def transformers_component(src: Path, ao_config: Any, exclude: list[str], class_name: str | None) -> Component:
+def transformers_component(src: Path, ao_config: Any, exclude: list[str], class_name: str | None) -> MetaModel:
     """Mirror ``PreTrainedModel.from_pretrained`` (transformers 5.23) up to the point where weights are read."""
     import torch
     import transformers
@@ -236,7 +236,7 @@ def transformers_component(src: Path, ao_config: Any, exclude: list[str], class_
             written.append(dst / "generation_config.json")
         return written
 
-    comp = Component(
+    comp = MetaModel(
         library="transformers", class_name=cls.__name__, model=model, names=names, meta=sd,
         linear_weights=_linear_weights(model), quantize_keys=quantize_keys, dropped_on_save=dropped,
         weights_name=SAFE_WEIGHTS_NAME, index_name=SAFE_WEIGHTS_INDEX_NAME,
@@ -285,7 +285,7 @@ def _load_generation_config(model: Any, src: Path) -> None:
         model.adjust_generation_fn(None, False, None, src, None, False, None, False, None, None, "", False)
 
 
-def check_transformers_keys(comp: Component, checkpoint_keys: list[str]) -> str | None:
+def check_transformers_keys(comp: MetaModel, checkpoint_keys: list[str]) -> str | None:
     """None when the checkpoint's keys load without renaming (the only case the engine streams)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key

@@ -26,10 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from publisher.errors import QuantizeError, SourceError
+from publisher.handoffs.report import ContentCheck
 from publisher.verify import hashes as hashes_check
 from publisher.verify.declared import Declared
 from publisher.verify.layout import TargetComponent, read_json
-from publisher.verify.report import ContentCheck
 
 log = logging.getLogger(__name__)
 

@@ -19,9 +19,9 @@ from pathlib import Path
 from typing import Any
 
 from publisher import loadpath
-from publisher.stages.plan import DENOISERS, Plan
+from publisher.handoffs.plan import DENOISERS, Plan
+from publisher.handoffs.report import ForwardInputs
 from publisher.verify.inputs import token_inputs
-from publisher.verify.report import ForwardInputs
 
 log = logging.getLogger(__name__)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
-from publisher.verify.report import OUTCOMES, PATHS, EnvRecord, Outcome, PathResult, VerifyReport
+from publisher.handoffs.report import OUTCOMES, PATHS, EnvRecord, Outcome, PathResult, VerifyReport
 
 SILENT_PREFIX = "loads without an error, but "  # how compare() starts the detail of a silently wrong load
 # the packages a card talks about; the libraries only when a quantized component loads with them

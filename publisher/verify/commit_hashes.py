@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from publisher.verify.report import PathResult
+from publisher.handoffs.report import PathResult
 
 CHUNK = 8 << 20
 

@@ -29,9 +29,9 @@ from typing import Any
 from publisher.configs.layers import resolve
 from publisher.configs.probe import quantized_weight
 from publisher.errors import VerificationError
+from publisher.handoffs.report import Expected
 from publisher.verify import stored as stored_files
 from publisher.verify.layout import TargetComponent, weight_format
-from publisher.verify.report import Expected
 from publisher.verify.stored import Stored, StoredSet, parse_flat
 
 log = logging.getLogger(__name__)

@@ -20,10 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 from publisher import loadpath, procs
 from publisher.errors import VerificationError
-from publisher.stages.quantize import Artifacts
+from publisher.handoffs.artifacts import Artifacts
+from publisher.handoffs.report import PATHS, PLAIN_CLASSES, Expected, ForwardInputs, Mode, PathResult, VerifyReport
 from publisher.verify.inputs import token_inputs
 from publisher.verify.quality import quality_against_base
-from publisher.verify.report import PATHS, PLAIN_CLASSES, Expected, ForwardInputs, Mode, PathResult, VerifyReport
 
 if TYPE_CHECKING:
     from publisher.streaming.shards import ShardSource

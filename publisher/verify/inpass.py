@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from publisher.verify.report import PassForward
+from publisher.handoffs.report import PassForward
 
 log = logging.getLogger(__name__)
 

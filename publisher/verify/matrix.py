@@ -22,9 +22,9 @@ from pathlib import Path
 
 from publisher import compat
 from publisher.errors import UsageError
+from publisher.handoffs.report import PATHS, EnvRecord, PathResult, VerifyReport
 from publisher.verify import envs as env_builder
 from publisher.verify.full import compare, run_worker
-from publisher.verify.report import PATHS, EnvRecord, PathResult, VerifyReport
 
 log = logging.getLogger(__name__)
 

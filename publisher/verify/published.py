@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from publisher.errors import VerificationError
+from publisher.handoffs.report import PathResult, VerifyReport
 from publisher.verify.commit_hashes import CommitFile, check_commit
 from publisher.verify.full import check_location
 from publisher.verify.quality import quality_against_base
-from publisher.verify.report import PathResult, VerifyReport
 
 if TYPE_CHECKING:
-    from publisher.stages.quantize import Artifacts
+    from publisher.handoffs.artifacts import Artifacts
     from publisher.streaming.shards import ShardSource
 
 

@@ -10,7 +10,7 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from publisher import loadpath
-from publisher.verify.report import Expected, Quality
+from publisher.handoffs.report import Expected, Quality
 
 if TYPE_CHECKING:
     from publisher.streaming.shards import ShardSource

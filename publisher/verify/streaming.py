@@ -25,9 +25,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from publisher import loadpath
+from publisher.handoffs.report import Expected, PathResult
 from publisher.streaming.engine import trim_memory
 from publisher.streaming.shards import CheckpointIndex, ShardSource, TensorReader, build_index
-from publisher.verify.report import Expected, PathResult
 
 log = logging.getLogger(__name__)
 

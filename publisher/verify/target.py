@@ -23,13 +23,13 @@ from typing import Any
 from publisher import recipe_args
 from publisher import recipes as recipe_registry
 from publisher.errors import UsageError
+from publisher.handoffs.report import PATHS, PLAIN_CLASSES, ContentCheck, Expected, ForwardInputs, VerifyReport
+from publisher.handoffs.state import STATE_FILE
 from publisher.loadpath import load_call
-from publisher.stages.push import STATE_FILE
 from publisher.verify import against_base, capture, declared, layout, matrix, stored
 from publisher.verify import hashes as hashes_check
 from publisher.verify.full import check_location, compare, run_worker
 from publisher.verify.layout import TargetComponent
-from publisher.verify.report import PATHS, PLAIN_CLASSES, ContentCheck, Expected, ForwardInputs, VerifyReport
 
 log = logging.getLogger(__name__)
 

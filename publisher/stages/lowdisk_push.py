@@ -34,10 +34,10 @@ from publisher.errors import VerificationError
 from publisher.verify.commit_hashes import CommitFile, check_commit, check_uploaded, of_file, of_operation
 
 if TYPE_CHECKING:
+    from publisher.handoffs.plan import Plan
+    from publisher.handoffs.report import VerifyReport
     from publisher.stages.hubcopy import HubCopy
-    from publisher.stages.plan import Plan
     from publisher.stages.push import PushResult
-    from publisher.verify.report import VerifyReport
 
 log = logging.getLogger(__name__)
 
