@@ -220,3 +220,11 @@ def test_one_failing_recipe_publishes_no_half_set(cli: Any, flux_repo: str, monk
     assert not HfApi().repo_exists(f"{prefix}-float8wo")
     if keep_going:
         assert f"published {prefix}-int8wo" in result.stderr and "float8wo: FAILED" in result.stderr
+
+
+def test_no_snippet_branches_on_the_device_to_the_same_values() -> None:
+    """A device branch whose two sides are equal reads as if the GPU got the CPU's settings (a card glitch users saw)."""
+    for golden in sorted(GOLDEN.glob("*.md")):
+        for line in golden.read_text().splitlines():
+            m = re.search(r"= (\(.*?\)) if device == \"cuda\" else (\(.*?\))", line)
+            assert not (m and m.group(1) == m.group(2)), f"{golden.name}: {line}"
