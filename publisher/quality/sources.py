@@ -12,9 +12,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from publisher.streaming.shards import ShardSource
+
+if TYPE_CHECKING:  # types only
+    from publisher.recipes import Recipe
 
 
 @dataclass
@@ -36,7 +39,7 @@ class Requantize:
     """``cast`` for base tensors: the library's loader dtype for each, and the recipe's quantization for the weights its
     quantizer converts (streaming/meta_model.py, the engine's own component)."""
 
-    def __init__(self, library: str, class_name: str, config_dir: Path, recipe: Any, exclude: list[str]) -> None:
+    def __init__(self, library: str, class_name: str, config_dir: Path, recipe: Recipe, exclude: list[str]) -> None:
         from publisher.recipes import build_config
         from publisher.streaming.meta_model import diffusers_component, transformers_component
 
@@ -73,7 +76,7 @@ class Requantize:
             yield
 
 
-def component_weights(library: str, class_name: str, base: ShardSource, config_dir: Path, recipe: Any,
+def component_weights(library: str, class_name: str, base: ShardSource, config_dir: Path, recipe: Recipe,
                       exclude: list[str], quantized_files: ShardSource | None) -> tuple[Weights, Weights]:
     """(base, quantized) weights of one quantized component."""
     requant = Requantize(library, class_name, config_dir, recipe, exclude)

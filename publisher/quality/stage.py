@@ -18,7 +18,7 @@ import shutil
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from publisher.errors import SourceError
 from publisher.handoffs.plan import DENOISERS
@@ -27,6 +27,10 @@ from publisher.quality.sources import Weights, component_weights, local_shards
 from publisher.quality.spec import Settings
 from publisher.quality.text import MIN_WINDOW, EvalText
 from publisher.verify.streaming import BLOCK_BUDGET
+
+if TYPE_CHECKING:  # types only
+    from publisher.handoffs.artifacts import Artifacts
+    from publisher.recipes import Recipe
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +127,7 @@ class Evaluation:
             return None
         return lm.observer(comp.library, comp.class_name, config, self.ids, comp.label)
 
-    def run(self, artifacts: Any, base_sources: dict[str, Any], pass_seconds: float, recipe: Any) -> Any:
+    def run(self, artifacts: Artifacts, base_sources: dict[str, Any], pass_seconds: float, recipe: Recipe) -> Any:
         if self.kind == spec.CAUSAL_LM:
             return self._lm(artifacts, base_sources, pass_seconds, recipe)
         if self.kind == spec.PIPELINE:
@@ -131,13 +135,13 @@ class Evaluation:
         return None
 
     # ------------------------------------------------------------------ language models
-    def _weights(self, comp: Any, artifacts: Any, base_sources: dict[str, Any], recipe: Any) -> tuple[Weights, Weights]:
+    def _weights(self, comp: Any, artifacts: Artifacts, base_sources: dict[str, Any], recipe: Recipe) -> tuple[Weights, Weights]:
         folder = artifacts.folder / comp.name if comp.name else artifacts.folder
         config_dir = self.configs / comp.name if comp.name else self.configs
         return component_weights(comp.library, comp.class_name, base_sources[comp.name], config_dir, recipe,
                                  list(self.plan.exclude), local_shards(folder))
 
-    def _lm(self, artifacts: Any, base_sources: dict[str, Any], pass_seconds: float, recipe: Any) -> lm.LmFigures:
+    def _lm(self, artifacts: Artifacts, base_sources: dict[str, Any], pass_seconds: float, recipe: Recipe) -> lm.LmFigures:
         from publisher.jsonfile import read_object
 
         comp = artifacts.components[0]
@@ -193,7 +197,7 @@ class Evaluation:
         return max(pass_seconds, 0.0) * (comp.bytes_before + comp.bytes_after) / max(comp.bytes_before, 1)
 
     # ------------------------------------------------------------------ pipelines
-    def _grid(self, artifacts: Any, base_sources: dict[str, Any], pass_seconds: float, recipe: Any) -> grid.GridFigures:
+    def _grid(self, artifacts: Artifacts, base_sources: dict[str, Any], pass_seconds: float, recipe: Recipe) -> grid.GridFigures:
         import torch
 
         prompts = (([self.settings.prompt] if self.settings.prompt else []) + list(grid.PROMPTS))[:3]
@@ -258,14 +262,14 @@ class Evaluation:
         figures.seconds = round(time.monotonic() - began, 3)
         return figures
 
-    def _on_disk(self, artifacts: Any) -> bool:
+    def _on_disk(self, artifacts: Artifacts) -> bool:
         """Every weight file of both pipelines is on disk (base and quantized)."""
         if self.elsewhere or any(local_shards(artifacts.folder / c.name) is None for c in artifacts.components):
             return False
         return all(local_shards(self.base_dir / c.name) is not None for c in self.plan.components if c.name in self.models)
 
-    def _offloaded_models(self, artifacts: Any, base_sources: dict[str, Any],
-                          recipe: Any) -> tuple[dict[str, Any], dict[str, int], str]:
+    def _offloaded_models(self, artifacts: Artifacts, base_sources: dict[str, Any],
+                          recipe: Recipe) -> tuple[dict[str, Any], dict[str, int], str]:
         """component -> (library, class, (base weights, quantized weights)) for every model component with weights; their
         bytes (read from the safetensors headers); where the quantized weights come from."""
         from publisher.streaming.shards import HubShards, build_index

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from publisher.errors import QuantizeError
 
 if TYPE_CHECKING:
+    from publisher.recipes import Recipe
     from publisher.streaming.engine import TensorObserver
 
 __all__ = ["StreamResult", "supports", "stream_quantize"]
@@ -47,7 +48,7 @@ class StreamResult:
     classes: dict[str, str] = field(default_factory=dict)  # quantized module -> the torchao class of its weight
 
 
-def _static_reason(library: str, src_dir: Path, recipe: Any, device: str) -> str | None:
+def _static_reason(library: str, src_dir: Path, recipe: Recipe, device: str) -> str | None:
     """Checks that need no model: library, folder, device and hardware."""
     from publisher.recipes import cuda_capability
 
@@ -70,7 +71,7 @@ def _static_reason(library: str, src_dir: Path, recipe: Any, device: str) -> str
     return None
 
 
-def _cpu_producible(recipe: Any) -> bool:
+def _cpu_producible(recipe: Recipe) -> bool:
     """FP8-dynamic recipes the fp8cpu module can quantize on a CPU (the library path does so too)."""
     try:
         from publisher.fp8cpu import cpu_quantize_supported
@@ -79,7 +80,7 @@ def _cpu_producible(recipe: Any) -> bool:
     return cpu_quantize_supported(recipe)
 
 
-def _default_device(recipe: Any) -> str:
+def _default_device(recipe: Recipe) -> str:
     """cuda for recipes that need it when a fitting GPU is present, else cpu (the library path's choice)."""
     from publisher.recipes import cuda_capability
 
@@ -88,7 +89,7 @@ def _default_device(recipe: Any) -> str:
     return "cuda" if cc is not None and (not needs.min_cc or cc >= needs.min_cc) else "cpu"
 
 
-def _quantize_context(recipe: Any, device: str) -> Any:
+def _quantize_context(recipe: Recipe, device: str) -> Any:
     """The context the library path quantizes in: fp8cpu's bypass for FP8 recipes on a CPU, else none."""
     from contextlib import nullcontext
 
@@ -99,7 +100,7 @@ def _quantize_context(recipe: Any, device: str) -> Any:
     return nullcontext()
 
 
-def _component(library: str, src_dir: Path, recipe: Any, exclude: Sequence[str], class_name: str | None,
+def _component(library: str, src_dir: Path, recipe: Recipe, exclude: Sequence[str], class_name: str | None,
                component: str = "") -> Any:
     """The meta-device component, prepared with the config ``component`` is quantized with (its own, per-component
     and per-layer included)."""
@@ -132,7 +133,7 @@ def _checkpoint_keys(src_dir: Path, comp: Any, fetch: Callable[[str], Any] | Non
     return {k: comp.weights_name for k in header}
 
 
-def supports(library: str, src_dir: Path, recipe: Any, *, class_name: str | None = None,
+def supports(library: str, src_dir: Path, recipe: Recipe, *, class_name: str | None = None,
              device: str | None = None, remote_files: Collection[str] = (), component: str = "") -> str | None:
     """None if the streaming engine can handle this component; else the reason (caller falls back to the library path and logs it).
 
@@ -172,7 +173,7 @@ def stream_quantize(
     dst_dir: Path,
     *,
     library: Library,
-    recipe: Any,
+    recipe: Recipe,
     exclude: Sequence[str] = (),
     fetch_shard: Callable[[str], Any] | None = None,
     release_shard: Callable[[Any], None] | None = None,
