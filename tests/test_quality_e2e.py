@@ -77,6 +77,7 @@ def test_flux_grid_whole_and_offloaded(cli: Any, flux_repo: str, tmp_path: Path)
         result = cli(flux_repo, "--quant", "int8wo", "--repo-id", target, *EVAL, *SMALL, "--min-quality", "psnr=20",
                      "--min-quality", "ssim=0.5", "--json", *extra, token="tok_alice")
         assert result.exit_code == 0, result.output
+        assert "Loading pipeline components" not in result.stderr and "it/s]" not in result.stderr  # no library bars
         ev = json.loads(result.stdout)["evaluation"]
         assert ev["kind"] == "pipeline" and (ev["size"], ev["steps"], ev["device"]) == (64, 2, "cpu")
         assert len(ev["psnr"]) == len(ev["ssim"]) == 3 and ev["image"] == "quality_grid.png"

@@ -122,10 +122,19 @@ def generate(pipe: Any, prompts: list[str], seeds: list[int], size: int, steps: 
     return images
 
 
+def quiet_loading() -> None:
+    """diffusers draws a "Loading pipeline components" bar on stderr whatever HF_HUB_DISABLE_PROGRESS_BARS says; the
+    run's own progress lines say what happens (a successful run prints no third-party lines)."""
+    from diffusers.utils import logging as diffusers_logging
+
+    diffusers_logging.disable_progress_bar()
+
+
 def whole(folder: Path, device: str) -> Any:
     import torch
     from diffusers import DiffusionPipeline
 
+    quiet_loading()
     pipe = DiffusionPipeline.from_pretrained(folder, dtype=torch.bfloat16)
     pipe.set_progress_bar_config(disable=True)
     if device == "cuda":
@@ -170,6 +179,7 @@ class Offloaded:
             loader.attach()
             self.open.append((loader, reader))
             built[name] = model.eval()
+        quiet_loading()
         pipe = DiffusionPipeline.from_pretrained(self.configs, dtype=torch.bfloat16, **built)
         pipe.set_progress_bar_config(disable=True)
         cpu = torch.device("cpu")
