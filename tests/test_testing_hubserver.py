@@ -17,7 +17,6 @@ import json
 import os
 import subprocess
 import sys
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -44,17 +43,13 @@ from huggingface_hub.errors import (  # noqa: E402
 # protocol differs by transfer mode, so they run in both.
 pytestmark = [pytest.mark.slow, pytest.mark.transfer]
 
+import hub_http  # noqa: E402
+
 from publisher.testing.hubserver import HubServer, spawn_server  # noqa: E402
 
 TOKENS = {"tok_alice": "alice", "tok_bob": "bob", "tok_carol": "carol"}
 ORGS = {"acme": ["alice"]}
 BIG = 10 * 1024 * 1024 + 123  # just over the LFS size threshold
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, *args: object, **kwargs: object) -> None:
-        return None  # a 302 is the answer under test, not something to follow
-
-
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())  # loopback: never a proxy
 
 
 @pytest.fixture(scope="module")
@@ -84,12 +79,7 @@ def new_repo(srv: HubServer, name: str, **kwargs: object) -> str:
 def raw(srv: HubServer, method: str, path: str, body: bytes | None = None,
         headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
     url = path if path.startswith("http") else srv.url + path  # a full URL: the storage bridge's
-    req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
-    try:
-        with _OPENER.open(req, timeout=10) as r:
-            return r.status, dict(r.headers), r.read()
-    except urllib.error.HTTPError as err:
-        return err.code, dict(err.headers), err.read()
+    return hub_http.raw(url, method, body, headers)
 
 
 # ---------------------------------------------------------------------------------------------

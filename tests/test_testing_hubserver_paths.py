@@ -9,13 +9,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from hub_http import raw
 from huggingface_hub import HfApi
 from huggingface_hub.errors import HfHubHTTPError
 
@@ -34,12 +33,6 @@ SCOPES: dict[str, Any] = {
 CHUNK = 100_000
 
 
-class _NoRedirect(urllib.request.HTTPRedirectHandler):
-    def redirect_request(self, *args: object, **kwargs: object) -> None:
-        return None
-
-
-_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
 AUTH = {"Authorization": "Bearer tok_alice"}
 
 
@@ -55,16 +48,6 @@ def _clean(srv: HubServer) -> Iterator[None]:
     srv.clear_faults()
     yield
     srv.clear_faults()
-
-
-def raw(url: str, method: str = "GET", body: bytes | None = None,
-        headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], bytes]:
-    req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
-    try:
-        with _OPENER.open(req, timeout=20) as r:
-            return r.status, dict(r.headers), r.read()
-    except urllib.error.HTTPError as err:
-        return err.code, dict(err.headers), err.read()
 
 
 def new_repo(srv: HubServer, name: str) -> str:
