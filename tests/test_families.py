@@ -9,12 +9,12 @@ different ways run in the fast tier; the rest are the slow tail (run by `make te
 from __future__ import annotations
 
 import json
-import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from publisher.testing.demo import card_snippets
 from publisher.testing.families import FAMILIES
 
 SMALL = ["--sample-steps", "2", "--sample-size", "64"]
@@ -48,10 +48,7 @@ def publish(cli: Any, family: str, tmp_path: Path, *extra: str, token: str | Non
 
 
 def usage_snippet(card: str) -> str:
-    snippets = re.findall(r"```python\n(.*?)```", card, flags=re.S)
-    # the config block names from_pretrained only in a comment; the manual path builds the model itself
-    return next(s for s in snippets if "from_pretrained(" in s and "init_empty_weights" not in s
-                and "quantization_config = " not in s)
+    return next(code for kind, code in card_snippets(card) if kind == "usage")
 
 
 def run_snippets(card: str, cwd: Path) -> None:
@@ -63,9 +60,9 @@ def run_snippets(card: str, cwd: Path) -> None:
     cwd.mkdir()
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     env.pop("HF_TOKEN", None)
-    snippets = re.findall(r"```python\n(.*?)```", card, flags=re.S)
-    # config, usage, (offload for a pipeline), torch.compile, the manual path
-    assert len(snippets) == (5 if "from diffusers import" in snippets[1] else 4), [s.splitlines()[:3] for s in snippets]
+    kinds, snippets = zip(*card_snippets(card))
+    pipeline = "from diffusers import" in snippets[1]
+    assert list(kinds) == ["config", "usage", *(["offload"] if pipeline else []), "compile", "manual-load"], kinds
     for i, code in enumerate(snippets):
         proc = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, f"snippet {i} failed:\n{code}\n{proc.stderr[-3000:]}"

@@ -37,16 +37,23 @@ def environment_lines(url: str, work: Path) -> list[str]:
             f"export HF_TOKEN={YOUR_TOKEN}  # only to publish to it, as demo-user: reading the demo's repos needs none"]
 
 
+SNIPPET_KINDS = [("enable_model_cpu_offload()", "offload"), ("torch.compile(", "compile"), ("read_checkpoint(", "manual-load"),
+                 ("quantization_config = ", "config"), ("from_pretrained(", "usage"), ("Config(", "config")]
+
+
+def card_snippets(text: str) -> list[tuple[str, str]]:
+    """The card's Python snippets in order, each as (what it does, its code): config, usage, offload, compile,
+    manual-load (the config block names from_pretrained only in a comment, so it is told apart first)."""
+    return [(next((kind for marker, kind in SNIPPET_KINDS if marker in code), "snippet"), code)
+            for code in re.findall(r"```python\n(.*?)```", text, flags=re.S)]
+
+
 def write_snippets(card: Path, folder: Path) -> list[Path]:
-    """The card's Python snippets, one file each, in the order of the card (the config, the usage, its offload and
-    torch.compile variants, the manual path), each named by what it does."""
+    """The card's Python snippets, one file each, in the order of the card, each named by what it does."""
     folder.mkdir(parents=True, exist_ok=True)
-    kinds = [("enable_model_cpu_offload()", "offload"), ("torch.compile(", "compile"), ("read_checkpoint(", "manual-load"),
-             ("quantization_config = ", "config"), ("from_pretrained(", "usage"), ("Config(", "config")]
     out = []
-    for i, code in enumerate(re.findall(r"```python\n(.*?)```", card.read_text(), flags=re.S)):
-        name = next((kind for marker, kind in kinds if marker in code), "snippet")
-        path = folder / f"{i + 1}-{name}.py"
+    for i, (kind, code) in enumerate(card_snippets(card.read_text())):
+        path = folder / f"{i + 1}-{kind}.py"
         path.write_text(code)
         out.append(path)
     return out
