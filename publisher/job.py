@@ -31,7 +31,7 @@ from publisher.stages import quantize as quantize_stage
 from publisher.stages import source as source_stage
 from publisher.stages.quantize import quantize_recipe
 from publisher.stages.unfinished import ComponentCache, default_root, finalize, partial_folder, prepare_output
-from publisher.state import state_for
+from publisher.state import bytes_key, state_for
 from publisher.streaming.engine import bound_heap
 from publisher.verify import capture, matrix, published
 from publisher.verify.full import verify
@@ -206,7 +206,7 @@ def run(req: PublishRequest) -> list[Outcome]:
         raise RunFailed(exc, outcomes) from exc
     except KeyboardInterrupt as exc:  # SIGINT / SIGTERM (publisher.signals): the cleanup ran; say what stays
         stop = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
-        stop.left = unfinished.kept_for_resume(plan, [state_for(plan, r)["fingerprint"] for r in plan.recipes]) + stop.left
+        stop.left = unfinished.kept_for_resume(plan, [bytes_key(state_for(plan, r)) for r in plan.recipes]) + stop.left
         raise stop from None
 
 
@@ -376,7 +376,7 @@ def _build_stages(run: _Run, recipe: Recipe, outcome: Outcome, folder: Path, upl
     req, plan = run.req, run.plan
     run_on = recipe_registry.run_device(recipe, run.capability)
     with _timed(outcome, "quantize"):
-        cache = run.caches[recipe.name] = ComponentCache(default_root(), run.states[recipe.name]["fingerprint"])
+        cache = run.caches[recipe.name] = ComponentCache(default_root(), bytes_key(run.states[recipe.name]))
         artifacts = quantize_recipe(plan, run.base_dir, recipe, partial_folder(folder, run.out_root),
                                     recipe_registry.quantize_device(recipe, run.capability), engine=req.engine, cache=cache,
                                     remote=run.remote, uploader=uploader, fingerprint=run.states[recipe.name]["fingerprint"],

@@ -1,8 +1,9 @@
 """The state file of a published repo (``hf_ao_publish.json``): everything that determines its bytes and its card.
 
-Its fingerprint decides whether a re-run is a no-op (job._up_to_date), keys the resume cache and marks the folders a
-run made; the options that change only the card are in it too (job.card_options), so that changing one of them
-publishes a new card.
+Its fingerprint decides whether a re-run is a no-op (job._up_to_date) and marks the folders a run made; the options
+that change only the card are in it too (job.card_options), so that changing one of them publishes a new card. The
+resume cache is keyed by ``bytes_key``: the same state without the card options, so a card option changed between
+an interrupted run and its re-run still reuses the quantized components.
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ def state_for(plan: Plan, recipe: Recipe) -> dict[str, Any]:
     if plan.base_hashes:
         state["base_files"] = {f: h.to_json() for f, h in sorted(plan.base_hashes.items())}
     return state
+
+
+def bytes_key(state: dict[str, Any]) -> str:
+    """The hash of what decides the quantized bytes (the state without the card options): the resume cache's key."""
+    decides = {k: v for k, v in state.items() if k not in ("card", "fingerprint", "base_files")}
+    return hashlib.sha256(json.dumps(decides, sort_keys=True).encode()).hexdigest()
 
 
 def _local_digest(plan: Plan) -> str:
