@@ -124,6 +124,10 @@ def test_resolve_offers_xet_and_the_bridge_serves_the_same_bytes(srv: HubServer)
     status, _, body = raw(bridge, headers={**AUTH, "Range": "bytes=10-19"})  # a signed URL takes no Hub token
     assert status == 400 and b"Authorization" in body
     assert raw(bridge.replace("sig=", "sig=0"))[0] == 403
+    # a fault matched by the resolve path also fires on the bridge, with the Hub's rate-limit headers there too
+    srv.set_fault(status=429, match="/resolve/main/m.safetensors", method="GET", ratelimit_reset=7)
+    status, headers, _ = raw(bridge)
+    assert status == 429 and headers["RateLimit"] == '"api";r=0;t=7'
 
 
 def test_a_pull_request_upload_gets_a_write_token(srv: HubServer) -> None:

@@ -12,7 +12,6 @@ socket noise. Access rules follow huggingface.co where the client depends on the
 
 from __future__ import annotations
 
-import time
 from urllib.parse import unquote
 
 from publisher.testing.hubserver.access import URL_TYPES
@@ -40,10 +39,7 @@ class HubApp(ReadRoutes, WriteRoutes, JobRoutes):
         head = parts[0] if parts else ""
         if head == "_admin":
             return self.admin(req, parts[1:])
-        if (fault := self.faults.take("delay", req.method, req.path)) is not None:
-            time.sleep(fault.delay_s)
-        if (fault := self.faults.take("status", req.method, req.path)) is not None:
-            raise HubError(fault.status, f"Injected fault: HTTP {fault.status}", headers=fault.headers())
+        self.faults.before_request(req.method, req.path)
         if head == "_lfs":
             return self.lfs_put(req, parts[1:])
         req.user = self.authenticate(req)

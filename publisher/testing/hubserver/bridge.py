@@ -44,10 +44,7 @@ class BridgeApp:
         if int(exp) < time.time():
             raise HubError(403, "The storage URL has expired; resolve the file again")
         resolve_path = req.path[len(PREFIX):]
-        if (fault := self.faults.take("delay", req.method, resolve_path)) is not None:
-            time.sleep(fault.delay_s)
-        if (fault := self.faults.take("status", req.method, resolve_path)) is not None:
-            raise HubError(fault.status, f"Injected fault: HTTP {fault.status}")
+        self.faults.before_request(req.method, resolve_path)
         size = self.store.blob_size(oid)
         if size is None and (virtual := self.store.virtual(oid)) is not None:
             size = virtual.size

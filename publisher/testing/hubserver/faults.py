@@ -45,6 +45,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from publisher.testing.hubserver.storage import HubError
+
 
 @dataclass
 class Fault:
@@ -132,6 +134,14 @@ class FaultInjector:
                 self._last[kind] = time.monotonic()
                 return rule
         return None
+
+    def before_request(self, method: str, path: str) -> None:
+        """The faults every request may meet before it is served, on the Hub and on its storage bridge alike: a delay,
+        then an injected status (with the Hub's rate-limit headers where the fault has them)."""
+        if (fault := self.take("delay", method, path)) is not None:
+            time.sleep(fault.delay_s)
+        if (fault := self.take("status", method, path)) is not None:
+            raise HubError(fault.status, f"Injected fault: HTTP {fault.status}", headers=fault.headers())
 
     def pending(self, *kinds: str) -> bool:
         """Whether a rule of one of ``kinds`` is set, or one fired in the last minute."""
