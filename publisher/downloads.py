@@ -31,6 +31,7 @@ from typing import Any
 from publisher import hub
 from publisher.errors import SourceError
 from publisher.integrity import FileHash, hash_file, mismatch
+from publisher.localfiles import in_shared_blob_store
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +47,11 @@ def snapshot_folder(repo_id: str, sha: str) -> Path:
 
 
 def shared_copy(path: Path) -> bool:
-    """Whether a cached file's repo blob is a link into huggingface_hub's shared blob store (a Xet download)."""
+    """Whether a cached file's repo blob is a link into huggingface_hub's shared blob store (a Xet download): the
+    store the cache marks as one (localfiles), never any link a user made."""
     blob = _repo_blob(path)
-    return blob is not None and blob.is_symlink()
+    # blob: <cache>/models--org--name/blobs/<etag>
+    return blob is not None and blob.is_symlink() and in_shared_blob_store(blob, blob.parent.parent.parent)
 
 
 def _repo_blob(path: Path) -> Path | None:

@@ -40,10 +40,22 @@ def allowed_roots(folder: Path) -> tuple[Path, ...]:
     blobs = root.parent.parent / "blobs"
     if root.parent.name == "snapshots" and blobs.is_dir():
         roots.append(Path(os.path.realpath(blobs)))
-        shared = root.parent.parent.parent / "blobs"
-        if (shared / SHARED_BLOBS_MARKER).is_file():
-            roots.append(Path(os.path.realpath(shared)))
+        shared = shared_blob_store(root.parent.parent.parent)
+        if shared is not None:
+            roots.append(shared)
     return tuple(roots)
+
+
+def shared_blob_store(cache: Path) -> Path | None:
+    """The Hugging Face cache's shared blob store (``<cache>/blobs``, resolved), when huggingface_hub marked it as one."""
+    shared = cache / "blobs"
+    return Path(os.path.realpath(shared)) if (shared / SHARED_BLOBS_MARKER).is_file() else None
+
+
+def in_shared_blob_store(path: Path, cache: Path) -> bool:
+    """Whether ``path`` resolves into the cache's shared blob store (a Xet download's bytes, which other repos share)."""
+    store = shared_blob_store(cache)
+    return store is not None and _inside(os.path.realpath(path), (store,))
 
 
 def _inside(path: str, roots: tuple[Path, ...]) -> bool:

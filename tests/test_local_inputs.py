@@ -172,3 +172,28 @@ def test_a_base_with_links_inside_publishes_plain_files(cli: Any, tiny_llama_dir
     assert copied.read_bytes() == (base / "shared" / "tokenizer_config.json").read_bytes()
     assert [p for p in out.rglob("*") if p.is_symlink()] == []
     assert not list(out.rglob(unfinished.MARKER)) and not list(tmp_path.rglob("*.partial"))
+
+
+def test_only_the_marked_shared_store_counts_as_shared_blobs(tmp_path: Path) -> None:
+    """A cache entry whose blob links into huggingface_hub's marked shared store is a shared Xet copy (repaired in
+    place, never deleted); a blob a user linked elsewhere is not, so nothing outside the cache is ever overwritten."""
+    from publisher.downloads import shared_copy
+    from publisher.localfiles import SHARED_BLOBS_MARKER
+
+    cache = tmp_path / "hub"
+    repo = cache / "models--org--name"
+    (repo / "blobs").mkdir(parents=True)
+    (repo / "snapshots" / "abc").mkdir(parents=True)
+    store = cache / "blobs" / "ab"
+    store.mkdir(parents=True)
+    (store / "xethash").write_bytes(b"x")
+    elsewhere = tmp_path / "other-disk" / "weights"
+    elsewhere.parent.mkdir()
+    elsewhere.write_bytes(b"x")
+    for name, target in (("shared", store / "xethash"), ("user", elsewhere)):
+        (repo / "blobs" / name).symlink_to(target)
+        (repo / "snapshots" / "abc" / f"{name}.bin").symlink_to(Path("../../blobs") / name)
+    link = repo / "snapshots" / "abc"
+    assert not shared_copy(link / "shared.bin")  # no marker: not huggingface_hub's shared store
+    (cache / "blobs" / SHARED_BLOBS_MARKER).write_text("")
+    assert shared_copy(link / "shared.bin") and not shared_copy(link / "user.bin")
