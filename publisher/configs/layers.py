@@ -175,3 +175,14 @@ def leaf_configs(config: Any) -> list[Any]:
     if type(config).__name__ in ("FqnToConfig", "ModuleFqnToConfig", "AOPerModuleConfig") and isinstance(table, Mapping):
         return [c for c in table.values() if c is not None]
     return [config]
+
+
+def kept_by_library(library: str, param_name: str, patterns: list[str]) -> bool:
+    """Whether the library keeps ``param_name`` out of quantization given its not-to-convert ``patterns``
+    (--exclude, and transformers' defaults such as lm_head): each library's own rule."""
+    if library == "transformers":
+        from transformers.quantizers.quantizers_utils import should_convert_module
+
+        return not should_convert_module(param_name, patterns)
+    # diffusers' TorchAoHfQuantizer.check_if_quantized_param rule
+    return any((key + "." in param_name) or key == param_name for key in patterns)

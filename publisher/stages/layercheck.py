@@ -16,7 +16,7 @@ from dataclasses import replace
 from typing import Any
 
 from publisher import recipe_args
-from publisher.configs.layers import LayerTable, resolve, resolve_key
+from publisher.configs.layers import LayerTable, kept_by_library, resolve, resolve_key
 from publisher.errors import UsageError
 from publisher.recipes import Recipe
 
@@ -47,12 +47,8 @@ def bind(recipe: Recipe, quantized: list[Any]) -> Recipe:
 
 def _excluded(comp: Any, module: str, exclude: list[str]) -> bool:
     """Whether the library keeps ``module`` out of quantization (--exclude, and transformers' default skips)."""
-    param = f"{module}.weight"
-    if comp.library == "transformers":
-        from transformers.quantizers.quantizers_utils import should_convert_module
-
-        return not should_convert_module(param, sorted(set(exclude) | set(comp.default_skips)))
-    return any((key + "." in param) or key == param for key in exclude)  # diffusers' check_if_quantized_param
+    skips = comp.default_skips if comp.library == "transformers" else ()
+    return kept_by_library(comp.library, f"{module}.weight", sorted(set(exclude) | set(skips)))
 
 
 def check_table(comp: Any, table: LayerTable) -> None:

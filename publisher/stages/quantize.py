@@ -16,6 +16,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from publisher.configs.layers import kept_by_library
 from publisher.errors import QuantizeError
 from publisher.handoffs.artifacts import Artifacts, QuantizedComponent
 from publisher.handoffs.plan import Component, Plan
@@ -323,7 +324,7 @@ def summarize(model: Any, comp: Component, recipe: Recipe, folder: Path) -> Quan
     # What the library itself decided to keep (user exclusions plus its defaults such as lm_head),
     # matched with the library's own rule, so "excluded" and "skipped by torchao" are told apart.
     patterns = getattr(getattr(model, "hf_quantizer", None), "modules_to_not_convert", None) or qconfig.get("modules_to_not_convert") or []
-    excluded = [n for n in plain if _kept_by_library(comp.library, f"{n}.weight", patterns)]
+    excluded = [n for n in plain if kept_by_library(comp.library, f"{n}.weight", patterns)]
     skipped = [n for n in plain if n not in excluded]
     after = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
     return QuantizedComponent(
@@ -339,15 +340,6 @@ def summarize(model: Any, comp: Component, recipe: Recipe, folder: Path) -> Quan
         quantization_config=qconfig,
         layer_classes=layer_classes,
     )
-
-
-def _kept_by_library(library: str, param_name: str, patterns: list[str]) -> bool:
-    if library == "transformers":
-        from transformers.quantizers.quantizers_utils import should_convert_module
-
-        return not should_convert_module(param_name, patterns)
-    # diffusers' TorchAoHfQuantizer.check_if_quantized_param rule
-    return any((key + "." in param_name) or key == param_name for key in patterns)
 
 
 def fp8_dequant_check(model: Any, base_folder: Path, label: str) -> dict[str, Any]:
