@@ -223,7 +223,7 @@ class Evaluation:
             denoiser = next((n for n in DENOISERS if n in sizes), max(sizes, key=lambda n: sizes[n]))
             rate = sum(c.bytes_before for c in artifacts.components) / max(pass_seconds, 1e-3)
             cost = grid.Cost(sizes[denoiser] // 2, (sum(sizes.values()) - sizes[denoiser]) // 2,
-                             0 if whole or sizes[denoiser] <= BLOCK_BUDGET else sizes[denoiser], grid.measured_flops(), rate)
+                             0 if whole or sizes[denoiser] <= BLOCK_BUDGET else sizes[denoiser], self.flops, rate)
             choice = grid.choose(cost, self.settings.budget_s, 2 * len(prompts), size, steps)
             if choice is None:
                 smallest = grid.estimate(cost, grid.MIN_SIZE, min(steps, 2), 2 * len(prompts))

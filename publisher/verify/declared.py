@@ -271,12 +271,11 @@ def check(comp: TargetComponent, declared: Declared, stored: StoredSet, model: A
     return result
 
 
-def check_saved(comp: TargetComponent, files: Path, where: str) -> tuple[Declared | None, DeclaredCheck]:
-    """``comp``'s files in ``files`` against its declared config (``check``): (the rebuilt config, or None when it
-    cannot be rebuilt, and the layer check)."""
+def check_saved(comp: TargetComponent, found: stored_files.StoredSet, where: str) -> tuple[Declared | None, DeclaredCheck]:
+    """``comp``'s stored tensors (``found``: stored.describe_files, read once by the caller) against its declared
+    config (``check``): (the rebuilt config, or None when it cannot be rebuilt, and the layer check)."""
     from publisher.loadpath import meta_model
 
-    found = stored_files.describe_files(files, weight_format(files))
     try:
         decl = read_declared(comp, where)
     except VerificationError as exc:
@@ -301,7 +300,8 @@ def apply_to_expected(expected: list[Expected], folders: dict[str, Path], made: 
             continue
         config = json.loads((folder / "config.json").read_text())
         comp = TargetComponent(exp.component, exp.library, exp.class_name, config)
-        _, result = check_saved(comp, folder, f"{comp.label}/config.json")
+        found = stored_files.describe_files(folder, weight_format(folder))
+        _, result = check_saved(comp, found, f"{comp.label}/config.json")
         problems += result.problems
         exp.classes = dict(result.classes)
         missing = [n for n in exp.quantized if n not in exp.classes and n in made.get(exp.component, {})]

@@ -129,14 +129,14 @@ def check_files(comp: TargetComponent, folder: Path, target: str
     tensors, and the stored values. Returns the rebuilt config (None: unreadable), the layer check and the rows."""
     where = f"{target}/{comp.name + '/' if comp.name else ''}config.json"
     files = folder / comp.name if comp.name else folder
-    decl, result = declared.check_saved(comp, files, where)
+    found = stored.describe_files(files, layout.weight_format(files))  # read once: a pickle is loaded whole
+    decl, result = declared.check_saved(comp, found, where)
     if decl is None:
         return None, declared.DeclaredCheck(comp.name, "unreadable"), [ContentCheck(comp.name, "declared config", False,
                                                                                      result.problems[0])]
     detail = (result.problems[0] if result.problems else
               f"{result.checked} quantized layers stored as the declared {decl.text} makes them")
     rows = [ContentCheck(comp.name, "declared config", not result.problems, detail, result.notes, result.checked)]
-    found = stored.describe_files(files, layout.weight_format(files))
     problems, value_notes = stored.scan_values(files, found)
     rows.append(ContentCheck(comp.name, "stored values", not problems, problems[0] if problems else
                              "every stored value is finite", value_notes, len(found.tensors)))
