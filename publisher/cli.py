@@ -22,7 +22,7 @@ from publisher.recipe_table import recipes_text
 
 if TYPE_CHECKING:  # types only: the job and its stages are imported when a command runs
     from publisher.handoffs.report import Mode
-    from publisher.job import Engine
+    from publisher.request import Engine
 
 # Options that several commands share: declared once, so the flag, its help and its env var agree.
 token_option = click.option(
@@ -264,7 +264,8 @@ def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | 
     if max_shard_size is not None:
         _check_size(max_shard_size)
     _start(debug, quiet)
-    from publisher.job import PublishRequest, run
+    from publisher.job import run
+    from publisher.request import PublishRequest
 
     req = PublishRequest(
         model=model_id,

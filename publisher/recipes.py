@@ -301,19 +301,14 @@ def cuda_capability() -> tuple[int, int] | None:
     return int(major), int(minor)
 
 
-def _fits(needs: Needs, capability: tuple[int, int] | None) -> bool:
-    return needs.cuda and capability is not None and (not needs.min_cc or capability >= needs.min_cc)
-
-
-def quantize_device(recipe: Recipe, capability: tuple[int, int] | None) -> str:
-    """Where the weights are quantized: "cuda" when the recipe needs a GPU and one fits, else "cpu"
-    (CPU recipes, and FP8 recipes through the bit-exact CPU path of publisher/fp8cpu.py)."""
-    return "cuda" if _fits(recipe.quantize, capability) else "cpu"
-
-
-def run_device(recipe: Recipe, capability: tuple[int, int] | None) -> str:
-    """Where verification runs the reloaded model: the GPU when the recipe needs one to run and one fits."""
-    return "cuda" if _fits(recipe.run, capability) else "cpu"
+def device(recipe: Recipe, capability: tuple[int, int] | None) -> str:
+    """Where the recipe's weights are quantized and where verification runs what they make: "cuda" when the recipe
+    needs a GPU and one fits, else "cpu" (CPU recipes, and FP8 recipes through the bit-exact CPU path of
+    publisher/fp8cpu.py). One rule for both steps: every device rule (configs/facts.py) asks the same GPU of
+    quantizing as of running, since torchao's GPU-only tensors are made by the kernels that run them; a test holds
+    the rules to it."""
+    needs = recipe.run
+    return "cuda" if needs.cuda and capability is not None and (not needs.min_cc or capability >= needs.min_cc) else "cpu"
 
 
 def check_can_quantize(recipe: Recipe, capability: tuple[int, int] | None = None, *, probe: bool = True) -> None:

@@ -1,9 +1,9 @@
 """The state file of a published repo (``hf_ao_publish.json``): everything that determines its bytes and its card.
 
-Its fingerprint decides whether a re-run is a no-op (job._up_to_date) and marks the folders a run made; the options
-that change only the card are in it too (job.card_options), so that changing one of them publishes a new card. The
-resume cache is keyed by ``bytes_key``: the same state without the card options, so a card option changed between
-an interrupted run and its re-run still reuses the quantized components.
+Its fingerprint decides whether a re-run is a no-op (job.RecipeRun.up_to_date) and marks the folders a run made; the
+options that change only the card are in it too (request.PublishRequest.card_options), so that changing one of them
+publishes a new card. The resume cache is keyed by ``bytes_key``: the same state without the card options, so a card
+option changed between an interrupted run and its re-run still reuses the quantized components.
 """
 
 from __future__ import annotations

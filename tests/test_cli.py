@@ -27,8 +27,8 @@ from publisher import recipes as recipe_registry
 from publisher.cli import main
 from publisher.errors import SourceError, TargetError
 from publisher.handoffs.report import PathResult, VerifyReport
-from publisher.job import Outcome, PublishRequest
 from publisher.recipe_table import RECIPES_WIDTH
+from publisher.request import Outcome, PublishRequest
 
 SMALL = ["--sample-steps", "2", "--sample-size", "64"]
 SECRET = "hf_s3cret_never_printed"

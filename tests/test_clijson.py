@@ -16,7 +16,7 @@ from click.testing import CliRunner, Result
 from publisher.cli import main
 from publisher.errors import RunFailed, SourceError
 from publisher.handoffs.report import PathResult, VerifyReport
-from publisher.job import Outcome, PublishRequest
+from publisher.request import Outcome, PublishRequest
 
 
 def invoke(*args: str) -> Result:

@@ -318,6 +318,17 @@ def test_facts_say_how_the_values_are_stored() -> None:
     assert int8.tensor_class == "Int8Tensor" and 8 < int8.bits < 8.5
 
 
+def test_one_device_rule_serves_quantizing_and_running() -> None:
+    """recipes.device picks one device for both steps, which holds while every device rule asks the same of each."""
+    from publisher.configs.facts import INT4_RULES, RULES
+
+    for name, rule in {**RULES, **INT4_RULES}.items():
+        assert rule.quantize == rule.run, name
+    fp8, int8 = recipes.get("float8dq"), recipes.get("int8wo")
+    assert [recipes.device(fp8, cc) for cc in (None, (8, 0), (8, 9))] == ["cpu", "cpu", "cuda"]
+    assert recipes.device(int8, (9, 0)) == "cpu"
+
+
 def test_jobs_flavors_follow_the_configs() -> None:
     from publisher.flavors import BUILTIN
     from publisher.hfjobs import preflight

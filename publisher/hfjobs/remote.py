@@ -23,7 +23,8 @@ from publisher.errors import RunFailed, TargetError, UsageError
 from publisher.flavors import Flavor
 from publisher.hfjobs import bootstrap, hardware, package, preflight
 from publisher.hfjobs.follow import Follower, JobFailed, RemoteOutcome, stage_name, terminate_as_interrupt
-from publisher.job import PublishRequest, make_plan, resolve_token
+from publisher.job import make_plan, resolve_token
+from publisher.request import PublishRequest
 from publisher.stages.plan import parse_recipes
 from publisher.stages.source import is_local
 

@@ -120,6 +120,16 @@ def check(plan: Plan, output_root: Path, cache_dir: Path, engine: str = "auto", 
     return est
 
 
+def check_low_disk(low_disk: bool, push: bool, *, benchmark: bool, verify_envs: bool) -> None:
+    """What needs the base or the output whole on disk cannot run when they do not fit (``low_disk``)."""
+    if low_disk and benchmark:
+        raise ResourceError("the base does not fit on disk, so its weights would be read by HTTP range, but "
+                            "--benchmark needs it whole; drop it or free disk space")
+    if low_disk and push and verify_envs:
+        raise ResourceError("the base does not fit on disk, so shards would be uploaded and deleted as they are made, "
+                            "but --verify-env needs them whole on disk; drop --verify-env or free disk space")
+
+
 def _existing(path: Path) -> Path:
     path = path.resolve()
     while not path.exists():

@@ -17,8 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from publisher import hub
+from publisher import __version__, hub
 from publisher.errors import InputError, TargetError, VerificationError
+from publisher.handoffs.plan import Source
 from publisher.handoffs.report import VerifyReport
 from publisher.handoffs.state import STATE_FILE
 from publisher.jsonfile import read_object
@@ -84,6 +85,21 @@ def _state_at(repo_id: str, sha: str | None, token: str | None, *, retried: bool
         return read_object(Path(path), f"{repo_id}/{STATE_FILE}")
     except InputError:  # not our state file after all: publish as over a repo without one
         return None
+
+
+def up_to_date(repo_id: str, token: str | None, fingerprint: str, *, create_pr: bool,
+               force: bool) -> tuple[PushResult | None, dict[str, Any] | None]:
+    """Before any download: (what a push would report when it would change nothing, else None; the target's state
+    file, for the commit description). With ``create_pr`` the state that counts is our open PR's, when there is one."""
+    pr = find_open_pr(repo_id, token) if create_pr else None
+    head, previous = published_state(repo_id, token, pr[1] if pr else None)
+    if not ((pr or not create_pr) and previous and previous.get("fingerprint") == fingerprint):
+        return None, previous
+    if force:
+        log.info("%s is up to date; publishing it again (--force)", repo_id)
+        return None, previous
+    url = f"{hub.endpoint()}/{repo_id}"
+    return PushResult(repo_id, url, head, f"{url}/discussions/{pr[0]}" if pr else None, True, False), previous
 
 
 def find_open_pr(repo_id: str, token: str | None) -> tuple[int, str] | None:
@@ -225,6 +241,14 @@ def check_writable(repo_id: str, token: str | None, who: dict[str, Any] | None =
                                    and hub.call(api.repo_exists, repo_id, what=f"checking {repo_id}")):
         raise TargetError(reason)
     return str(who.get("name"))
+
+
+def commit_text(source: Source, recipe: str, previous: dict[str, Any] | None, state: dict[str, Any], *,
+                forced: bool) -> tuple[str, str]:
+    """(message, description) of the commit that publishes ``recipe``: the pinned base, and what changed."""
+    base = source.repo_id or (source.local_dir.name if source.local_dir is not None else source.model_id)
+    message = f"Quantize {base}@{(source.sha or 'local')[:12]} with torchao {recipe}"
+    return message, changes(previous, state, forced=forced) + f"\n\nMade with hf-ao-publish {__version__}."
 
 
 def changes(previous: dict[str, Any] | None, state: dict[str, Any], *, forced: bool = False) -> str:

@@ -27,6 +27,7 @@ import os
 import re
 import shutil
 import stat
+from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,7 @@ from publisher.handoffs.artifacts import MARKER
 if TYPE_CHECKING:
     from publisher.handoffs.artifacts import Artifacts
     from publisher.handoffs.plan import Plan
+    from publisher.handoffs.report import VerifyReport
     from publisher.recipes import Recipe
 
 log = logging.getLogger(__name__)
@@ -155,6 +157,13 @@ def finalize(artifacts: Artifacts, folder: Path) -> None:
     artifacts.folder = folder
 
 
+def finish(artifacts: Artifacts, report: VerifyReport, folder: Path) -> None:
+    """``finalize``, then the verification report written into the finished folder."""
+    finalize(artifacts, folder)
+    report.location = "."  # the repo folder itself: a machine's path would be published (and vary)
+    report.write(artifacts.folder)
+
+
 MANIFEST = "hf-ao-publish-cache.json"
 
 
@@ -244,14 +253,14 @@ def kept_for_resume(plan: Plan, fingerprints: list[str]) -> list[str]:
     return kept
 
 
-def discard_unfinished(out_root: Path, finals: dict[str, Path], *, auto_dir: bool, existed: bool,
+def discard_unfinished(out_root: Path, finals: Iterable[Path], *, auto_dir: bool, existed: bool,
                        exc: BaseException) -> None:
     """Remove what the run made and did not finish: its .partial folders, its own temporary output folder, an output
     folder it created. A folder already finished and verified stays, and is named in ``exc.left``."""
     if auto_dir:  # a temporary folder of ours whose name the user never saw
         shutil.rmtree(out_root, ignore_errors=True)
         return
-    for folder in finals.values():
+    for folder in finals:
         shutil.rmtree(partial_folder(folder, out_root), ignore_errors=True)
         if (folder / "README.md").is_file():  # finalize() moves the card in last: a finished, verified folder
             if isinstance(exc, Interrupted):

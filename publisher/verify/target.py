@@ -62,7 +62,7 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), compat
         checks[comp.name] = (decl, check)
         report.content += rows
     recipe = declared_recipe(report.recipe, checks)
-    device = recipe_registry.run_device(recipe, recipe_registry.cuda_capability()) if recipe else "cpu"
+    device = recipe_registry.device(recipe, recipe_registry.cuda_capability()) if recipe else "cpu"
     implied = {c for _, check in checks.values() for c in check.classes.values()}
     if len(implied) == 1:  # one class for every layer: the report's class, as a recipe's would be
         report.tensor_class = implied.pop()
@@ -168,7 +168,7 @@ def base_row(comp: TargetComponent, decl: declared.Declared, check: declared.Dec
 
     src = against_base.component_folder(chosen, comp, target, token)
     # where the target's configs are made (a GPU-only format on its GPU); anything else, as diffusers does, on the CPU
-    qdevice = recipe_registry.quantize_device(recipe, recipe_registry.cuda_capability()) if recipe else "cpu"
+    qdevice = recipe_registry.device(recipe, recipe_registry.cuda_capability()) if recipe else "cpu"
     strict = _strict(state, chosen, qdevice)
     ours = f"{state['recipe']} (its declared {decl.text})" if strict and state else f"the declared {decl.text}"
     what = f"the base re-quantized with {ours}"
