@@ -150,7 +150,7 @@ def child_baseline(a: argparse.Namespace) -> dict:
     """The quantization pass alone: the streaming engine over HTTP range, writing a local folder."""
     t0 = time.perf_counter()
     from publisher import recipes
-    from publisher.streaming import stream_quantize
+    from publisher.streaming import StreamJob, stream_quantize
     from publisher.streaming.shards import HubShards
 
     t_import = time.perf_counter() - t0
@@ -160,8 +160,8 @@ def child_baseline(a: argparse.Namespace) -> dict:
     src = Path(snapshot_download(REPO, revision=sha, allow_patterns=["transformer/*.json"])) / "transformer"
     shards = HubShards(REPO, sha, "transformer")
     t1 = time.perf_counter()
-    result = stream_quantize(src, Path(a.dst), library="diffusers", recipe=recipes.get(a.recipe), fetch_shard=shards.open,
-                             progress=False)
+    result = stream_quantize(StreamJob(src, Path(a.dst), library="diffusers", recipe=recipes.get(a.recipe), inputs=shards,
+                                       progress=False))
     return {"import": t_import, "quantize_pass": time.perf_counter() - t1, "stage_seconds": result.stage_seconds}
 
 

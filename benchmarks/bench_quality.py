@@ -94,7 +94,7 @@ def child_lm_pass(a: dict[str, Any]) -> dict[str, Any]:
 
     from publisher import recipes
     from publisher.quality import lm
-    from publisher.streaming import stream_quantize
+    from publisher.streaming import StreamJob, stream_quantize
     from publisher.verify.inpass import Together
 
     config = json.loads((Path(a["src"]) / "config.json").read_text())
@@ -103,8 +103,8 @@ def child_lm_pass(a: dict[str, Any]) -> dict[str, Any]:
         ids = torch.randint(3, 500, (max(1, a["tokens"] // 512), min(512, a["tokens"])), generator=torch.Generator().manual_seed(0))
         observer = lm.observer("transformers", "LlamaForCausalLM", config, ids, "bench")
     started = time.perf_counter()
-    stream_quantize(Path(a["src"]), Path(a["dst"]), library="transformers", recipe=recipes.get("int8wo"),
-                    class_name="LlamaForCausalLM", observer=Together(observer) if observer else None)
+    stream_quantize(StreamJob(Path(a["src"]), Path(a["dst"]), library="transformers", recipe=recipes.get("int8wo"),
+                              class_name="LlamaForCausalLM"), observer=Together(observer) if observer else None)
     out = {"wall_s": time.perf_counter() - started, "peak_rss": _rss()}
     if observer is not None:
         got = observer.result()

@@ -122,7 +122,7 @@ def child_stream(a: argparse.Namespace) -> dict:
     from diffusers import FluxTransformer2DModel  # noqa: F401 - diffusers imports model modules lazily
 
     from publisher import recipes
-    from publisher.streaming import stream_quantize
+    from publisher.streaming import StreamJob, stream_quantize
 
     t_import = time.perf_counter() - t0
     _IMPORT_RSS[0] = _rss()
@@ -132,15 +132,18 @@ def child_stream(a: argparse.Namespace) -> dict:
     cache.mkdir(parents=True, exist_ok=True)
     fetch_s = [0.0]
 
-    def fetch(name: str) -> Path:  # stands in for hf_hub_download
-        t = time.perf_counter()
-        path = Path(shutil.copy(hub / name, cache / name))
-        fetch_s[0] += time.perf_counter() - t
-        return path
+    class Downloads:  # streaming.ShardInputs
+        def open(self, name: str) -> Path:  # stands in for hf_hub_download
+            t = time.perf_counter()
+            path = Path(shutil.copy(hub / name, cache / name))
+            fetch_s[0] += time.perf_counter() - t
+            return path
 
-    res = stream_quantize(hub, Path(a.dst), library="diffusers", recipe=recipes.get(a.recipe),
-                          fetch_shard=fetch, release_shard=lambda p: p.unlink(), progress=a.progress,
-                          device=a.device)
+        def release(self, path: Path) -> None:
+            path.unlink()
+
+    res = stream_quantize(StreamJob(hub, Path(a.dst), library="diffusers", recipe=recipes.get(a.recipe),
+                                    inputs=Downloads(), progress=a.progress, device=a.device))
     stages = {"import": t_import, "fetch(copy)": fetch_s[0], **res.stage_seconds}
     return {"stages": stages, "quantized": len(res.quantized), "skipped": len(res.skipped)}
 

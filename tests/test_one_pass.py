@@ -20,7 +20,7 @@ SMALL = ["--sample-steps", "2", "--sample-size", "64"]
 
 def _in_pass(src: Path, out: Path, library: str, cls: str, recipe: str = "int8wo") -> tuple[Any, Any, Any]:
     from publisher.loadpath import load_call
-    from publisher.streaming import stream_quantize
+    from publisher.streaming import StreamJob, stream_quantize
     from publisher.verify import capture
     from publisher.verify.inpass import InPassForward
 
@@ -33,8 +33,9 @@ def _in_pass(src: Path, out: Path, library: str, cls: str, recipe: str = "int8wo
     inputs = load_call(spec.file)
     config = json.loads((src / "config.json").read_text())
     observer = InPassForward(library, cls, config, inputs)
-    res = stream_quantize(src, out, library=library, recipe=recipes.get(recipe), class_name=cls, progress=False,  # type: ignore[arg-type]
-                          observer=observer, max_shard_size="200KB")
+    job = StreamJob(src, out, library=library, recipe=recipes.get(recipe), class_name=cls, progress=False,  # type: ignore[arg-type]
+                    max_shard_size="200KB")
+    res = stream_quantize(job, observer=observer)
     return observer, res, inputs
 
 

@@ -112,13 +112,13 @@ def _llama_out(path: Path) -> object:
 
 
 def _run_both(src: Path, tmp: Path, library: str, recipe: recipes.Recipe, **kw: object):
-    from publisher.streaming import stream_quantize
+    from publisher.streaming import StreamJob, stream_quantize
     from publisher.testing.reference import library_quantize
 
     exclude = kw.pop("exclude", ())
     model = library_quantize(src, tmp / "lib", library=library, recipe=recipe, exclude=exclude, **kw)
-    result = stream_quantize(src, tmp / "stream", library=library, recipe=recipe, exclude=exclude,
-                             progress=False, **kw)
+    result = stream_quantize(StreamJob(src, tmp / "stream", library=library, recipe=recipe, exclude=exclude,  # type: ignore[arg-type]
+                                       progress=False, **kw))
     return model, result
 
 
@@ -254,10 +254,10 @@ def test_skipped_shapes_are_reported(flux_src: Path, tmp_path: Path, monkeypatch
 def test_callbacks_order(flux_src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import shutil
 
-    from publisher.streaming import feed, stream_quantize
+    from publisher.streaming import StreamJob, feed, stream_quantize
     from publisher.streaming.safetensors_io import read_header
 
-    local = tmp_path / "local"  # config + index only; shards arrive through fetch_shard
+    local = tmp_path / "local"  # config + index only; shards arrive through the job's inputs
     local.mkdir()
     for name in ("config.json", "diffusion_pytorch_model.safetensors.index.json"):
         shutil.copy(flux_src / name, local / name)
@@ -265,27 +265,35 @@ def test_callbacks_order(flux_src: Path, tmp_path: Path, monkeypatch: pytest.Mon
     cache.mkdir()
     events: list[tuple[str, str]] = []
 
-    def fetch(name: str) -> Path:
-        assert not any(cache.iterdir()), "a previous input shard was not released before the next fetch"
-        events.append(("fetch", name))
-        return Path(shutil.copy(flux_src / name, cache / name))
+    class Downloads:  # streaming.ShardInputs: each shard "downloaded" when due, deleted once read
+        def open(self, name: str) -> Path:
+            assert not any(cache.iterdir()), "a previous input shard was not released before the next fetch"
+            events.append(("fetch", name))
+            return Path(shutil.copy(flux_src / name, cache / name))
 
-    def release(path: Path) -> None:
-        events.append(("release", path.name))
-        path.unlink()
+        def release(self, path: Path) -> None:
+            events.append(("release", path.name))
+            path.unlink()
 
-    def on_output(path: Path) -> None:
-        events.append(("output", path.name))
-        if path.suffix == ".safetensors":  # complete: header parses and the data ends where it says
-            _, entries = read_header(path)
-            assert path.stat().st_size == max(e.end for e in entries.values())
+    class Watch:  # streaming.OutputSink
+        def planned(self, files: dict[str, set[str]], digests: object) -> None:
+            events.append(("planned", ""))
+
+        def reserve(self, path: Path, nbytes: int) -> None:
+            pass
+
+        def written(self, path: Path) -> None:
+            events.append(("output", path.name))
+            if path.suffix == ".safetensors":  # complete: header parses and the data ends where it says
+                _, entries = read_header(path)
+                assert path.stat().st_size == max(e.end for e in entries.values())
 
     # One tensor read ahead at a time, as on a model whose tensors are larger than the read-ahead budget (this
     # one's all fit in it, and would all be read before the first output shard is complete).
     monkeypatch.setattr(feed, "AHEAD_BYTES", 1)
-    stream_quantize(local, tmp_path / "out", library="diffusers", recipe=recipes.get("int8wo"),
-                    fetch_shard=fetch, release_shard=release, on_output_file=on_output, progress=False,
-                    max_shard_size="100KB")
+    stream_quantize(StreamJob(local, tmp_path / "out", library="diffusers", recipe=recipes.get("int8wo"),
+                              inputs=Downloads(), progress=False, max_shard_size="100KB"), sink=Watch())
+    assert events[0] == ("planned", "")  # the layout before any shard is read
     inputs = sorted(json.loads((local / "diffusion_pytorch_model.safetensors.index.json").read_text())["weight_map"].values())
     fetched = [n for kind, n in events if kind == "fetch"]
     assert fetched == sorted(set(inputs))
@@ -311,7 +319,7 @@ def test_callbacks_order(flux_src: Path, tmp_path: Path, monkeypatch: pytest.Mon
 def test_supports_reasons(flux_src: Path, tmp_path: Path) -> None:
     import torch
 
-    from publisher.streaming import stream_quantize, supports
+    from publisher.streaming import StreamJob, stream_quantize, supports
 
     assert supports("diffusers", flux_src, recipes.get("int8wo")) is None
     assert "config.json" in supports("diffusers", tmp_path, recipes.get("int8wo"))
@@ -327,5 +335,5 @@ def test_supports_reasons(flux_src: Path, tmp_path: Path) -> None:
             reason = supports("diffusers", flux_src, recipe)
             assert reason and "CUDA" in reason
         with pytest.raises(QuantizeError, match="library path"):
-            stream_quantize(flux_src, tmp_path / "x", library="diffusers", recipe=gpu_only[0])
+            stream_quantize(StreamJob(flux_src, tmp_path / "x", library="diffusers", recipe=gpu_only[0]))
         assert "no CUDA GPU" in supports("diffusers", flux_src, recipes.get("int8wo"), device="cuda")

@@ -27,7 +27,7 @@ def _src(tiny_flux_dir: Path, tiny_llama_dir: Path, sub: str) -> Path:
 @pytest.fixture(scope="module")
 def streamed(tiny_flux_dir: Path, tiny_llama_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     """stream_quantize results, cached per (component, recipe)."""
-    from publisher.streaming import stream_quantize
+    from publisher.streaming import StreamJob, stream_quantize
 
     cache: dict[tuple[str, str], tuple[Path, Any]] = {}
     root = tmp_path_factory.mktemp("streamed")
@@ -35,8 +35,8 @@ def streamed(tiny_flux_dir: Path, tiny_llama_dir: Path, tmp_path_factory: pytest
     def get(sub: str, lib: str, cls: str, recipe: str) -> tuple[Path, Any]:
         if (sub, recipe) not in cache:
             out = root / f"{sub or 'llama'}-{recipe}"
-            res = stream_quantize(_src(tiny_flux_dir, tiny_llama_dir, sub), out, library=lib,  # type: ignore[arg-type]
-                                  recipe=recipes.get(recipe), class_name=cls, progress=False)
+            res = stream_quantize(StreamJob(_src(tiny_flux_dir, tiny_llama_dir, sub), out, library=lib,  # type: ignore[arg-type]
+                                            recipe=recipes.get(recipe), class_name=cls, progress=False))
             cache[(sub, recipe)] = (out, res)
         return cache[(sub, recipe)]
 
@@ -385,7 +385,7 @@ def test_shard_uploader_uploads_each_checked_shard_and_deletes_it(hub: Any, tiny
     from huggingface_hub import HfApi
 
     from publisher.stages.lowdisk_push import ShardUploader, ensure_repo
-    from publisher.streaming import stream_quantize
+    from publisher.streaming import StreamJob, stream_quantize
 
     monkeypatch.setenv("HF_TOKEN", "tok_alice")
     assert ensure_repo("alice/shard-uploader", "tok_alice", False) is True
@@ -394,8 +394,7 @@ def test_shard_uploader_uploads_each_checked_shard_and_deletes_it(hub: Any, tiny
     dst = root / "transformer"
     up = ShardUploader("alice/shard-uploader", "tok_alice", root, "Int8Tensor", shard_bytes=150_000)
     up.limit = 150_000  # no overlap: while a shard ships, the writer may not add to the one that follows
-    digests: dict[str, str] = {}
-    hook = up.for_component("transformer", dst, digests)
+    sink = up.for_component("transformer", dst)
     on_disk: list[int] = []
     bytes_on_disk: list[int] = []
     real_upload = up.upload
@@ -406,9 +405,9 @@ def test_shard_uploader_uploads_each_checked_shard_and_deletes_it(hub: Any, tiny
         real_upload(path)
 
     monkeypatch.setattr(up, "upload", watched)
-    res = stream_quantize(tiny_flux_dir / "transformer", dst, library="diffusers", recipe=recipes.get("int8wo"),
-                          class_name="FluxTransformer2DModel", progress=False, max_shard_size="150KB",
-                          digests=digests, on_planned=hook.planned, on_output_file=hook.on_output, reserve=up.reserve)
+    res = stream_quantize(StreamJob(tiny_flux_dir / "transformer", dst, library="diffusers", recipe=recipes.get("int8wo"),
+                                    class_name="FluxTransformer2DModel", progress=False, max_shard_size="150KB"),
+                          sink=sink)
     up.flush()
     index = json.loads((dst / "diffusion_pytorch_model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))

@@ -37,15 +37,14 @@ def saved(source: ShardSource) -> Weights:
 
 class Requantize:
     """``cast`` for base tensors: the library's loader dtype for each, and the recipe's quantization for the weights its
-    quantizer converts (streaming/meta_model.py, the engine's own component)."""
+    quantizer converts (streaming/meta_model.py, the engine's own library adapter)."""
 
     def __init__(self, library: str, class_name: str, config_dir: Path, recipe: Recipe, exclude: list[str]) -> None:
         from publisher.recipes import build_config
-        from publisher.streaming.meta_model import diffusers_component, transformers_component
+        from publisher.streaming.meta_model import adapter
 
-        build = diffusers_component if library == "diffusers" else transformers_component
         self.recipe = recipe
-        self.comp = build(config_dir, build_config(recipe), list(exclude), class_name)
+        self.comp = adapter(library, config_dir, build_config(recipe), list(exclude), class_name)
 
     def base(self, name: str, t: Any) -> Any:
         import torch

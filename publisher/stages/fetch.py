@@ -8,7 +8,6 @@ range through one running hash per shard, compared when the shard was read to it
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
@@ -68,33 +67,9 @@ class RemoteWeights:
         src = self.plan.source
         return HubShards(src.repo_id, src.sha, comp.name, self.token, listing=self.listing(comp))  # type: ignore[arg-type]
 
-    def opener(self, comp: Component, spill_dir: Path) -> Callable[[str], BinaryIO]:
-        """Each shard read by HTTP range, each byte once, through one running hash in file order; the engine may
-        read in another order (the forward pass during quantization), what it reads ahead of the hash waits in
-        ``spill_dir`` (integrity.SpillingHashedReader)."""
-        from publisher.integrity import SpillingHashedReader
-
-        shards, src = self.source(comp), self.plan.source
-        prefix = f"{comp.name}/" if comp.name else ""
-
-        def open_hashed(name: str) -> BinaryIO:
-            label = f"{prefix}{name} of {src.repo_id}@{(src.sha or '')[:12]}"
-            return SpillingHashedReader(shards.open(name), self.plan.base_hashes[prefix + name], label,  # type: ignore[arg-type,return-value]
-                                        spill_dir)
-
-        return open_hashed
-
-    @staticmethod
-    def release(shard: object) -> None:
-        """The engine read the whole shard: compare its running hash with the Hub's before anything is committed
-        (a mismatch stops the run; output shards already pre-uploaded belong to no commit)."""
-        from publisher.integrity import HashedReader, SpillingHashedReader
-
-        if isinstance(shard, HashedReader):
-            shard.finish(after="nothing was committed")
-        if isinstance(shard, SpillingHashedReader) and shard.peak_spilled:
-            log.info("%s: read in execution order; at most %.1f MB waited on disk for its hash check", shard.name,
-                     shard.peak_spilled / 1e6)
+    def inputs(self, comp: Component, spill_dir: Path) -> HashedShards:
+        """The engine's input shards of ``comp`` (streaming.job.ShardInputs)."""
+        return HashedShards(self.source(comp), self.plan, comp, spill_dir)
 
     def download(self, comp: Component) -> Path:
         """For the library path (its loaders read local files): fetch this component's weights after all."""
@@ -115,3 +90,32 @@ def base_sources(plan: Plan, base_dir: Path, remote: RemoteWeights | None) -> di
         planned = [f[len(prefix):] for f in weight_files(plan, comp)]  # never a stray file of the folder
         sources[comp.name] = LocalShards(local, planned) if downloaded or remote is None else remote.source(comp)
     return sources
+
+
+class HashedShards:
+    """Each shard of one component read by HTTP range, each byte once, through one running hash in file order; the
+    engine may read in another order (the forward pass during quantization), what it reads ahead of the hash waits
+    in ``spill_dir`` (integrity.SpillingHashedReader)."""
+
+    def __init__(self, shards: HubShards, plan: Plan, comp: Component, spill_dir: Path) -> None:
+        self.shards, self.plan, self.spill_dir = shards, plan, spill_dir
+        self.prefix = f"{comp.name}/" if comp.name else ""
+
+    def open(self, name: str) -> BinaryIO:
+        from publisher.integrity import SpillingHashedReader
+
+        src = self.plan.source
+        label = f"{self.prefix}{name} of {src.repo_id}@{(src.sha or '')[:12]}"
+        return SpillingHashedReader(self.shards.open(name), self.plan.base_hashes[self.prefix + name], label,  # type: ignore[arg-type,return-value]
+                                    self.spill_dir)
+
+    def release(self, shard: object) -> None:
+        """The engine read the whole shard: compare its running hash with the Hub's before anything is committed
+        (a mismatch stops the run; output shards already pre-uploaded belong to no commit)."""
+        from publisher.integrity import HashedReader, SpillingHashedReader
+
+        if isinstance(shard, HashedReader):
+            shard.finish(after="nothing was committed")
+        if isinstance(shard, SpillingHashedReader) and shard.peak_spilled:
+            log.info("%s: read in execution order; at most %.1f MB waited on disk for its hash check", shard.name,
+                     shard.peak_spilled / 1e6)

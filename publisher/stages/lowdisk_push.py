@@ -24,7 +24,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,7 +48,8 @@ LOW_DISK_SHARD = "2GB"
 
 
 class ShardUploader:
-    """One target repo; ``for_component`` gives the engine's callbacks for one streamed component."""
+    """One target repo; ``for_component`` gives the engine's output sink (streaming.OutputSink) for one streamed
+    component."""
 
     def __init__(self, repo_id: str, token: str | None, root: Path, tensor_class: str | tuple[str, ...], shard_bytes: int) -> None:
         self.api, self.repo_id, self.root, self.tensor_class = hub.client(token), repo_id, root, tensor_class
@@ -68,8 +69,8 @@ class ShardUploader:
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
-    def for_component(self, name: str, folder: Path, digests: dict[str, str]) -> _Component:
-        return _Component(self, name, folder, digests)
+    def for_component(self, name: str, folder: Path) -> _Component:
+        return _Component(self, name, folder)
 
     def uploaded_bytes(self, folder: Path) -> int:
         prefix = folder.relative_to(self.root).as_posix()
@@ -180,22 +181,28 @@ class ShardUploader:
 
 
 class _Component:
-    """Which saved tensors live in which output files, and which are finished, checked and uploaded."""
+    """The engine's output sink for one component (streaming.OutputSink): which saved tensors live in which output
+    files, and which are finished, checked and uploaded."""
 
-    def __init__(self, up: ShardUploader, name: str, folder: Path, digests: dict[str, str]) -> None:
-        self.up, self.name, self.folder, self.digests = up, name, folder, digests
+    def __init__(self, up: ShardUploader, name: str, folder: Path) -> None:
+        self.up, self.name, self.folder = up, name, folder
+        self.digests: Mapping[str, str] = {}  # the engine's, filled as it writes
         self.files_of: dict[str, set[str]] = {}
         self.complete: set[str] = set()
         self.pending: dict[str, set[str]] = {}  # file -> tensors of it not yet checked
 
-    def planned(self, files_of: dict[str, set[str]]) -> None:
-        self.files_of = files_of
+    def planned(self, files_of: dict[str, set[str]], digests: Mapping[str, str]) -> None:
+        self.files_of, self.digests = files_of, digests
         for tensor, files in files_of.items():
             for f in files:
                 self.pending.setdefault(f, set()).add(tensor)
 
-    def on_output(self, path: Path) -> None:
-        """The engine's on_output_file (writer thread): hand a finished shard to the shipper."""
+    def reserve(self, path: Path, nbytes: int) -> None:
+        """(writer thread) The disk budget of the whole uploader."""
+        self.up.reserve(path, nbytes)
+
+    def written(self, path: Path) -> None:
+        """(writer thread) A finished output file: a shard goes to the shipper."""
         if path.suffix != ".safetensors" or path.name not in self.pending:
             return  # configs and the index stay local: they are committed with the card
         self.up._submit(self, path)

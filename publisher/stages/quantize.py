@@ -141,13 +141,23 @@ def _streaming_reason(comp: Component, src: Path, recipe: Recipe, device: str, r
 
 
 class _Fp8Bound:
-    """FP8 made on a CPU: each dequantized weight against its bf16 source (streamed: as it is quantized; library
-    path: read again afterwards, fp8_dequant_check), within the e4m3 error bound or the run stops."""
+    """FP8 made on a CPU: each dequantized weight against its bf16 source (streamed: as it is quantized, an observer
+    of the pass, streaming.TensorObserver; library path: read again afterwards, fp8_dequant_check), within the e4m3
+    error bound or the run stops."""
 
     def __init__(self, label: str) -> None:
         self.label, self.checked, self.worst = label, 0, 0.0
 
-    def __call__(self, key: str, value: Any, weight: Any) -> None:
+    def begin(self, readable: list[str]) -> list[str] | None:
+        return None  # any order
+
+    def wants(self, key: str) -> bool:
+        return False  # weights only: they are read whole anyway
+
+    def end(self, ok: bool) -> None:
+        pass
+
+    def tensor(self, key: str, value: Any, weight: Any) -> None:
         from publisher.errors import VerificationError
         from publisher.fp8cpu import check_dequantized
 
@@ -169,27 +179,24 @@ def _stream_component(plan: Plan, src: Path, comp: Component, recipe: Recipe, ou
                       remote: RemoteWeights | None, uploader: ShardUploader | None,
                       max_shard_size: int | str | None, inputs: dict[str, ForwardInputs] | None = None,
                       extra: Observers | None = None) -> QuantizedComponent:
-    from publisher.streaming import stream_quantize
+    from publisher.streaming import StreamJob, stream_quantize
     from publisher.verify.inpass import Together
 
     dst = out / comp.name if comp.name else out
     fp8 = _Fp8Bound(comp.label) if device == "cpu" and recipe.cpu_producible else None
-    digests: dict[str, str] = {}
-    hook = uploader.for_component(comp.name, dst, digests) if uploader is not None else None
+    sink = uploader.for_component(comp.name, dst) if uploader is not None else None
     verification = _in_pass_forward(src, comp, device, (inputs or {}).get(comp.name))
     evaluation = extra(comp, read_object(src / "config.json")) if extra is not None and device == "cpu" else None
-    observer = Together(verification, evaluation) if verification or evaluation else None
+    # the FP8 bound first: a weight outside it stops the pass before the forward passes see it
+    observer = Together(fp8, verification, evaluation) if fp8 or verification or evaluation else None
     # Range reads in execution order still fetch each byte once and hash each file in file order: what is read
     # ahead of the hash waits on disk here (integrity.SpillingHashedReader), removed however the pass ends.
     with tempfile.TemporaryDirectory(prefix="hf-ao-publish-spill-") as spill:
-        result = stream_quantize(src, dst, library=comp.library, recipe=recipe, exclude=list(plan.exclude),  # type: ignore[arg-type]
-                                 class_name=comp.class_name, device=device, progress=log.isEnabledFor(logging.INFO),
-                                 fetch_shard=remote.opener(comp, Path(spill)) if remote is not None else None,
-                                 release_shard=remote.release if remote is not None else None, on_tensor=fp8,
-                                 digests=digests, on_planned=hook.planned if hook else None,
-                                 on_output_file=hook.on_output if hook else None, observer=observer,
-                                 reserve=uploader.reserve if uploader is not None else None,
-                                 max_shard_size=max_shard_size, component=comp.name)
+        job = StreamJob(src, dst, library=comp.library, recipe=recipe, exclude=list(plan.exclude),  # type: ignore[arg-type]
+                        class_name=comp.class_name, component=comp.name, device=device, max_shard_size=max_shard_size,
+                        inputs=remote.inputs(comp, Path(spill)) if remote is not None else None,
+                        progress=log.isEnabledFor(logging.INFO))
+        result = stream_quantize(job, observer=observer, sink=sink)
     if uploader is not None:
         uploader.flush()  # every shard checked, hashed and uploaded before the sizes are counted
     forward = verification.result() if verification is not None else None
@@ -358,5 +365,5 @@ def fp8_dequant_check(model: Any, base_folder: Path, label: str) -> dict[str, An
         if key not in keys:
             missing.append(key)
             continue
-        bound(key, keys[key].get_tensor(key).to(torch.bfloat16), module.weight)
+        bound.tensor(key, keys[key].get_tensor(key).to(torch.bfloat16), module.weight)
     return {**bound.summary(), "unmatched": len(missing)}

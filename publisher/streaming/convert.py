@@ -8,32 +8,33 @@ then reads, quantizes and writes one tensor at a time.
 
     reason = supports("diffusers", folder, recipe)
     if reason is None:
-        result = stream_quantize(folder, out, library="diffusers", recipe=recipe)
+        result = stream_quantize(StreamJob(folder, out, library="diffusers", recipe=recipe))
     else:
         ...  # library path; log `reason`
 
-Modules: ``components`` (the libraries' own loaders/quantizers on a meta model), ``plan`` (names,
-layout, headers), ``engine`` (the read/quantize/write loop), ``safetensors_io`` (headers and plain
-reads/writes), ``reference`` (the library path, for tests and the benchmark).
+Modules: ``job`` (the job and the observer / sink protocols), ``meta_model`` (the libraries' own loaders and
+quantizers on a meta model, one adapter class per library), ``layout`` (names, layout, headers), ``engine`` (the
+read/quantize/write loop), ``safetensors_io`` (headers and plain reads/writes).
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Collection, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING
 
 from publisher.errors import QuantizeError
+from publisher.streaming.job import FolderInputs, FolderSink, StreamJob
 
 if TYPE_CHECKING:
     from publisher.recipes import Recipe
-    from publisher.streaming.engine import TensorObserver
+    from publisher.streaming.job import OutputSink, ShardInputs, TensorObserver
+    from publisher.streaming.meta_model import LibraryAdapter
 
-__all__ = ["StreamResult", "supports", "stream_quantize"]
-
-Library = Literal["diffusers", "transformers"]
+__all__ = ["StreamJob", "StreamResult", "supports", "stream_quantize"]
 
 
 @dataclass
@@ -89,7 +90,7 @@ def _default_device(recipe: Recipe) -> str:
     return "cuda" if cc is not None and (not needs.min_cc or cc >= needs.min_cc) else "cpu"
 
 
-def _quantize_context(recipe: Recipe, device: str) -> Any:
+def _quantize_context(recipe: Recipe, device: str) -> AbstractContextManager[object]:
     """The context the library path quantizes in: fp8cpu's bypass for FP8 recipes on a CPU, else none."""
     from contextlib import nullcontext
 
@@ -101,17 +102,16 @@ def _quantize_context(recipe: Recipe, device: str) -> Any:
 
 
 def _component(library: str, src_dir: Path, recipe: Recipe, exclude: Sequence[str], class_name: str | None,
-               component: str = "") -> Any:
+               component: str = "") -> LibraryAdapter:
     """The meta-device component, prepared with the config ``component`` is quantized with (its own, per-component
     and per-layer included)."""
     from publisher.recipes import build_config
-    from publisher.streaming.meta_model import diffusers_component, transformers_component
+    from publisher.streaming.meta_model import adapter
 
-    build = diffusers_component if library == "diffusers" else transformers_component
-    return build(src_dir, build_config(recipe, component), list(exclude), class_name)
+    return adapter(library, src_dir, build_config(recipe, component), list(exclude), class_name)
 
 
-def _checkpoint_keys(src_dir: Path, comp: Any, fetch: Callable[[str], Any] | None) -> dict[str, str] | None:
+def _checkpoint_keys(src_dir: Path, comp: LibraryAdapter, inputs: ShardInputs | None) -> dict[str, str] | None:
     """Checkpoint key -> shard name, from the index; a single file is read (fetched if needed) for its header."""
     from publisher.jsonfile import read_object, weight_map
     from publisher.streaming.safetensors_io import read_header
@@ -121,9 +121,9 @@ def _checkpoint_keys(src_dir: Path, comp: Any, fetch: Callable[[str], Any] | Non
         return weight_map(read_object(index), str(index))
     single = src_dir / comp.weights_name
     if not single.is_file():
-        if fetch is None:
+        if inputs is None:
             return None
-        fetched = fetch(comp.weights_name)
+        fetched = inputs.open(comp.weights_name)
         if not isinstance(fetched, (str, Path)):  # an open remote file: only its header is read
             with fetched:
                 _, header = read_header(fetched)
@@ -138,12 +138,10 @@ def supports(library: str, src_dir: Path, recipe: Recipe, *, class_name: str | N
     """None if the streaming engine can handle this component; else the reason (caller falls back to the library path and logs it).
 
     Needs config.json and the safetensors index (or the single weights file) in ``src_dir``; builds the model on the
-    meta device, which takes a second or two and no weights. ``remote_files``: file names ``fetch_shard`` can bring
+    meta device, which takes a second or two and no weights. ``remote_files``: file names ``StreamJob.inputs`` can bring
     (e.g. the Hub listing of this folder), so a single-file checkpoint need not be downloaded to be accepted; its
     key checks then happen in ``stream_quantize``.
     """
-    from publisher.streaming.meta_model import check_transformers_keys
-
     src_dir = Path(src_dir)
     device = device or _default_device(recipe)
     reason = _static_reason(library, src_dir, recipe, device)
@@ -158,80 +156,52 @@ def supports(library: str, src_dir: Path, recipe: Recipe, *, class_name: str | N
         if comp.weights_name in remote_files:
             return None
         return f"{src_dir} has neither {comp.index_name} nor {comp.weights_name} (pickle-only or variant checkpoints)"
-    if library == "transformers":
-        reason = check_transformers_keys(comp, list(keys))
-        if reason:
-            return reason
+    reason = comp.check_keys(list(keys))
+    if reason:
+        return reason
     missing = [k for k in comp.names if k not in keys and k not in comp.dropped_on_save]
     if missing:
         return f"the checkpoint lacks {len(missing)} parameters of {comp.class_name} (e.g. {missing[0]!r}): legacy layout"
     return None
 
 
-def stream_quantize(
-    src_dir: Path,
-    dst_dir: Path,
-    *,
-    library: Library,
-    recipe: Recipe,
-    exclude: Sequence[str] = (),
-    fetch_shard: Callable[[str], Any] | None = None,
-    release_shard: Callable[[Any], None] | None = None,
-    on_output_file: Callable[[Path], None] | None = None,
-    on_tensor: Callable[[str, Any, Any], None] | None = None,
-    on_planned: Callable[[dict[str, set[str]]], None] | None = None,
-    digests: dict[str, str] | None = None,
-    progress: bool = True,
-    class_name: str | None = None,
-    device: str | None = None,
-    max_shard_size: int | str | None = None,
-    observer: TensorObserver | None = None,
-    reserve: Callable[[Path, int], None] | None = None,
-    component: str = "",
-) -> StreamResult:
-    """Quantize one component folder into ``dst_dir`` exactly as from_pretrained + save_pretrained would.
+def stream_quantize(job: StreamJob, *, observer: TensorObserver | None = None,
+                    sink: OutputSink | None = None) -> StreamResult:
+    """Quantize one component folder (``job``: what to read, the recipe, where to write) exactly as from_pretrained +
+    save_pretrained would.
 
-    ``fetch_shard(name)`` makes an input shard available (default: ``src_dir / name``) as a path or an open binary
-    file (e.g. ``sources.HubShards.open``: HTTP range reads); ``release_shard(it)`` is called once it is fully read
-    (an open file is still open then: a hash check may read what no tensor used);
-    ``on_output_file(path)`` once an output file (config, shard, index) is complete; ``on_tensor(key, value,
-    quantized)`` with each weight before and after quantization (e.g. FP8 error bounds); ``on_planned(files)`` once
-    the layout is known, with the output file(s) of every saved tensor (state-dict name -> file names); ``digests``
-    (filled as tensors are written, before their file is reported) receives the in-memory digests.
-    ``class_name`` defaults to config.json's ``_class_name`` / ``architectures[0]``; ``device`` to cuda for recipes
-    that need CUDA when a fitting GPU is present, else cpu: it must be the device the library path would quantize on
-    (``device_map="cuda"`` there, plain CPU loading otherwise; FP8-dynamic recipes on a CPU run inside fp8cpu's
-    bypass, as the library path does); ``max_shard_size`` defaults to save_pretrained's default.
-    ``observer`` (``engine.TensorObserver``) sees every tensor in memory and may choose the reading order (a forward
-    pass during quantization); ``reserve(path, nbytes)`` runs before bytes are written to an output file and may
-    wait (a disk budget: output shards that leave the disk once uploaded). ``component``: the pipeline component
-    this folder is (its config when the recipe has one per component, or a per-layer table).
+    ``observer`` (``job.TensorObserver``) sees every tensor in memory and may choose the reading order (a forward
+    pass during quantization, the FP8 error bound); ``sink`` (``job.OutputSink``, default ``FolderSink``) is told the
+    layout, may make the writer wait before bytes are written (a disk budget: output shards that leave the disk once
+    uploaded) and gets each output file (config, shard, index) once it is complete. The in-memory digests of the
+    written tensors come back in ``StreamResult.digests`` (and to the sink while the pass runs).
     On error the files already written stay in ``dst_dir`` (the caller owns the folder).
     """
     from publisher.streaming.engine import execute, peak_rss_bytes, remove_stale_shards
     from publisher.streaming.layout import build_layout
-    from publisher.streaming.meta_model import check_transformers_keys
     from publisher.streaming.shards import RangeIgnored
 
     t_start = time.perf_counter()
-    src_dir, dst_dir = Path(src_dir), Path(dst_dir)
-    device = device or _default_device(recipe)
-    reason = _static_reason(library, src_dir, recipe, device)
+    recipe = job.recipe
+    src_dir, dst_dir = Path(job.src_dir), Path(job.dst_dir)
+    device = job.device or _default_device(recipe)
+    reason = _static_reason(job.library, src_dir, recipe, device)
     if reason:
         raise QuantizeError(f"the streaming engine cannot quantize {src_dir}: {reason}; use the library path")
-    fetch = fetch_shard or (lambda name: src_dir / name)
-    release = release_shard or (lambda path: None)
+    inputs = job.inputs or FolderInputs(src_dir)
+    sink = sink or FolderSink()
     try:
-        comp = _component(library, src_dir, recipe, exclude, class_name, component)
-        keys = _checkpoint_keys(src_dir, comp, fetch)
+        comp = _component(job.library, src_dir, recipe, job.exclude, job.class_name, job.component)
+        keys = _checkpoint_keys(src_dir, comp, inputs)
         if keys is None:
             raise ValueError(f"{src_dir} has neither {comp.index_name} nor {comp.weights_name}")
-        if library == "transformers" and (why := check_transformers_keys(comp, list(keys))):
+        if why := comp.check_keys(list(keys)):
             raise ValueError(why)
         # Probing on the meta device is free, but fp8cpu's bypass and GPU handlers want real tensors.
         probe_device = "meta" if device == "cpu" and not recipe.quantize.cuda else device
         with _quantize_context(recipe, device):
-            plan = build_layout(comp, keys, device, probe_device, set(recipe.classes_for(component)), max_shard_size)
+            plan = build_layout(comp, keys, device, probe_device, set(recipe.classes_for(job.component)),
+                                job.max_shard_size)
     except RangeIgnored as exc:  # the server, not the model: the message says what to do
         raise QuantizeError(str(exc)) from exc
     except (ValueError, TypeError, AttributeError, OSError, ImportError, RuntimeError, AssertionError) as exc:
@@ -240,18 +210,16 @@ def stream_quantize(
     seconds = {"plan": time.perf_counter() - t_start, "read": 0.0, "quantize": 0.0, "write": 0.0}
 
     written: list[Path] = []
-    digests = {} if digests is None else digests
-    if on_planned is not None:
-        files: dict[str, set[str]] = {}
-        for w in plan.work:
-            for out in w.outputs:
-                files.setdefault(w.key if w.kind != "pass" else out.name, set()).add(out.file)
-        on_planned(files)
+    digests: dict[str, str] = {}
+    files: dict[str, set[str]] = {}
+    for w in plan.work:
+        for out in w.outputs:
+            files.setdefault(w.key if w.kind != "pass" else out.name, set()).add(out.file)
+    sink.planned(files, digests)
 
     def report(path: Path) -> None:
         written.append(path)
-        if on_output_file is not None:
-            on_output_file(path)
+        sink.written(path)
 
     try:
         dst_dir.mkdir(parents=True, exist_ok=True)
@@ -261,9 +229,8 @@ def stream_quantize(
             report(path)
         seconds["write"] += time.perf_counter() - t0
         with _quantize_context(recipe, device):
-            execute(plan, dst_dir, fetch_shard=fetch, release_shard=release, report=report,
-                    progress=progress, seconds=seconds, digests=digests, on_tensor=on_tensor, observer=observer,
-                    reserve=reserve)
+            execute(plan, dst_dir, inputs=inputs, report=report, reserve=sink.reserve, progress=job.progress,
+                    seconds=seconds, digests=digests, observer=observer)
         if plan.index is not None:
             t0 = time.perf_counter()
             index = dst_dir / comp.index_name

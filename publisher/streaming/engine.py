@@ -19,12 +19,17 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO, Protocol
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 from publisher.errors import QuantizeError
 from publisher.streaming import safetensors_io as stio
 from publisher.streaming.feed import Feed, Item
 from publisher.streaming.layout import Layout, OutFile, OutTensor, Work
+
+if TYPE_CHECKING:
+    import torch
+
+    from publisher.streaming.job import ShardInputs, TensorObserver
 
 
 def peak_rss_bytes() -> int:
@@ -58,7 +63,7 @@ def trim_memory() -> None:
         pass
 
 
-class _Sink:
+class _Writer:
     """One background thread that hashes and writes quantized tensors in submission order, so that the next
     tensor's read and quantization overlap them (hashlib, file writes and torch kernels release the GIL).
     At most one job waits while one runs: two tensors' bytes at most, whatever the model size."""
@@ -109,7 +114,7 @@ class _Outputs:
     """(writer thread) Open output shards, how many tensors each still waits for, and the completion callback."""
 
     def __init__(self, dst: Path, files: list[OutFile], on_complete: Callable[[Path], None],
-                 reserve: Callable[[Path, int], None] | None) -> None:
+                 reserve: Callable[[Path, int], None]) -> None:
         self.dst = dst
         self.files = {f.name: f for f in files}
         self.remaining = {f.name: len(f.entries) for f in files}
@@ -120,17 +125,15 @@ class _Outputs:
     def handle(self, name: str) -> BinaryIO:
         if name not in self.handles:
             header = self.files[name].header
-            if self.reserve is not None:
-                self.reserve(self.dst / name, len(header))
+            self.reserve(self.dst / name, len(header))
             f = open(self.dst / name, "wb")  # noqa: SIM115 - closed in done()/close()
             f.write(header)  # the header is final: every size is planned
             self.handles[name] = f
         return self.handles[name]
 
-    def write(self, name: str, offset: int, data: Any) -> None:
+    def write(self, name: str, offset: int, data: memoryview) -> None:
         f = self.handle(name)
-        if self.reserve is not None:
-            self.reserve(self.dst / name, len(data))
+        self.reserve(self.dst / name, len(data))
         f.seek(offset)
         f.write(data)
 
@@ -158,43 +161,23 @@ def remove_stale_shards(dst: Path, weights_name: str, keep: set[str]) -> None:
             p.unlink()
 
 
-class TensorObserver(Protocol):
-    """Sees every tensor of the pass while it is in memory (e.g. a forward pass run during quantization)."""
-
-    def begin(self, readable: list[str]) -> list[str] | None:
-        """``readable``: the checkpoint keys the pass reads. Returns the keys in the order it wants them
-        (they come first, the rest after them in file order), or None for file order."""
-
-    def wants(self, key: str) -> bool:
-        """Whether it needs ``key`` whole (a large pass-through tensor is otherwise copied in chunks)."""
-
-    def tensor(self, key: str, value: Any, stored: Any) -> None:
-        """``value``: the tensor as the model loads it (bf16); ``stored``: what is saved (quantized or the same)."""
-
-    def end(self, ok: bool) -> None:
-        """The pass is over (``ok`` False: it failed)."""
-
-
-def execute(plan: Layout, dst: Path, *, fetch_shard: Callable[[str], Any],
-            release_shard: Callable[[Any], None], report: Callable[[Path], None], progress: bool,
-            seconds: dict[str, float], digests: dict[str, str] | None = None,
-            on_tensor: Callable[[str, Any, Any], None] | None = None, observer: TensorObserver | None = None,
-            reserve: Callable[[Path, int], None] | None = None) -> None:
+def execute(plan: Layout, dst: Path, *, inputs: ShardInputs, report: Callable[[Path], None],
+            reserve: Callable[[Path, int], None], progress: bool, seconds: dict[str, float], digests: dict[str, str],
+            observer: TensorObserver | None = None) -> None:
     """Stream every planned tensor from the input shards into the output shards.
 
-    ``fetch_shard(name)`` returns a local path or an open binary file (a Hub file read by HTTP
-    range); ``digests`` collects the verification digest of every tensor as it was in memory;
-    ``on_tensor(key, value, quantized)`` sees each weight before and after quantization; ``observer`` sees every
-    tensor and may choose the order; ``reserve(path, nbytes)`` is called (on the writer thread) before bytes are
-    written to an output file, and may wait (a disk budget)."""
+    ``inputs.open(name)`` returns a local path or an open binary file (a Hub file read by HTTP range);
+    ``digests`` collects the verification digest of every tensor as it was in memory; ``observer`` sees every
+    tensor and may choose the order; ``report(path)`` is called (on the writer thread) once an output shard is
+    complete, ``reserve(path, nbytes)`` before bytes are written to it, and may wait (a disk budget)."""
     from huggingface_hub.utils import tqdm
 
     bound_heap()
     outputs = _Outputs(dst, plan.files, report, reserve)
-    sink = _Sink(seconds)
-    ctx = _Ctx(plan, outputs, seconds, digests if digests is not None else {}, on_tensor, sink, observer)
+    writer = _Writer(seconds)
+    ctx = _Ctx(plan, outputs, seconds, digests, writer, observer)
     order = observer.begin([w.key for w in plan.work if w.outputs]) if observer is not None else None
-    feed = Feed(plan, fetch_shard, release_shard, order=order,
+    feed = Feed(plan, inputs, order=order,
                 whole=observer.wants if observer is not None else (lambda key: False), seconds=seconds)
     total = sum(o.nbytes for f in plan.files for o in f.entries)
     since_trim, ok = 0, False
@@ -213,11 +196,11 @@ def execute(plan: Layout, dst: Path, *, fetch_shard: Callable[[str], Any],
                     trim_memory()
                     since_trim = 0
                 del item
-        sink.drain()
+        writer.drain()
         ok = True
     finally:
         feed.close()
-        sink.close()
+        writer.close()
         outputs.close()
         if observer is not None:
             observer.end(ok)
@@ -234,14 +217,14 @@ class _Ctx:
     """What every tensor's step shares."""
 
     def __init__(self, plan: Layout, outputs: _Outputs, seconds: dict[str, float], digests: dict[str, str],
-                 on_tensor: Callable[[str, Any, Any], None] | None, sink: _Sink, observer: TensorObserver | None) -> None:
-        self.plan, self.outputs, self.seconds, self.digests, self.on_tensor = plan, outputs, seconds, digests, on_tensor
-        self.sink, self.observer = sink, observer
+                 writer: _Writer, observer: TensorObserver | None) -> None:
+        self.plan, self.outputs, self.seconds, self.digests = plan, outputs, seconds, digests
+        self.writer, self.observer = writer, observer
         seconds.setdefault("forward_handoff", 0.0)
         self.partial: dict[str, Any] = {}  # (writer thread) running digests of tensors copied in chunks
 
 
-def _check_entry(ctx: _Ctx, w: Work, entry: stio.HeaderEntry) -> Any:
+def _check_entry(ctx: _Ctx, w: Work, entry: stio.HeaderEntry) -> torch.dtype:
     comp = ctx.plan.component
     src_dtype = stio.torch_dtype(entry.dtype)
     if entry.shape != w.shape:
@@ -270,10 +253,10 @@ def _chunk(ctx: _Ctx, item: Item) -> None:
     data = item.raw.view(src_dtype).to(w.dtype) if src_dtype != w.dtype else item.raw.view(src_dtype)
     ctx.seconds["quantize"] += time.perf_counter() - t0
     at = item.chunk_at // src_dtype.itemsize * w.dtype.itemsize
-    ctx.sink.submit(lambda: _write_chunk(ctx, out, at, data, item.last))
+    ctx.writer.submit(lambda: _write_chunk(ctx, out, at, data, item.last))
 
 
-def _write_chunk(ctx: _Ctx, out: OutTensor, at: int, data: Any, last: bool) -> None:
+def _write_chunk(ctx: _Ctx, out: OutTensor, at: int, data: torch.Tensor, last: bool) -> None:
     from publisher.loadpath import digest_header
 
     t0 = time.perf_counter()
@@ -288,7 +271,7 @@ def _write_chunk(ctx: _Ctx, out: OutTensor, at: int, data: Any, last: bool) -> N
     ctx.seconds["write"] += time.perf_counter() - t0
 
 
-def _one(ctx: _Ctx, w: Work, entry: stio.HeaderEntry, raw: Any) -> None:
+def _one(ctx: _Ctx, w: Work, entry: stio.HeaderEntry, raw: torch.Tensor) -> None:
     _check_entry(ctx, w, entry)
     if w.kind == "pass":
         out = w.outputs[0]
@@ -296,7 +279,7 @@ def _one(ctx: _Ctx, w: Work, entry: stio.HeaderEntry, raw: Any) -> None:
         value = raw.to(w.dtype)  # element-wise cast: the same bits as chunked
         ctx.seconds["quantize"] += time.perf_counter() - t0
         _observe(ctx, w.key, value, value)
-        ctx.sink.submit(lambda: _write(ctx, out.name, None, [out.name], [(out, value)]))
+        ctx.writer.submit(lambda: _write(ctx, out.name, None, [out.name], [(out, value)]))
         return
     t1 = time.perf_counter()
     handoff = ctx.seconds["forward_handoff"]
@@ -316,10 +299,10 @@ def _one(ctx: _Ctx, w: Work, entry: stio.HeaderEntry, raw: Any) -> None:
     if parts or meta != w.metadata:
         raise QuantizeError(f"torchao's metadata for {w.key} differs from the planned one; use the library path")
     ctx.seconds["quantize"] += t2 - t1 - handoff
-    ctx.sink.submit(lambda: _write(ctx, w.key, subclass, inner, writes))
+    ctx.writer.submit(lambda: _write(ctx, w.key, subclass, inner, writes))
 
 
-def _observe(ctx: _Ctx, key: str, value: Any, stored: Any) -> None:
+def _observe(ctx: _Ctx, key: str, value: torch.Tensor, stored: torch.Tensor) -> None:
     """Hand a tensor to the observer; the time it takes (its backpressure included) is counted on its own."""
     if ctx.observer is None:
         return
@@ -328,7 +311,7 @@ def _observe(ctx: _Ctx, key: str, value: Any, stored: Any) -> None:
     ctx.seconds["forward_handoff"] += time.perf_counter() - t0
 
 
-def _write(ctx: _Ctx, key: str, subclass: str | None, inner: list[str], writes: list[tuple[OutTensor, Any]]) -> None:
+def _write(ctx: _Ctx, key: str, subclass: str | None, inner: list[str], writes: list[tuple[OutTensor, torch.Tensor]]) -> None:
     """(writer thread) Hash the tensor as it was in memory, then write its parts at their planned offsets."""
     from publisher.loadpath import digest_parts
 
@@ -342,7 +325,7 @@ def _write(ctx: _Ctx, key: str, subclass: str | None, inner: list[str], writes: 
     ctx.seconds["write"] += time.perf_counter() - t0
 
 
-def _quantize(ctx: _Ctx, w: Work, raw: Any) -> tuple[dict[str, Any], str, str | None, list[str]]:
+def _quantize(ctx: _Ctx, w: Work, raw: torch.Tensor) -> tuple[dict[str, torch.Tensor], str, str | None, list[str]]:
     """Cast like the loader, run the library's quantize call on the model's own Linear, flatten like save.
 
     Returns the flattened parts, the torchao metadata, and what ``digest_parts`` needs: the subclass name
@@ -356,8 +339,6 @@ def _quantize(ctx: _Ctx, w: Work, raw: Any) -> tuple[dict[str, Any], str, str | 
     device = torch.device(plan.device)
     try:
         weight = comp.quantize_param(w.key, value, device)
-        if ctx.on_tensor is not None:
-            ctx.on_tensor(w.key, value, weight)
         _observe(ctx, w.key, value, weight.detach())
         del value
         flat, meta = flatten_tensor_state_dict({w.key: weight.detach()})  # as state_dict() hands it over

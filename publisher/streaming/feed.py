@@ -25,12 +25,17 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 from publisher.errors import QuantizeError
 from publisher.localfiles import open_regular
 from publisher.streaming import safetensors_io as stio
 from publisher.streaming.layout import Layout, Work
+
+if TYPE_CHECKING:
+    import torch
+
+    from publisher.streaming.job import Shard, ShardInputs
 
 
 @dataclass
@@ -39,7 +44,7 @@ class Item:
 
     work: Work
     entry: stio.HeaderEntry
-    raw: Any  # the tensor as stored; for a chunk, its raw bytes (uint8)
+    raw: torch.Tensor  # the tensor as stored; for a chunk, its raw bytes (uint8)
     chunk_at: int = -1  # byte offset of a chunk inside the tensor; -1: the whole tensor
     last: bool = True  # the last chunk of its tensor
 
@@ -47,7 +52,7 @@ class Item:
 @dataclass
 class _Shard:
     name: str
-    src: Any  # what fetch_shard returned (a path, or an open remote file)
+    src: Shard  # what ShardInputs.open returned (a path, or an open remote file)
     handle: BinaryIO
     header: dict[str, stio.HeaderEntry]
     left: int  # items still to read from it
@@ -59,10 +64,9 @@ AHEAD_BYTES = 96 << 20  # about one of FLUX.1-dev's largest tensors (94 MB)
 class Feed:
     """Iterate over ``Item``s in the planned order; ``close()`` stops the reader (always call it)."""
 
-    def __init__(self, plan: Layout, fetch_shard: Callable[[str], Any], release_shard: Callable[[Any], None], *,
-                 order: list[str] | None = None, whole: Callable[[str], bool] = lambda key: False,
-                 seconds: dict[str, float] | None = None) -> None:
-        self.plan, self.fetch, self.release, self.order, self.whole = plan, fetch_shard, release_shard, order, whole
+    def __init__(self, plan: Layout, inputs: ShardInputs, *, order: list[str] | None = None,
+                 whole: Callable[[str], bool] = lambda key: False, seconds: dict[str, float] | None = None) -> None:
+        self.plan, self.inputs, self.order, self.whole = plan, inputs, order, whole
         self.seconds = seconds if seconds is not None else {}
         self.seconds.setdefault("read", 0.0)
         self.seconds.setdefault("wait_input", 0.0)
@@ -152,9 +156,10 @@ class Feed:
         self._put(Item(work, entry, raw))
 
     def _shard(self, name: str, items: list[Work]) -> _Shard:
-        src = self.fetch(name)
+        src = self.inputs.open(name)
         local = isinstance(src, (str, Path))
-        handle = open_regular(Path(src)) if local else src  # never blocks on a FIFO; closed in _done_with
+        # never blocks on a FIFO; closed in _done_with
+        handle = open_regular(Path(src)) if isinstance(src, (str, Path)) else src
         _, header = stio.read_header(handle, str(src) if local else None)
         missing = [w.key for w in items if w.key not in header]
         if missing:
@@ -168,7 +173,7 @@ class Feed:
         self._open.pop(shard.name, None)
         try:
             if release:  # still open: the caller may read the rest (its hash check) before it is closed
-                self.release(shard.src)
+                self.inputs.release(shard.src)
         finally:
             shard.handle.close()
 

@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from publisher.streaming import safetensors_io as stio
-from publisher.streaming.meta_model import MetaModel
 
 if TYPE_CHECKING:
     import torch
+
+    from publisher.streaming.meta_model import LibraryAdapter
 
 
 @dataclass
@@ -25,7 +26,7 @@ class OutTensor:
     """One tensor of an output safetensors file."""
 
     name: str
-    dtype: Any  # torch.dtype
+    dtype: torch.dtype
     shape: tuple[int, ...]
     nbytes: int
     file: str = ""
@@ -39,7 +40,7 @@ class Work:
     key: str
     src_file: str
     kind: str  # "quantize" | "pass" | "skip" (a Linear torchao leaves as is, written in bf16)
-    dtype: Any  # saved dtype for pass/skip; the cast before quantizing for quantize
+    dtype: torch.dtype  # saved dtype for pass/skip; the cast before quantizing for quantize
     shape: tuple[int, ...]
     outputs: list[OutTensor]  # empty for keys the library does not save (tied weights)
     metadata: str  # the torchao metadata JSON planned for this key
@@ -57,7 +58,7 @@ class OutFile:
 class Layout:
     """Where every saved tensor of one component goes (files, offsets, classes), planned on the meta device."""
 
-    component: MetaModel
+    component: LibraryAdapter
     device: str
     work: list[Work]  # grouped by input file, then by position in that file once known
     input_files: list[str]  # in processing order
@@ -69,7 +70,7 @@ class Layout:
     classes: dict[str, str] = field(default_factory=dict)  # quantized module -> the torchao class of its weight
 
 
-def _probe(comp: MetaModel, key: str, device: str, cache: dict[tuple, tuple]) -> tuple[str | None, list, str]:
+def _probe(comp: LibraryAdapter, key: str, device: str, cache: dict[tuple, tuple]) -> tuple[str | None, list, str]:
     """(tensor class or None if torchao left it, [(suffix, dtype, shape)], metadata) for a quantized key.
 
     ``device`` is "meta" (no data at all) or the real quantize device; one probe per distinct shape.
@@ -94,7 +95,7 @@ def _probe(comp: MetaModel, key: str, device: str, cache: dict[tuple, tuple]) ->
     return result
 
 
-def _quantize_probe(comp: MetaModel, key: str, shape: tuple[int, ...], device: str) -> Any:
+def _quantize_probe(comp: LibraryAdapter, key: str, shape: tuple[int, ...], device: str) -> torch.Tensor:
     """The library's quantize call on a stand-in of ``key``: on the meta device (no data) when ``device`` is "meta",
     with random values on the CPU when the config's algorithm reads values (HQQ's ``.item()``)."""
     import torch
@@ -120,7 +121,7 @@ def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
     return math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
 
 
-def build_layout(comp: MetaModel, key_files: dict[str, str], device: str, probe_device: str,
+def build_layout(comp: LibraryAdapter, key_files: dict[str, str], device: str, probe_device: str,
                expected_classes: set[str] | None, max_shard_size: int | str | None) -> Layout:
     """Lay out the output exactly as ``save_pretrained`` would, from the meta model and the checkpoint index.
     ``expected_classes``: the torchao classes the component's configs make (a planned tensor of another class stops

@@ -76,6 +76,9 @@ class HubShards:
         url = hf_hub_url(self.repo_id, name, subfolder=self.subfolder or None, revision=self.revision)
         return RangeFile(url, self.token, f"{self.where}/{name}")  # type: ignore[return-value]
 
+    def release(self, shard: object) -> None:
+        """The engine read all it needed of ``shard`` (streaming.job.ShardInputs); it closes the file itself."""
+
     def json(self, name: str) -> dict[str, Any] | None:
         """A JSON file of the folder, through the one JSON reader (size limit, UTF-8, an object); None if absent."""
         from huggingface_hub import hf_hub_download

@@ -3,7 +3,7 @@
 Before this, a streamed component's forward check (the quantized weights, block by block) and its quality figure
 (the bf16 base, block by block) each read every weight again after the pass: twice the base over the network with
 ``--low-disk``. Here the streaming engine hands every tensor, as soon as it is quantized, to this observer
-(``engine.TensorObserver``), which runs two forward passes at once, one per thread, on meta-device models:
+(``streaming.job.TensorObserver``), which runs two forward passes at once, one per thread, on meta-device models:
 
 - the **quantized** model gets the quantized tensors (the ones whose digests the engine records and the saved
   files must reproduce), and its output is the reference every reload is compared with, bit for bit;
@@ -25,9 +25,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from publisher.handoffs.report import PassForward
+
+if TYPE_CHECKING:
+    from publisher.streaming.job import TensorObserver
 
 log = logging.getLogger(__name__)
 
@@ -305,11 +308,11 @@ class InPassForward:
 
 
 class Together:
-    """Several observers of one pass (the verification's forward and the perplexity pass, publisher/quality/lm.py) as
-    one ``TensorObserver``: the engine reads in one order, so an observer that planned another one (or none: it gave
+    """Several observers of one pass (the FP8 error bound, the verification's forward and the perplexity pass,
+    publisher/quality/lm.py) as one ``TensorObserver``, each called in the order given: the engine reads in one order, so an observer that planned another one (or none: it gave
     up) stops at once and says why; the others take every tensor as before."""
 
-    def __init__(self, *observers: InPassForward | None) -> None:
+    def __init__(self, *observers: TensorObserver | None) -> None:
         self.observers = [o for o in observers if o is not None]
 
     def begin(self, readable: list[str]) -> list[str] | None:
@@ -321,7 +324,8 @@ class Together:
             if order is None:
                 order = planned
             elif planned != order:
-                observer.reason = "its forward pass uses the weights in another order than the pass reads them"
+                if isinstance(observer, InPassForward):
+                    observer.reason = "its forward pass uses the weights in another order than the pass reads them"
                 observer.end(False)  # its threads see the reason and stop
         return order
 
