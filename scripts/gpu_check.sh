@@ -1,35 +1,33 @@
 #!/usr/bin/env bash
-# Issue 8 device check (see scripts/gpu_check.py). One run on the lent H200:
+# Device check (see scripts/gpu_check.py): the real CLI on the GPU per GPU recipe and engine. One run on the lent GPU:
 #
-#   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=480)
+#   run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=540)
 #
 # .whl/ (git-ignored, ~9.3 MiB) holds the two packages the device image lacks, downloaded for
 # its Python 3.12 with the device README's `pip download` line:
 #   torchao-0.18.0-cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl, diffusers-0.42.1-py3-none-any.whl
 # The image's own torch 2.11.0+cu130, accelerate 1.15.0, safetensors 0.8.0 and huggingface_hub
 # 1.33.0 are used (diffusers 0.42.1 needs hub >= 1.32; torchao 0.18 needs torch >= 2.11).
-# Results land in $OUT (results.json, table.md, gpu_check.log, nvidia-smi.txt): they are rewritten
-# after every step, so even a run stopped at timeout_s returns what it measured. The Python side
-# stops starting optional work after --time-budget (330 s by default); the whole run should take
-# about 6-7 minutes on an H200 (device time with the machine start: about 9-10 of the 15).
+# Results land in $OUT (results.json, table.md, cli.log, gpu_check.log, nvidia-smi.txt): they are rewritten
+# after every CLI run, so even a run stopped at timeout_s returns what it measured. No run starts after
+# --time-budget (480 s by default) would be exceeded.
 #
-# Locally (no GPU):  PYTHON=.venv/bin/python bash scripts/gpu_check.sh ./gpu-check-out --device cpu --tiny
-# Arguments: [OUT_DIR] [gpu_check.py options...]; OUT_DIR defaults to $OUT, else ./gpu-check-out.
+# Locally (no GPU):  PYTHON=.venv/bin/python bash scripts/gpu_check.sh --dry-run --assume-cc 9.0
+# Arguments: gpu_check.py options; --out defaults to $OUT, else ./gpu-check-out.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
 out="${OUT:-./gpu-check-out}"
-if [ $# -gt 0 ] && [ "${1#-}" = "$1" ]; then out="$1"; shift; fi
 mkdir -p "$out"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1  # no network there: never wait on the Hub
 
 # Install the carried wheels only when the interpreter lacks the pinned versions (the device has
 # no package index); --target keeps the image's site-packages untouched.
-if ! "$PY" - <<'EOF' 2>/dev/null
+if ! "$PY" - <<'PYEOF' 2>/dev/null
 import importlib.metadata as m, sys
 sys.exit(0 if (m.version("torchao"), m.version("diffusers")) == ("0.18.0", "0.42.1") else 1)
-EOF
+PYEOF
 then
     if ls .whl/*.whl >/dev/null 2>&1; then
         echo "installing $(ls .whl/*.whl | xargs -n1 basename | tr '\n' ' ') into /tmp/site"
@@ -42,5 +40,5 @@ then
 fi
 
 { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv 2>&1 || true; } >"$out/nvidia-smi.txt"
-"$PY" scripts/gpu_check.py "$out" "$@" 2>&1 | tee "$out/gpu_check.log"
+"$PY" scripts/gpu_check.py --out "$out" "$@" 2>&1 | tee "$out/gpu_check.log"
 exit "${PIPESTATUS[0]}"

@@ -1,13 +1,19 @@
-"""scripts/gpu_check.py: its CPU mode here, the real thing where CUDA is available; and the pieces of
-publisher.testing it runs on (the float8 arithmetic check, the one checkpoint comparison)."""
+"""scripts/gpu_check.py: the command lines it builds, how it reads the CLI's --json outcome, its loop against a fake
+CLI and (slow) the real CLI in its CPU mode; on CUDA, the real thing. And the pieces of publisher.testing it runs on
+(the float8 arithmetic check, the one checkpoint comparison)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
+import shlex
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -15,46 +21,242 @@ REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "scripts" / "gpu_check.py"
 
 
-def _run(out: Path, *args: str, timeout: float) -> subprocess.CompletedProcess[str]:
+@pytest.fixture(scope="module")
+def gc() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gpu_check_script", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is made
+    spec.loader.exec_module(module)
+    return module
+
+
+def _script(*args: str, timeout: float) -> subprocess.CompletedProcess[str]:
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, str(SCRIPT), str(out), *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=REPO)
+    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=timeout,
+                          env=env, cwd=REPO)
+
+
+def _option(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def test_dry_run_prints_the_cli_command_lines_for_an_h100_class_gpu():
+    proc = _script("--dry-run", "--assume-cc", "9.0", "--base", "llama", timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if line and not line.startswith("#")]
+    cmds = [shlex.split(line) for line in lines]
+    hidden = "CUDA_VISIBLE_DEVICES="  # the CPU-made run: CUDA hidden from the CLI
+    assert [(c[0] == hidden, _option(c, "--quant"), _option(c, "--engine")) for c in cmds] == [
+        (False, "float8dq", "library"), (False, "float8dq", "streaming"), (True, "float8dq", "library"),
+        (False, "float8dq-tensor", "library"), (False, "float8dq-tensor", "streaming"), (True, "float8dq-tensor", "library"),
+        (False, "int4wo", "library"), (False, "int4wo", "streaming")]
+    for c in cmds:
+        real = c[1:] if c[0] == hidden else c
+        assert real[0].endswith("hf-ao-publish") or real[1:3] == ["-m", "publisher.cli"]
+        assert {"publish", "--no-push", "--json"} <= set(real)
+        assert ("--benchmark" in real) == (c[0] != hidden)  # the CPU-made run measures nothing
+        assert _option(real, "--output-dir").endswith(f"/{_option(real, '--quant')}/"
+                                                      f"{'cpu-made' if real is not c else _option(real, '--engine')}")
+    assert "# base: " in proc.stdout and "(llama)" in proc.stdout
+    assert "# skipped" not in proc.stdout
+
+
+def test_plan_follows_the_registry_device_rules(gc, capsys):
+    assert gc.gpu_recipe_names() == ["float8dq", "float8dq-tensor", "int4wo"]
+    assert gc.skip_reason("int4wo", (8, 0)) is None and gc.skip_reason("int8wo", None) is None
+    assert "compute capability >= 8.9" in gc.skip_reason("float8dq", (8, 6)) and "8.6" in gc.skip_reason("float8dq", (8, 6))
+    assert "no CUDA GPU" in gc.skip_reason("int4wo", None)
+
+    assert gc.main(["--dry-run", "--assume-cc", "8.0", "--engines", "streaming"]) == 0
+    out = capsys.readouterr().out
+    planned = [shlex.split(line) for line in out.splitlines() if line and not line.startswith("#")]
+    assert [(_option(c, "--quant"), _option(c, "--engine")) for c in planned] == [("int4wo", "streaming")]
+    assert "# skipped float8dq: runs on a CUDA GPU with compute capability >= 8.9 only; this GPU has 8.0" in out
+    assert "# skipped float8dq-tensor:" in out
+
+    with pytest.raises(SystemExit):
+        gc.parse_args(["--engines", "fast"])
+    with pytest.raises(SystemExit):
+        gc.parse_args(["--assume-cc", "9.0"])  # only with --dry-run
+    assert gc.main(["--out", "unused"]) == 2  # no CUDA here, and no --allow-cpu
+
+
+def test_plan_runs_pairs_each_run_with_its_reference(gc, tmp_path: Path):
+    runs = gc.plan_runs(["float8dq", "int4wo"], tmp_path / "base", tmp_path / "w", (9, 0), prefix=["cli"],
+                        benchmark=False, eval_budget="2m")
+    assert [(r.label, r.same_as, r.env) for r in runs] == [
+        ("float8dq/library", None, {}), ("float8dq/streaming", "float8dq/library", {}),
+        ("float8dq/cpu-made", "float8dq/library", {"CUDA_VISIBLE_DEVICES": ""}),  # fp8cpu makes float8dq; not int4wo
+        ("int4wo/library", None, {}), ("int4wo/streaming", "int4wo/library", {})]
+    assert all("--benchmark" not in r.cmd and _option(r.cmd, "--eval-budget") == "2m" for r in runs)
+    assert runs[0].cmd[:4] == ["cli", "publish", str(tmp_path / "base"), "--quant"]
+    # without a GPU the library run is the CPU-made one already
+    assert [r.label for r in gc.plan_runs(["float8dq"], tmp_path, tmp_path, None, prefix=["cli"])] == [
+        "float8dq/library", "float8dq/streaming"]
+
+
+# ----------------------------------------------------------------------------- reading the CLI's outcome
+
+
+def _doc(engine: str = "library", **over: Any) -> dict[str, Any]:
+    """A --json publish outcome, trimmed from a real one (tiny FLUX, int8wo, --benchmark)."""
+    doc = {
+        "recipe": "int8wo", "verified": True, "pushed": False, "error": None,
+        "components": [{"name": "transformer", "class": "FluxTransformer2DModel", "quantized_layers": 30,
+                        "tensor_classes": {"Int8Tensor": 30}, "bytes_before": 2111232, "bytes_after": 1124248,
+                        "engine": engine, "stage_seconds": {"read": 0.03}}],
+        "verification": {"passed": True, "device": "cuda", "mode": "full", "results": [
+            {"component": "transformer", "path": "library", "outcome": "pass", "ok": True},
+            {"component": "transformer", "path": "manual", "outcome": "pass", "ok": True}]},
+        "quality": [{"component": "transformer", "rel_error": 0.0078, "cosine": 0.99997}],
+        "seconds": {"quantize": 0.24, "verify": 18.3, "benchmark": 18.1},
+        "benchmark": {"device": "cuda", "rows": [{"component": "transformer",
+                      "quantized": {"weights_mb": 1.1, "forward_peak_mb": 12.5, "eager_ms": 3.25, "compiled_ms": 1.5},
+                      "bf16": {"weights_mb": 2.0, "forward_peak_mb": 20.0, "eager_ms": 2.0, "compiled_ms": 1.0}}]}}
+    doc.update(over)
+    return doc
+
+
+def test_read_outcome_passes_only_a_verified_publish_by_the_asked_engine(gc, tmp_path: Path):
+    run = gc.Run("int8wo/streaming", "int8wo", "streaming", ["cli"], tmp_path)
+    ok = gc.read_outcome(run, json.dumps(_doc("streaming")), 0)
+    assert ok["status"] == "ok" and ok["problems"] == []
+    assert ok["components"] == [{"name": "transformer", "engine": "streaming", "tensor_classes": {"Int8Tensor": 30},
+                                 "quantized_layers": 30, "bytes_before": 2111232, "bytes_after": 1124248}]
+    assert ok["loads"] == {"transformer/library": "pass", "transformer/manual": "pass"}
+    assert ok["verify_device"] == "cuda" and ok["benchmark"]["rows"][0]["quantized"]["eager_ms"] == 3.25
+    assert ok["quality"] == {"transformer": {"rel_error": 0.0078, "cosine": 0.99997}}
+
+    assert gc.read_outcome(run, json.dumps(_doc("library")), 0)["problems"] == [
+        "transformer: ran the library engine, not streaming"]
+    unverified = gc.read_outcome(run, json.dumps(_doc("streaming", verified=False)), 0)
+    assert unverified["status"] == "failed" and unverified["problems"] == ["not verified"]
+    failed = gc.read_outcome(run, json.dumps({"error": "VerifyError: manual path differs", "exit_code": 1}), 1)
+    assert failed["status"] == "failed" and failed["problems"] == [
+        "exit 1: VerifyError: manual path differs", "not verified", "no component quantized"]
+    refused = gc.read_outcome(run, json.dumps({"error": "--engine streaming cannot quantize transformer: x; use "
+                                                        "--engine auto", "exit_code": 1}), 1)
+    assert refused["status"] == "not applicable" and "problems" not in refused
+    garbled = gc.read_outcome(run, "Traceback (most recent call last):", 1)
+    assert garbled["status"] == "failed" and garbled["problems"][0].startswith("no JSON document on stdout (exit 1)")
+    assert gc.read_outcome(run, "", None)["problems"] == ["timed out"]
+
+
+def test_execute_times_the_cli_samples_device_memory_and_kills_on_timeout(gc, tmp_path: Path):
+    readings = iter([1000.0, 1200.0, 1800.0, 1500.0])
+    run = gc.Run("x/library", "x", "library", [sys.executable, "-c", textwrap.dedent("""
+        import os, sys, time
+        print("stderr line", file=sys.stderr)
+        time.sleep(0.5)
+        print('{"seen": "%s"}' % os.environ["CUDA_VISIBLE_DEVICES"])""")], tmp_path / "o",
+        env={"CUDA_VISIBLE_DEVICES": "hidden"})
+    log = tmp_path / "cli.log"
+    done = gc.execute(run, tmp_path, log, 30, read_memory=lambda: next(readings, None))
+    assert done["rc"] == 0 and json.loads(done["stdout"]) == {"seen": "hidden"}
+    assert done["gpu_baseline_mb"] == 1000.0 and done["gpu_peak_mb"] == 800.0
+    assert 0.4 < done["wall_s"] < 20
+    assert "===== x/library:" in log.read_text() and "stderr line" in log.read_text()
+
+    slow = gc.Run("y/library", "y", "library", [sys.executable, "-c", "import time; time.sleep(60)"], tmp_path)
+    done = gc.execute(slow, tmp_path, log, 1, read_memory=lambda: None)
+    assert done["rc"] is None and done["wall_s"] < 30 and done["gpu_peak_mb"] is None
+
+
+# ----------------------------------------------------------------------------- the loop, against a fake CLI
+
+FAKE_CLI = """
+import json, os, sys
+from pathlib import Path
+args = sys.argv[1:]
+value = lambda name: args[args.index(name) + 1]
+engine, out = value("--engine"), Path(value("--output-dir"))
+(out / "transformer").mkdir(parents=True)
+(out / "transformer" / "config.json").write_text('{"a": 1}')
+differ = engine == os.environ.get("FAKE_DIFFERS")
+(out / "transformer" / "weights.bin").write_bytes(b"streamed" if differ else b"quantized")
+doc = json.loads(os.environ["FAKE_DOC"])
+doc["components"][0]["engine"] = engine
+doc["verified"] = engine != os.environ.get("FAKE_UNVERIFIED")
+print(json.dumps(doc))
+"""
+
+
+@pytest.fixture()
+def fake_cli(gc, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    cli = tmp_path / "fake_cli.py"
+    cli.write_text(FAKE_CLI)
+    monkeypatch.setattr(gc, "cli_prefix", lambda: [sys.executable, str(cli)])
+    monkeypatch.setenv("FAKE_DOC", json.dumps(_doc()))
+    base = tmp_path / "base"
+    base.mkdir()
+    return base
+
+
+def _check(gc, tmp_path: Path, base: Path) -> tuple[int, dict[str, Any], str]:
+    out = tmp_path / "out"
+    rc = gc.main(["--allow-cpu", "--recipes", "int8wo", "--base", str(base), "--out", str(out), "--work", str(tmp_path / "w")])
+    return rc, json.loads((out / "results.json").read_text()), (out / "table.md").read_text()
+
+
+def test_check_runs_each_engine_and_compares_with_the_library_folder(gc, tmp_path: Path, fake_cli: Path, capsys):
+    rc, results, table = _check(gc, tmp_path, fake_cli)
+    assert rc == 0, results["summary"]
+    assert results["summary"] == {"ok": True, "passed": ["int8wo/library", "int8wo/streaming"], "failures": []}
+    streaming = results["runs"]["int8wo/streaming"]
+    assert streaming["compared"]["transformer"]["identical"] is True and streaming["same_as"] == "int8wo/library"
+    assert "--engine streaming" in streaming["cmd"] and streaming["outcome"]["components"][0]["engine"] == "streaming"
+    assert results["meta"]["base"] == str(fake_cli) and results["meta"]["cc"] is None and results["arith"] == {}
+    rows = [line for line in table.splitlines() if line.startswith("| int8wo")]
+    assert len(rows) == 2 and "| 3.25 (2.00) | 1.50 (1.00) | 12.5 (20.0) |" in rows[0]  # the CLI's benchmark block
+    assert rows[1].split("|")[13].strip() == "int8wo/library: yes"
+    assert table in capsys.readouterr().out and "OK: 2 runs passed" in table
+
+
+def test_check_fails_when_the_engines_differ_or_a_publish_does_not_verify(gc, tmp_path: Path, fake_cli: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("FAKE_DIFFERS", "streaming")
+    rc, results, table = _check(gc, tmp_path / "a", fake_cli)
+    assert rc == 1
+    assert results["summary"]["failures"] == [
+        "int8wo/streaming: transformer differs from int8wo/library (2 files, 0 tensors in A, 0 in B, 1 differences)"]
+    assert "int8wo/library: NO" in table and "FAILED: 2 runs passed" in table
+
+    monkeypatch.delenv("FAKE_DIFFERS")
+    monkeypatch.setenv("FAKE_UNVERIFIED", "library")
+    rc, results, table = _check(gc, tmp_path / "b", fake_cli)
+    assert rc == 1 and results["summary"]["failures"] == ["int8wo/library: not verified"]
+    assert "compared" not in results["runs"]["int8wo/streaming"]  # nothing to compare with
+
+
+def test_time_budget_skips_the_runs_that_would_not_fit(gc, tmp_path: Path, fake_cli: Path):
+    out = tmp_path / "out"
+    rc = gc.main(["--allow-cpu", "--recipes", "int8wo", "--base", str(fake_cli), "--out", str(out), "--time-budget", "10"])
+    results = json.loads((out / "results.json").read_text())
+    assert rc == 1 and results["summary"]["failures"] == ["no run passed"]
+    assert all(r["status"] == "skipped" and r["reason"].startswith("time budget") for r in results["runs"].values())
+
+
+# ----------------------------------------------------------------------------- the real CLI
 
 
 @pytest.mark.slow
-def test_cpu_tiny_mode(tmp_path: Path):
+def test_cpu_mode_runs_the_real_cli(tmp_path: Path):
     out = tmp_path / "out"
-    proc = _run(out, "--device", "cpu", "--tiny", "--recipes", "float8dq,int8wo,int4wo", "--work",
-                str(tmp_path / "work"), timeout=120)
+    proc = _script("--allow-cpu", "--recipes", "int8wo", "--engines", "streaming", "--no-benchmark", "--out", str(out),
+                   "--work", str(tmp_path / "w"), timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
-    table = (out / "table.md").read_text()
-
-    s = results["summary"]
-    assert s["ok"] and not results["failures"], results["failures"]
-    assert s["arith_identical"] is True
-    assert s["arith_dev_machine_hashes"] == ["True"]  # this CPU reproduces the hashes in publisher.testing.fp8_checks
-    assert s["recipes_ok"] == ["float8dq", "int8wo"]
-    assert "int4wo" in s["recipes_skipped"] and "CUDA" in s["recipes_skipped"]["int4wo"]
-    assert s["fp8_cpu_bytes_identical"] == {"float8dq": True}
-
-    f8 = results["recipes"]["float8dq"]
-    assert f8["class_ok"] and f8["quantized"] == f8["linears"] > 0 and f8["float8_attrs"]["ok"]
-    assert f8["reload_hf_identical"] and f8["reload_manual_identical"]  # publisher.loadpath's two paths
-    assert f8["reload_hf_classes_ok"] and f8["reload_manual_classes_ok"]
-    assert f8["quantization_config"]["quant_type"]["default"]["_type"] == "Float8DynamicActivationFloat8WeightConfig"
-    assert any(name.endswith(".index.json") for name in f8["files"])  # sharded: cross-shard reload exercised
-    cpu_made = results["fp8_cpu_vs_device"]["float8dq"]
-    assert cpu_made["device_output_identical"] and cpu_made["differing_tensors"] == []
-    assert set(cpu_made["files"]) == set(f8["files"])  # compared file by file
-    assert results["compile"]["note"].startswith("skipped")
-
-    # one table, a row per recipe plus the CPU-made float8dq row
-    rows = [line for line in table.splitlines() if line.startswith("| ")]
-    assert rows[0].startswith("| recipe | status")
-    assert [r.split("|")[1].strip() for r in rows[1:]] == ["bf16", "float8dq", "int8wo", "int4wo", "float8dq (CPU-made)"]
-    assert "| int4wo | skipped |" in table
-    assert table in proc.stdout  # the same table is printed
+    run = results["runs"]["int8wo/streaming"]
+    assert run["status"] == "ok" and run["outcome"]["verified"] is True, run
+    assert run["outcome"]["components"][0]["engine"] == "streaming"
+    assert run["outcome"]["components"][0]["tensor_classes"] == {"Int8Tensor": 30}
+    assert run["outcome"]["loads"] == {"transformer/library": "pass", "transformer/manual": "pass"}
+    assert "--engine streaming --no-push --json" in (out / "cli.log").read_text()
+    assert (tmp_path / "w" / "published" / "int8wo" / "streaming" / "transformer" / "config.json").is_file()
 
 
 @pytest.mark.gpu
@@ -64,14 +266,13 @@ def test_on_gpu(tmp_path: Path):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     out = tmp_path / "out"
-    proc = _run(out, "--device", "cuda", "--work", str(tmp_path / "work"), timeout=900)
+    proc = _script("--out", str(out), timeout=900)
     results = json.loads((out / "results.json").read_text())
-    s = results["summary"]
-    assert proc.returncode == 0 and s["ok"], json.dumps(s) + proc.stdout[-3000:]
-    cc = tuple(results["meta"]["cc"])
-    if cc >= (8, 9):
-        assert set(s["fp8_cpu_bytes_identical"]) == {"float8dq", "float8dq-tensor"}
-        assert all(s["fp8_cpu_bytes_identical"].values())
+    assert proc.returncode == 0 and results["summary"]["ok"], json.dumps(results["summary"]) + proc.stdout[-3000:]
+    if tuple(results["meta"]["cc"]) >= (8, 9):
+        made = results["runs"]["float8dq/cpu-made"]
+        assert made["status"] == "ok" and made["compared"]["transformer"]["identical"]
+        assert results["arith"]["all_identical"]
 
 
 def test_arith_check_on_cpu():

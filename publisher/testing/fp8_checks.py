@@ -1,8 +1,8 @@
-"""Float8 checks shared by tests/test_fp8cpu.py, tests/test_gpu_check.py and scripts/gpu_check.py.
+"""Float8 checks shared by tests/test_fp8cpu.py, tests/test_scripts_gpu_check.py and scripts/gpu_check.py.
 
 ``arith_check``: torture tensors quantized to float8 by torchao on the CPU (raw, and through publisher.fp8cpu),
 by fp8cpu's independent reference and, on a CUDA machine, by torchao on the GPU; bytes compared, and hashes
-compared with those made on the dev machine. ``float8_attrs_ok``: what a quantized model's Float8Tensors carry.
+compared with those made on the dev machine. ``expected_act_kwargs``: what a quantized model's Float8Tensors carry.
 """
 
 from __future__ import annotations
@@ -136,15 +136,3 @@ def expected_act_kwargs(config: Any) -> Any:
                                         hp_value_lb=config.activation_value_lb, hp_value_ub=config.activation_value_ub,
                                         kernel_preference=config.kernel_preference)
 
-
-def float8_attrs_ok(model: Any, config: Any) -> dict[str, Any]:
-    """Every Float8Tensor of ``model`` carries exactly the act-quant settings, mm_config and kernel preference
-    torchao's handler derives from ``config``, and a float32 scale; ``bad`` names the first that do not."""
-    import torch
-    from torchao.quantization import Float8Tensor
-
-    expected = expected_act_kwargs(config)
-    bad = [n for n, p in model.named_parameters() if isinstance(p, Float8Tensor) and (
-        p.act_quant_kwargs != expected or p.mm_config != config.mm_config
-        or p.kernel_preference != config.kernel_preference or p.scale.dtype != torch.float32)]
-    return {"ok": not bad, "bad": bad[:5]}
