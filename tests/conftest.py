@@ -196,3 +196,27 @@ def cli(monkeypatch: pytest.MonkeyPatch) -> Any:
 
 def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
     shutil.rmtree(_SESSION_DIR, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- how the suite spreads over the workers
+# `make test` runs `--dist loadgroup`: a test file whose tests share a module-scoped fixture (a publish, a corpus) stays
+# on one worker, as `--dist loadfile` kept every file; the files below share nothing but session fixtures (each worker
+# builds its own), so their tests go to whichever worker is free; before, the 25 family publishes sat on one worker.
+SPREAD = {"test_families", "test_job", "test_hub", "test_cli", "test_publish_configs", "test_family_failures",
+          "test_hfjobs_e2e", "test_action", "test_one_pass", "test_signals", "test_quality_e2e", "test_local_inputs",
+          "test_verify_full"}
+# Files in the order their work is handed out, the costliest first (seconds on 2 cores, `--durations` of a full run), so
+# that no long test starts last and leaves the other worker idle; files not named here follow, in their usual order.
+COST_ORDER = ["test_families", "test_stages_card", "test_verify_full", "test_hub", "test_job", "test_hfjobs_e2e",
+              "test_integrity", "test_quality_e2e", "test_publish_configs", "test_verify_matrix", "test_action",
+              "test_signals", "test_family_failures", "test_verify_peers", "test_verify_streaming", "test_one_pass"]
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
+def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if module not in SPREAD and item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(module))
+    rank = {name: i for i, name in enumerate(COST_ORDER)}
+    items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)))

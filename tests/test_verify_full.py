@@ -24,12 +24,26 @@ def _publish_local(cli: Any, base: Path, out: Path, *extra: str) -> dict[str, An
     return json.loads(result.stdout)
 
 
+# int8wo on every load path of the tiny FLUX and Llama (and of every other family) is tests/test_families.py's corpus,
+# with the same checks; here the other CPU recipes, one publish each.
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", CPU_RECIPES)
+@pytest.mark.parametrize("recipe", [r for r in CPU_RECIPES if r != "int8wo"])
 def test_all_paths_text_encoder_and_llama(cli: Any, tiny_flux_dir: Path, tiny_llama_dir: Path, tmp_path: Path, recipe: str) -> None:
+    """Each CPU recipe on a pipeline (a diffusers and a transformers component) and on a causal LM: every load path
+    reproduces the in-memory model bit for bit, and the folder is a standalone repo."""
     tensor_class = recipes.get(recipe).tensor_class
     flux = _publish_local(cli, tiny_flux_dir, tmp_path / "flux", "--quant", recipe, "--components", "transformer,text_encoder_2")
     llama = _publish_local(cli, tiny_llama_dir, tmp_path / "llama", "--quant", recipe)
+    out = tmp_path / "flux"
+    assert flux["verified"] and flux["url"] is None and flux["commit"] is None  # --no-push: nothing on the Hub
+    assert json.loads((out / "verification.json").read_text())["passed"]
+    assert (out / "README.md").is_file() and (out / "model_index.json").is_file()
+    by_name = {c["name"]: c for c in flux["components"]}
+    assert set(by_name) == {"transformer", "text_encoder_2"}
+    assert all(tensor_class in c["tensor_classes"] for c in flux["components"])
+    # the text encoder is saved by transformers, with transformers' torchao quantization_config
+    assert json.loads((out / "text_encoder_2" / "config.json").read_text())["quantization_config"]["quant_method"] == "torchao"
+    assert by_name["text_encoder_2"]["quantized_layers"] == 7
     for data, comps in ((flux, {"transformer", "text_encoder_2"}), (llama, {""})):
         report = data["verification"]
         assert report["passed"]
@@ -65,6 +79,7 @@ def _copy(folder: Path, tmp_path: Path) -> Path:
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("test_verify_full-verified_folder")  # one module fixture: one worker
 def test_verify_command_passes_and_requantizes_the_base(cli: Any, verified_folder: Path) -> None:
     result = cli("verify", str(verified_folder), "--json")
     assert result.exit_code == 0, result.output
@@ -74,6 +89,7 @@ def test_verify_command_passes_and_requantizes_the_base(cli: Any, verified_folde
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("test_verify_full-verified_folder")  # one module fixture: one worker
 def test_tampered_tensor_fails_with_its_name(cli: Any, verified_folder: Path, tmp_path: Path) -> None:
     import struct
 
@@ -91,6 +107,7 @@ def test_tampered_tensor_fails_with_its_name(cli: Any, verified_folder: Path, tm
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("test_verify_full-verified_folder")  # one module fixture: one worker
 def test_missing_shard_fails_every_path(cli: Any, verified_folder: Path, tmp_path: Path) -> None:
     folder = _copy(verified_folder, tmp_path)
     (folder / "transformer" / "diffusion_pytorch_model.safetensors").unlink()
