@@ -48,7 +48,8 @@ def test_call_syntax_and_json_configs_publish_and_reload(cli: Any, llama_repo: s
     config_file = tmp_path / "int8dq.json"
     config_file.write_text(json.dumps(config_to_dict(Int8DynamicActivationInt8WeightConfig()), indent=2))
     args = [llama_repo, "--quant", CALLS[0], "--quant", CALLS[1], "--quant", str(config_file),
-            "--quant", "int8dq-int4", "--repo-id", "alice/cfg-{recipe}", "--json", *SMALL]
+            "--quant", "int8dq-int4", "--repo-id", "alice/cfg-{recipe}", "--json", *SMALL,
+            "--verify-mode", "streaming"]  # reloaded below with from_pretrained; the fresh-process reloads: test_verify_full
     result = cli(*args, token="tok_alice")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
