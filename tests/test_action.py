@@ -364,8 +364,9 @@ def test_a_cancelled_run_reaches_the_cli_which_deletes_the_repo_it_created(tmp_p
     hub.clear_faults()
     hub.set_fault(delay_s=1.0, match=f"/api/models/{target}/preupload/", count=10_000)  # the run sits in its push
     try:
+        # in-process verification: the subject is the cancel during the push (the publish test above keeps the default)
         run = run_action({"model": flux_repo, "quant": "int8wo", "repo-id": target, "hf-token": "tok_alice",
-                          "extra-args": SMALL}, tmp_path,
+                          "extra-args": f"{SMALL} --verify-mode streaming"}, tmp_path,
                          interrupt=Interrupt("publish", lambda: hub.faults_fired.get("delay", 0) >= 1, signal.SIGINT))
     finally:
         hub.clear_faults()

@@ -62,9 +62,11 @@ def _assert_token_only_a_secret(hub: Any, job_id: str, token: str) -> None:
 @pytest.mark.slow
 def test_publish_tiny_flux_on_two_parallel_jobs_and_attach_again(cli: Any, hub: Any, flux_repo: str) -> None:
     started = time.monotonic()
-    # a target of its own: another test file on this worker's loopback Hub may have published the default names
+    # the jobs verify in process (the option reaches the jobs' command line): the subject is the jobs, not the load
+    # paths; the default mode's fresh-interpreter reloads are covered end to end by test_action.py's publish.
+    # A target of its own: another test file on this worker's loopback Hub may have published the default names.
     result = cli(flux_repo, "--quant", "int8wo,float8wo", "--on-hf-jobs", "cpu-basic", "--json", *SMALL,
-                 "--repo-id", "alice/tiny-flux-two-jobs-{recipe}", token=TOKEN)
+                 "--verify-mode", "streaming", "--repo-id", "alice/tiny-flux-two-jobs-{recipe}", token=TOKEN)
     took = time.monotonic() - started
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
@@ -82,6 +84,7 @@ def test_publish_tiny_flux_on_two_parallel_jobs_and_attach_again(cli: Any, hub: 
         assert job.spec["timeoutSeconds"] == 7200 and job.spec["labels"]["recipe"] == entry["recipe"]
         args = json.loads(job.spec["command"][-1])["args"]
         assert args[:3] == ["publish", flux_repo, "--quant"] and "--json" in args and "--revision" in args
+        assert args[args.index("--verify-mode") + 1] == "streaming"
         assert entry["pushed"] and entry["verified"] and api.model_info(entry["repo_id"]).sha == entry["commit"]
         assert "verification.json" in api.list_repo_files(entry["repo_id"])
         _assert_token_only_a_secret(hub, job_id, TOKEN)
@@ -174,14 +177,16 @@ def test_ctrl_c_cancels_the_submitted_job(hub: Any, flux_repo: str) -> None:
 @pytest.mark.slow
 def test_the_action_runs_on_hf_jobs(hub: Any, flux_repo: str, tmp_path: Path) -> None:
     run = run_action({"model": flux_repo, "quant": "int8wo", "repo-id": "alice/tiny-flux-action-jobs", "hf-token": TOKEN,
-                      "run-on": "hf-jobs", "hf-jobs-flavor": "cpu-basic", "extra-args": " ".join(SMALL)}, tmp_path)
+                      "run-on": "hf-jobs", "hf-jobs-flavor": "cpu-basic",
+                      "extra-args": " ".join([*SMALL, "--verify-mode", "streaming"])}, tmp_path)
     assert run.returncode == 0, run.log[-4000:]
     assert run.outputs["verified"] == "true" and run.outputs["repo-id"] == "alice/tiny-flux-action-jobs"
     result = json.loads(run.outputs["result-json"])
     (job_id,) = _started(run.log)
     assert result == _result_in_log(hub, job_id) and result["commit"] == run.outputs["commit-sha"]
     assert run.outputs["output-dir"] == ""  # nothing was made on the runner
-    assert "--output-dir" not in json.loads(hub.jobs.get(job_id).spec["command"][-1])["args"]
+    args = json.loads(hub.jobs.get(job_id).spec["command"][-1])["args"]
+    assert "--output-dir" not in args and args[args.index("--verify-mode") + 1] == "streaming"  # extra-args reach the job
     assert_secret_absent(run, TOKEN)
     _assert_token_only_a_secret(hub, job_id, TOKEN)
 
