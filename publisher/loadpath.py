@@ -16,7 +16,8 @@ Load paths:
   its tensor classes); a pickle that loader refuses makes the path "not applicable", never a full unpickle.
 
 The request's ``dtype`` is the dtype the model is loaded in (the one its torchao tensors record; bfloat16 by
-default). An output with non-finite values is reported with the first module whose output has them.
+default). An output with non-finite values is reported with the first module whose output has them, and so is a
+NaN inside the model that a later kernel dropped (the output finite only by the luck of this CPU's kernels).
 """
 
 from __future__ import annotations
@@ -349,13 +350,21 @@ def load_call(path: Any, device: str = "cpu") -> dict[str, Any]:
 
 
 def run_forward(model: Any, library: str, inputs_file: str, output_file: str, device: str = "cpu") -> dict[str, str] | None:
-    """Run the recorded call and save its first output; returns where non-finite values first appear (or None)."""
+    """Run the recorded call once, every leaf module watched, and save its first output. Returns None when all is
+    finite; else the first module (in execution order) whose output held a NaN or an infinity, with which, and
+    ``"output": "finite"`` when the model's own output is finite all the same."""
     from safetensors.torch import save_file
 
     inputs = load_call(inputs_file, device)
-    first = forward(model, library, inputs)
+    first, found, nan = _watched_forward(model, library, inputs)
     save_file({"output": first.detach().contiguous().cpu()}, output_file)
-    return first_nonfinite(model, library, inputs) if _nonfinite(first) else None
+    what = _nonfinite(first)
+    if what:
+        return found or {"layer": "", "what": what}
+    # A NaN inside is a wrong model even when a later kernel drops it: the CPU attention kernels built for AVX-512
+    # turn an all-NaN query into zeros, those for AVX2 carry the NaN on, so the output alone says pass on one CPU and
+    # fail on the other. An infinity inside is left to the output: some models clamp one away by design (T5 in fp16).
+    return {"layer": nan, "what": "NaN", "output": "finite"} if nan else None
 
 
 def _nonfinite(t: Any) -> str | None:
@@ -366,26 +375,35 @@ def _nonfinite(t: Any) -> str | None:
     return "NaN" if bool(torch.isnan(t).any()) else "inf"
 
 
-def first_nonfinite(model: Any, library: str, inputs: dict[str, Any]) -> dict[str, str]:
-    """Run the call again with a forward hook on every leaf module: the first (in execution order) whose output holds
-    a NaN or an infinity, with which ("layer" empty when no module's own output had them)."""
+def _watched_forward(model: Any, library: str, inputs: dict[str, Any]) -> tuple[Any, dict[str, str], str]:
+    """``forward`` with a hook on every leaf module: (its first output, the first module whose output held a NaN
+    or an infinity, with which (empty when none did), the first module whose output held a NaN ("" when none))."""
     found: dict[str, str] = {}
+    nan = [""]
 
     def hook(name: str) -> Any:
         def check(module: Any, args: Any, output: Any) -> None:
             for o in output if isinstance(output, (tuple, list)) else (output,):
-                what = None if found else _nonfinite(o)
-                if what:
+                what = None if found and nan[0] else _nonfinite(o)
+                if what and not found:
                     found.update(layer=name, what=what)
+                if what == "NaN" and not nan[0]:
+                    nan[0] = name
         return check
 
     handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n and not list(m.children())]
     try:
-        forward(model, library, inputs)
+        first = forward(model, library, inputs)
     finally:
         for h in handles:
             h.remove()
-    return found or {"layer": "", "what": "NaN"}
+    return first, found, nan[0]
+
+
+def first_nonfinite(model: Any, library: str, inputs: dict[str, Any]) -> dict[str, str]:
+    """Run the call with a forward hook on every leaf module: the first (in execution order) whose output holds
+    a NaN or an infinity, with which ("layer" empty when no module's own output had them)."""
+    return _watched_forward(model, library, inputs)[1] or {"layer": "", "what": "NaN"}
 
 
 def main(request_file: str) -> int:

@@ -154,4 +154,6 @@ class LmFigures:
     def recovery(self) -> float | None:
         if self.base_ppl is None or self.quantized_ppl is None:
             return None
-        return 100.0 * self.base_ppl / self.quantized_ppl
+        # The ratio first: x / x is exactly 1.0, so a model against itself recovers exactly 100 (100 * x / x rounds
+        # 100 * x first and need not give 100 back).
+        return 100.0 * (self.base_ppl / self.quantized_ppl)

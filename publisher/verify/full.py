@@ -397,5 +397,9 @@ def compare(exp: Expected, data: dict[str, Any], path: str, env_name: str, pytho
 
 def nonfinite_text(bad: dict[str, str]) -> str:
     """How a forward with non-finite outputs is reported (the worker's ``nonfinite`` record)."""
+    what = bad.get("what") or "NaN"
+    if bad.get("output") == "finite":  # dropped on the way out by a later kernel (see loadpath.run_forward)
+        return (f"layer {bad['layer']} computes non-finite values ({what}); the output is finite only because a later "
+                "kernel on this machine drops them")
     where = f", first produced by layer {bad['layer']}" if bad.get("layer") else ""
-    return f"the output holds non-finite values ({bad.get('what') or 'NaN'}){where}"
+    return f"the output holds non-finite values ({what}){where}"
