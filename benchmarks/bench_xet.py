@@ -10,7 +10,7 @@ takes the path users take on huggingface.co: ``resolve/`` answers with ``X-Xet-H
 read token and hf_xet reassembles the file from the CAS into the cache's shared blob store.
 
 1. **One file**, ``--file-gib`` GiB, each transfer in a fresh process, peak RSS from the kernel (ru_maxrss):
-   a download through hf_xet with its own defaults, the same with the bound the CLI sets (publisher.xetupload
+   a download through hf_xet with its own defaults, the same with the bound the CLI sets (publisher.io.xetupload
    MEMORY_BOUND), the same file over plain HTTP (``HF_HUB_DISABLE_XET=1``, through the storage bridge), and an
    upload of a file of that size through hf_xet.
 2. **A publish** (unless ``--skip-publish``): the FLUX-shaped pipeline of benchmarks/bench_publish.py at ``--scale``
@@ -75,8 +75,8 @@ def _child(code: str, env: dict[str, str]) -> dict[str, float]:
 def one_file(work: Path, url: str, gib: float) -> dict[str, Any]:
     from huggingface_hub import HfApi
 
+    from publisher.io.xetupload import MEMORY_BOUND
     from publisher.testing.virtual import safetensors_file
-    from publisher.xetupload import MEMORY_BOUND
 
     rows = int(gib * GIB) // (2 * 4096)
     vf = safetensors_file([("w", (rows, 4096))], seed=11, noise=True)  # non-repeating: nothing for Xet to dedup

@@ -54,7 +54,8 @@ def _start(debug: bool, quiet: bool) -> None:
     """Before a command imports any library: logging (with the library noise filter) and hf_xet's memory bound
     (read when hf_xet starts its first session). Xet itself is huggingface_hub's default, on every Hub that offers
     it; only the user's own HF_HUB_DISABLE_XET=1 turns it off."""
-    from publisher import logs, xetupload
+    from publisher.io import xetupload
+    from publisher.runtime import logs
 
     logs.setup(debug=debug, quiet=quiet)
     xetupload.bound_memory()
@@ -85,7 +86,7 @@ class _Failure(click.ClickException):
 def _run_mapped(debug: bool, fn: Any, *args: Any, **kwargs: Any) -> Any:
     """Run library code; known errors become one-line messages (tracebacks only with --debug)."""
     from publisher.messages import describe
-    from publisher.signals import handled
+    from publisher.runtime.signals import handled
 
     try:
         with handled():  # SIGINT / SIGTERM unwind the run (its cleanup runs), then exit 130 / 143 with one line

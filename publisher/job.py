@@ -17,11 +17,11 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from publisher import hub
 from publisher import recipes as recipe_registry
 from publisher.errors import Interrupted, PublishError, RunFailed, SourceError, TargetError, VerificationError
 from publisher.handoffs.artifacts import Artifacts
 from publisher.handoffs.report import ForwardInputs, VerifyReport, require_passed
+from publisher.io import hub
 from publisher.quality import stage as quality
 from publisher.recipes import Recipe
 from publisher.request import Outcome, PublishRequest
@@ -68,8 +68,8 @@ def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = 
     src = source_stage.resolve(req.model, req.revision, token)
     user, who = None, None  # before any file of the base is read: a gated base needs the token's gated access
     if token:
-        from publisher import hub
-        from publisher.tokens import TokenRights
+        from publisher.io import hub
+        from publisher.io.tokens import TokenRights
 
         who = hub.call(hub.client(token).whoami, what="checking the token")
         user = who.get("name")
@@ -106,7 +106,7 @@ def run(req: PublishRequest) -> list[Outcome]:
             if outcome.folder is not None and not outcome.folder.exists():
                 outcome.folder = None
         raise RunFailed(exc, outcomes) from exc
-    except KeyboardInterrupt as exc:  # SIGINT / SIGTERM (publisher.signals): the cleanup ran; say what stays
+    except KeyboardInterrupt as exc:  # SIGINT / SIGTERM (publisher.runtime.signals): the cleanup ran; say what stays
         stop = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
         stop.left = unfinished.kept_for_resume(plan, [bytes_key(state_for(plan, r)) for r in plan.recipes]) + stop.left
         raise stop from None

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import signal
 
-from publisher import hub
 from publisher.errors import Interrupted, PublishError, RunFailed
+from publisher.io import hub
 
 
 def describe(exc: BaseException) -> tuple[str, int] | None:
     """(message, exit code) for an error we know how to explain; None for a real bug."""
     if isinstance(exc, RunFailed):  # a run that stopped: what stopped it is what the user needs to read
         return describe(exc.cause)
-    if isinstance(exc, KeyboardInterrupt):  # SIGINT / SIGTERM: the cleanup ran on the way out (publisher.signals)
+    if isinstance(exc, KeyboardInterrupt):  # SIGINT / SIGTERM: the cleanup ran on the way out (publisher.runtime.signals)
         stop = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
         then = (f"left: {'; '.join(stop.left)}; {stop.resume} to resume" if stop.left else
                 f"nothing was left to resume from; {stop.resume} to start again")
@@ -60,13 +60,13 @@ def describe(exc: BaseException) -> tuple[str, int] | None:
         if status == 412:
             return "the target repo changed while publishing (another writer); re-run to publish on top of it", 1
         if isinstance(status, int) and (status >= 500 or status == 429):
-            from publisher.hub import settings
+            from publisher.io.hub import settings
 
             return (f"the Hub kept failing ({status}: {exc.server_message or _first_line(exc)}) after "
                     f"{settings()[0]} tries; nothing was changed by the failed request, try again later"), 1
         return f"Hub request failed ({status}): {exc.server_message or _first_line(exc)}", 1
     if isinstance(exc, OSError) and str(exc).startswith("Consistency check failed"):  # a short body, every try
-        from publisher.hub import settings
+        from publisher.io.hub import settings
 
         return (f"a download from {hub.endpoint()} was cut short on each of {settings()[0]} tries ({_first_line(exc)}); "
                 "check the network or proxy, then re-run the same command"), 1

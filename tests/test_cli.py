@@ -22,13 +22,14 @@ import click
 import pytest
 from click.testing import CliRunner, Result
 
-from publisher import __version__, logs
+from publisher import __version__
 from publisher import recipes as recipe_registry
 from publisher.cli import main
 from publisher.errors import SourceError, TargetError
 from publisher.handoffs.report import PathResult, VerifyReport
 from publisher.recipe_table import RECIPES_WIDTH
 from publisher.request import Outcome, PublishRequest
+from publisher.runtime import logs
 
 SMALL = ["--sample-steps", "2", "--sample-size", "64"]
 SECRET = "hf_s3cret_never_printed"
@@ -850,7 +851,7 @@ def test_known_library_noise_is_hidden_unless_debug(capsys: pytest.CaptureFixtur
 
 @pytest.mark.slow  # two fresh interpreters importing torch, torchao, diffusers and transformers
 def test_library_loggers_keep_our_handler_whoever_is_imported_first() -> None:
-    code = ("import logging, sys\nfrom publisher import logs\n"
+    code = ("import logging, sys\nfrom publisher.runtime import logs\n"
             "import huggingface_hub\nlogs.setup(debug='-d' in sys.argv)\n"
             "import torchao, diffusers.quantizers.torchao.torchao_quantizer, transformers\n"
             "from diffusers.utils import logging as dl\ndl.get_logger('diffusers.x').warning('diffusers says')\n"

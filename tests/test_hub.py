@@ -419,7 +419,7 @@ def test_retry_classifies_errors_and_stays_bounded(monkeypatch: pytest.MonkeyPat
     import httpx2
     from huggingface_hub.errors import HfHubHTTPError, OfflineModeIsEnabled
 
-    from publisher import hub
+    from publisher.io import hub
 
     def http(status: int, headers: dict[str, str] | None = None) -> HfHubHTTPError:
         response = httpx2.Response(status, headers=headers, request=httpx2.Request("POST", "http://127.0.0.1/x"))
@@ -465,7 +465,7 @@ def test_a_429_with_the_hubs_ratelimit_header_waits_out_the_window(monkeypatch: 
     import httpx2
     from huggingface_hub.errors import HfHubHTTPError
 
-    from publisher import hub
+    from publisher.io import hub
 
     def limited(reset: int, left: int = 0) -> HfHubHTTPError:
         headers = {"RateLimit": f'"api";r={left};t={reset}', "RateLimit-Policy": '"fixed window";"api";q=500;w=300'}

@@ -1,4 +1,4 @@
-"""Every base byte checked against the Hub's own hashes (publisher/integrity.py, downloads.py, verify/hashes.py).
+"""Every base byte checked against the Hub's own hashes (publisher/io/integrity.py, downloads.py, verify/hashes.py).
 
 A faulty link between the client and the loopback Hub (its body faults: a flipped byte with the right size and
 ETag, a truncated body, a dropped connection, an ignored Range) must never end as a published repo: a corrupted
@@ -61,7 +61,7 @@ def _blobs(repo_id: str) -> set[str]:
 # ---- unit: the hash primitives --------------------------------------------------------------------------
 def test_hashed_reader_covers_gaps_and_refuses_out_of_order_reads() -> None:
     from publisher.errors import IntegrityError
-    from publisher.integrity import FileHash, HashedReader
+    from publisher.io.integrity import FileHash, HashedReader
 
     data = bytes(range(256)) * 4000  # 1,024,000 bytes: the gaps below span several read blocks
     good = FileHash("sha256", hashlib.sha256(data).hexdigest(), len(data))
@@ -106,7 +106,7 @@ def test_spilling_reader_takes_any_order_fetches_each_byte_once_and_hashes_in_fi
     import random
 
     from publisher.errors import IntegrityError
-    from publisher.integrity import FileHash, SpillingHashedReader
+    from publisher.io.integrity import FileHash, SpillingHashedReader
 
     data = random.Random(0).randbytes(1_000_000)
     good = FileHash("sha256", hashlib.sha256(data).hexdigest(), len(data))
@@ -147,7 +147,7 @@ def test_spilling_reader_takes_any_order_fetches_each_byte_once_and_hashes_in_fi
 def test_the_spilling_readers_hashing_thread_hands_its_errors_to_the_caller(tmp_path: Path) -> None:
     """Hashing and spilling run on a thread of their own: what fails there (here: a spill folder that is gone)
     reaches the caller's next read or finish(), and close() leaves nothing behind."""
-    from publisher.integrity import FileHash, SpillingHashedReader
+    from publisher.io.integrity import FileHash, SpillingHashedReader
 
     data = bytes(range(256)) * 4000
     good = FileHash("sha256", hashlib.sha256(data).hexdigest(), len(data))
@@ -167,7 +167,7 @@ def test_the_spilling_readers_hashing_thread_hands_its_errors_to_the_caller(tmp_
 
 
 def test_git_blob_ids_and_the_state_file_form(tmp_path: Path) -> None:
-    from publisher.integrity import FileHash, check_file, hash_file
+    from publisher.io.integrity import FileHash, check_file, hash_file
 
     path = tmp_path / "config.json"
     path.write_bytes(b'{"a": 1}\n')
@@ -220,8 +220,8 @@ def test_a_bad_shared_cache_copy_is_never_deleted_and_the_repo_gets_its_own(hub:
     removes only this repo's links and downloads the file again outside the shared store; the checked copy is kept as
     this repo's own blob and replaces the shared file's content in place (never deleted: other repos' snapshots point
     at it, and now read the right bytes)."""
-    from publisher.downloads import download
-    from publisher.integrity import hashes_of
+    from publisher.io.downloads import download
+    from publisher.io.integrity import hashes_of
 
     model = distinct_copy(tiny_llama_dir, tmp_path / "model", salt=2)
     first, second = "meta/integ-shared-a", "meta/integ-shared-b"
@@ -287,8 +287,8 @@ def test_a_resumed_download_through_a_proxy_that_ignores_range_is_started_over(h
     whole file then makes it start over (never append the wrong bytes), and the hash check confirms it."""
     from huggingface_hub import HfApi
 
-    from publisher.downloads import download
-    from publisher.integrity import hashes_of
+    from publisher.io.downloads import download
+    from publisher.io.integrity import hashes_of
 
     big, repo = os.urandom(11 * 2**20), "meta/integ-resume"
     api = HfApi(token="tok_meta")

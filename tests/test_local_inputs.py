@@ -1,4 +1,4 @@
-"""Local folders we do not own (publisher/localfiles.py), the JSON reader (publisher/jsonfile.py) and our own
+"""Local folders we do not own (publisher/io/localfiles.py), the JSON reader (publisher/io/jsonfile.py) and our own
 leftovers (publisher/stages/unfinished.py): the rules the hostile-input suite relies on, one by one (fast)."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from publisher import jsonfile
 from publisher.errors import InputError, TargetError
-from publisher.localfiles import allowed_roots, copy_regular, list_folder, open_regular
+from publisher.io import jsonfile
+from publisher.io.localfiles import allowed_roots, copy_regular, list_folder, open_regular
 from publisher.stages import unfinished
 
 
@@ -177,8 +177,8 @@ def test_a_base_with_links_inside_publishes_plain_files(cli: Any, tiny_llama_dir
 def test_only_the_marked_shared_store_counts_as_shared_blobs(tmp_path: Path) -> None:
     """A cache entry whose blob links into huggingface_hub's marked shared store is a shared Xet copy (repaired in
     place, never deleted); a blob a user linked elsewhere is not, so nothing outside the cache is ever overwritten."""
-    from publisher.downloads import shared_copy
-    from publisher.localfiles import SHARED_BLOBS_MARKER
+    from publisher.io.downloads import shared_copy
+    from publisher.io.localfiles import SHARED_BLOBS_MARKER
 
     cache = tmp_path / "hub"
     repo = cache / "models--org--name"

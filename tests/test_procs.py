@@ -1,4 +1,4 @@
-"""Child processes run in their own process group and are killed with it when we stop waiting (publisher/procs.py)."""
+"""Child processes run in their own process group and are killed with it when we stop waiting (publisher/runtime/procs.py)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _dead(pid: int) -> bool:
 
 
 def test_a_timeout_kills_the_whole_group_and_a_normal_run_returns_its_output(tmp_path: Path) -> None:
-    from publisher import procs
+    from publisher.runtime import procs
 
     pid_file = tmp_path / "grandchild.pid"
     script = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "

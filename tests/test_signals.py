@@ -1,4 +1,4 @@
-"""SIGTERM and SIGINT end a run cleanly at any stage (publisher/signals.py, procs.py, stages/unfinished.py).
+"""SIGTERM and SIGINT end a run cleanly at any stage (publisher/runtime/signals.py, procs.py, stages/unfinished.py).
 
 Each test starts the real CLI as a subprocess against the loopback Hub, with TMPDIR and HF_HOME pointed at its own
 folders, holds it in one stage (a worker process that is running, or the loopback Hub delaying an answer), sends the
@@ -34,7 +34,7 @@ def hub(hub: Any) -> Any:
 def test_handled_turns_both_signals_into_interrupted_and_restores_the_handlers() -> None:
     from publisher.errors import Interrupted
     from publisher.messages import describe
-    from publisher.signals import handled
+    from publisher.runtime.signals import handled
 
     before = signal.getsignal(signal.SIGTERM)
     for signum, code in ((signal.SIGTERM, 143), (signal.SIGINT, 130)):

@@ -1,4 +1,4 @@
-"""publisher/tokens.py: what a token may do, read from whoami-v2, and the preflight that refuses a token that cannot
+"""publisher/io/tokens.py: what a token may do, read from whoami-v2, and the preflight that refuses a token that cannot
 finish the job before anything is downloaded (read-only, fine-grained without repo.write on the target namespace,
 fine-grained without gated read access for a gated base)."""
 
@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 from conftest import seed
 
-from publisher.tokens import TokenRights
+from publisher.io.tokens import TokenRights
 
 
 def _who(role: str, **grained: Any) -> dict[str, Any]:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from publisher.errors import SourceError
-from publisher.integrity import FileHash
+from publisher.io.integrity import FileHash
 from publisher.recipes import Recipe
 
 DENOISERS = ("transformer", "unet", "prior", "decoder")
@@ -29,7 +29,7 @@ class Source:
     card_data: dict[str, Any] = field(default_factory=dict)  # YAML front matter of the base README
     endpoint: str | None = None
     # Hub only: every file's sha256 (LFS) or git blob id as the Hub reports it at the pinned sha; every download
-    # and range read of the base is compared with it before use (publisher.integrity)
+    # and range read of the base is compared with it before use (publisher.io.integrity)
     hashes: dict[str, FileHash] = field(default_factory=dict)
     gated: bool = False  # Hub only: its files need accepted terms (and, for a fine-grained token, gated read access)
 
@@ -53,7 +53,7 @@ class Source:
     def read_json(self, path: str, token: str | None) -> dict[str, Any]:
         """A JSON file of the base (model_index.json, a config, an index) as an object, through the one JSON
         reader; its size limit is checked from the listing first, so an oversized file is never downloaded."""
-        from publisher import jsonfile
+        from publisher.io import jsonfile
 
         what = self.where(path)
         limit = jsonfile.limit_for(path)
@@ -69,7 +69,7 @@ class Source:
 
     def roots(self) -> tuple[Path, ...] | None:
         """Where a local base's files may resolve to (links never lead outside the folder)."""
-        from publisher.localfiles import allowed_roots
+        from publisher.io.localfiles import allowed_roots
 
         return allowed_roots(self.local_dir) if self.local_dir is not None else None
 
@@ -79,7 +79,7 @@ class Source:
             raise SourceError(f"{self.display} has no file {path}")
         if self.local_dir is not None:
             return self.local_dir / path
-        from publisher.downloads import download
+        from publisher.io.downloads import download
 
         # a Hub file is checked against the hash its repo records before anything reads it
         return download(self.repo_id, self.sha, [path], self.hashes, token) / path  # type: ignore[arg-type]

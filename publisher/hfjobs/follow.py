@@ -23,9 +23,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from publisher import hub
 from publisher.errors import PublishError
 from publisher.hfjobs.bootstrap import EXIT_MARKER, RESULT_MARKER
+from publisher.io import hub
 
 if TYPE_CHECKING:
     from huggingface_hub import HfApi

@@ -22,8 +22,9 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from publisher import __version__, hub
+from publisher import __version__
 from publisher.errors import PublishError
+from publisher.io import hub
 
 log = logging.getLogger(__name__)
 

@@ -61,7 +61,7 @@ def check_flavor(recipes: Sequence[Recipe], name: str, flavors: Sequence[Flavor]
 
 def check_token_can_run_jobs(who: dict[str, Any], namespace: str) -> None:
     """A read token cannot publish; a fine-grained token needs the job.write permission on ``namespace``."""
-    from publisher.tokens import TokenRights
+    from publisher.io.tokens import TokenRights
 
     rights = TokenRights.of(who)
     if rights.role == "read":

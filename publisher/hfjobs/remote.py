@@ -18,11 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from publisher import hub
 from publisher.errors import RunFailed, TargetError, UsageError
 from publisher.flavors import Flavor
 from publisher.hfjobs import bootstrap, hardware, package, preflight
 from publisher.hfjobs.follow import Follower, JobFailed, RemoteOutcome, stage_name, terminate_as_interrupt
+from publisher.io import hub
 from publisher.job import make_plan, resolve_token
 from publisher.request import PublishRequest
 from publisher.stages.plan import parse_recipes

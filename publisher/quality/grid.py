@@ -162,7 +162,7 @@ class Offloaded:
         import torch
         from diffusers import DiffusionPipeline
 
-        from publisher.jsonfile import read_object
+        from publisher.io.jsonfile import read_object
         from publisher.quality.sources import load_whole
         from publisher.streaming.shards import TensorReader, build_index
         from publisher.verify.streaming import BLOCK_BUDGET, BlockLoader, meta_model

@@ -90,7 +90,7 @@ class Evaluation:
             self._windows()
 
     def _windows(self) -> None:
-        from publisher.jsonfile import read_object
+        from publisher.io.jsonfile import read_object
         from publisher.quality.text import windows
 
         assert self.text is not None
@@ -142,7 +142,7 @@ class Evaluation:
                                  list(self.plan.exclude), local_shards(folder))
 
     def _lm(self, artifacts: Artifacts, base_sources: dict[str, Any], pass_seconds: float, recipe: Recipe) -> lm.LmFigures:
-        from publisher.jsonfile import read_object
+        from publisher.io.jsonfile import read_object
 
         comp = artifacts.components[0]
         config = read_object(self.configs / "config.json")

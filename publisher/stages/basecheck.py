@@ -16,9 +16,9 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from publisher import jsonfile
 from publisher.errors import InputError
 from publisher.handoffs.plan import Source
+from publisher.io import jsonfile
 from publisher.streaming.validate import HeaderEntry
 
 Header = tuple[dict[str, str], dict[str, HeaderEntry]]  # (``__metadata__``, tensors by name) of one safetensors file
@@ -52,7 +52,7 @@ def _header(source: Source, path: str, token: str | None) -> Header:
 
     where = source.where(path)
     if source.local_dir is not None:
-        from publisher.localfiles import open_regular
+        from publisher.io.localfiles import open_regular
 
         with open_regular(source.local_dir / path, source.roots()) as local:
             return read_header(local, where)

@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from publisher import __version__, logs
+from publisher import __version__
 from publisher.handoffs.artifacts import Artifacts
 from publisher.handoffs.plan import DENOISERS, Plan
 from publisher.handoffs.report import VerifyReport
+from publisher.runtime import logs
 from publisher.verify import claims
 
 TEMPLATE_NAME = "modelcard.md.j2"

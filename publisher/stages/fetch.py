@@ -1,7 +1,7 @@
 """Stage 2: bring exactly the planned base files onto local disk (nothing for a local folder).
 
 Every downloaded file is hashed and compared with the sha256 / git blob id the Hub reported at plan time before
-anything reads it (publisher.downloads); under --low-disk the quantized components' shards are read by HTTP
+anything reads it (publisher.io.downloads); under --low-disk the quantized components' shards are read by HTTP
 range through one running hash per shard, compared when the shard was read to its end (``RemoteWeights``).
 """
 
@@ -34,7 +34,7 @@ def _download(plan: Plan, files: list[str], token: str | None) -> Path:
     source = plan.source
     if source.local_dir is not None:
         return source.local_dir
-    from publisher.downloads import download
+    from publisher.io.downloads import download
 
     total = sum(source.sizes.get(f, 0) for f in files)
     log.info("downloading %d files (%.1f MB) of %s, each checked against the Hub's sha256", len(files), total / 1e6,
@@ -102,7 +102,7 @@ class HashedShards:
         self.prefix = f"{comp.name}/" if comp.name else ""
 
     def open(self, name: str) -> BinaryIO:
-        from publisher.integrity import SpillingHashedReader
+        from publisher.io.integrity import SpillingHashedReader
 
         src = self.plan.source
         label = f"{self.prefix}{name} of {src.repo_id}@{(src.sha or '')[:12]}"
@@ -112,7 +112,7 @@ class HashedShards:
     def release(self, shard: object) -> None:
         """The engine read the whole shard: compare its running hash with the Hub's before anything is committed
         (a mismatch stops the run; output shards already pre-uploaded belong to no commit)."""
-        from publisher.integrity import HashedReader, SpillingHashedReader
+        from publisher.io.integrity import HashedReader, SpillingHashedReader
 
         if isinstance(shard, HashedReader):
             shard.finish(after="nothing was committed")

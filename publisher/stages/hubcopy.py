@@ -25,9 +25,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from publisher import hub, xetupload
 from publisher.errors import SourceError
 from publisher.handoffs.plan import Plan
+from publisher.io import hub, xetupload
 from publisher.verify.commit_hashes import CommitFile, git_blob_id
 
 log = logging.getLogger(__name__)

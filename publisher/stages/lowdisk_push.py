@@ -29,8 +29,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from publisher import hub
 from publisher.errors import VerificationError
+from publisher.io import hub
 from publisher.verify.commit_hashes import CommitFile, check_commit, check_uploaded, of_file, of_operation
 
 if TYPE_CHECKING:

@@ -150,7 +150,7 @@ def _in_subprocess(request: dict[str, Any]) -> dict[str, Any]:
     import sys
     import tempfile
 
-    from publisher import procs
+    from publisher.runtime import procs
 
     with tempfile.TemporaryDirectory(prefix="hf-ao-bench-") as tmp:
         req = Path(tmp) / "request.json"

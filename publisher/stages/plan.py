@@ -15,8 +15,8 @@ from typing import Any
 from publisher import recipe_args
 from publisher.errors import SourceError, UsageError
 from publisher.handoffs.plan import DENOISERS, Component, Plan, Source
-from publisher.jsonfile import weight_map
-from publisher.localfiles import plain_name
+from publisher.io.jsonfile import weight_map
+from publisher.io.localfiles import plain_name
 from publisher.recipes import Recipe
 from publisher.stages import layercheck, prequantized
 from publisher.stages.basecheck import check_base

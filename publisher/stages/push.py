@@ -4,7 +4,7 @@
 push cannot be written. The repo is created only now; if the upload or the commit then fails, a repo
 we created is deleted again so the target is left exactly as it was.
 
-Every Hub call is retried on transient errors (publisher.hub). A commit is not idempotent: before
+Every Hub call is retried on transient errors (publisher.io.hub). A commit is not idempotent: before
 it is sent again, the target head is re-read, and a head that moved to a commit carrying this run's
 fingerprint in its state file means the earlier try landed (only its answer was lost).
 """
@@ -17,12 +17,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from publisher import __version__, hub
+from publisher import __version__
 from publisher.errors import InputError, TargetError, VerificationError
 from publisher.handoffs.plan import Source
 from publisher.handoffs.report import VerifyReport
 from publisher.handoffs.state import STATE_FILE
-from publisher.jsonfile import read_object
+from publisher.io import hub
+from publisher.io.jsonfile import read_object
 from publisher.verify.commit_hashes import CommitFile, check_uploaded, of_file
 
 log = logging.getLogger(__name__)
@@ -221,7 +222,7 @@ def check_writable(repo_id: str, token: str | None, who: dict[str, Any] | None =
     """Preflight: the token is valid and may create or write the target (its namespace membership and, for a
     read-only or fine-grained token, its permissions). ``who``: whoami-v2's answer, when already read. Returns the
     user name."""
-    from publisher.tokens import TokenRights
+    from publisher.io.tokens import TokenRights
 
     if not token:
         raise TargetError("pushing needs a Hub token with write access; set HF_TOKEN (or pass --token), or use --no-push")

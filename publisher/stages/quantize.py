@@ -21,7 +21,7 @@ from publisher.errors import QuantizeError
 from publisher.handoffs.artifacts import Artifacts, QuantizedComponent
 from publisher.handoffs.plan import Component, Plan
 from publisher.handoffs.report import ForwardInputs
-from publisher.jsonfile import read_object
+from publisher.io.jsonfile import read_object
 from publisher.recipes import Recipe, build_config
 from publisher.stages.unfinished import make_partial, remove_partial
 
@@ -242,7 +242,7 @@ def _copy_unchanged(plan: Plan, base_dir: Path, out: Path, elsewhere: frozenset[
     """Everything but the quantized components' weights, the base card (replaced by ours) and ``elsewhere`` (copied
     Hub to Hub), as plain files: a link is read only when it resolves inside the base folder (or the download
     cache's blobs of this repo), and never copied as a link (localfiles)."""
-    from publisher.localfiles import allowed_roots, copy_regular
+    from publisher.io.localfiles import allowed_roots, copy_regular
 
     roots = allowed_roots(base_dir)
     skip_prefixes = [f"{c.name}/" if c.name else "" for c in plan.quantized]

@@ -13,7 +13,7 @@ from typing import Any
 
 from publisher.errors import SourceError, UsageError
 from publisher.handoffs.plan import Source
-from publisher.integrity import hashes_of
+from publisher.io.integrity import hashes_of
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ def resolve(model_id: str, revision: str | None, token: str | None) -> Source:
     if is_local(model_id):
         if revision:
             raise UsageError(f"--revision {revision!r} only applies to a Hub repo, not the local folder {model_id}")
-        from publisher.localfiles import allowed_roots, list_folder, read_bytes
+        from publisher.io.localfiles import allowed_roots, list_folder, read_bytes
 
         root = Path(model_id).expanduser().resolve()
         sizes = list_folder(root)  # refuses links that leave the folder, and special files
@@ -54,7 +54,7 @@ def resolve(model_id: str, revision: str | None, token: str | None) -> Source:
     from huggingface_hub.errors import RevisionNotFoundError
 
     try:
-        from publisher import hub
+        from publisher.io import hub
 
         info = hub.call(hub.client(token).model_info, model_id, revision=revision, files_metadata=True,
                           what=f"reading {model_id}")

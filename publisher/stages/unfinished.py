@@ -12,7 +12,7 @@
   manifest with every file's size and sha256 is written, and the entry is renamed into place. A later run with the
   same key re-checks the manifest before reusing anything, so a partial or corrupted file is never taken as
   finished. Entries are dropped once their repo is published.
-- **An interrupted run.** SIGINT / SIGTERM (publisher.signals) unwind the run: the stages' own cleanup removes their
+- **An interrupted run.** SIGINT / SIGTERM (publisher.runtime.signals) unwind the run: the stages' own cleanup removes their
   temporary folders, kills the worker process groups and deletes a repo the run created; ``discard_unfinished``
   then removes the output the run had not finished, and ``kept_for_resume`` says what stays (the downloads in the
   Hugging Face cache, finished components in the resume cache) for the one-line message.

@@ -113,7 +113,7 @@ def _component(library: str, src_dir: Path, recipe: Recipe, exclude: Sequence[st
 
 def _checkpoint_keys(src_dir: Path, comp: LibraryAdapter, inputs: ShardInputs | None) -> dict[str, str] | None:
     """Checkpoint key -> shard name, from the index; a single file is read (fetched if needed) for its header."""
-    from publisher.jsonfile import read_object, weight_map
+    from publisher.io.jsonfile import read_object, weight_map
     from publisher.streaming.safetensors_io import read_header
 
     index = src_dir / comp.index_name

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from publisher.errors import QuantizeError
-from publisher.localfiles import open_regular
+from publisher.io.localfiles import open_regular
 from publisher.streaming import safetensors_io as stio
 from publisher.streaming.layout import Layout, Work
 

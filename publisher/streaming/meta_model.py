@@ -141,7 +141,7 @@ class DiffusersAdapter(LibraryAdapter):
         from diffusers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME
 
         if class_name is None:
-            from publisher.jsonfile import read_object
+            from publisher.io.jsonfile import read_object
 
             class_name = read_object(src / "config.json").get("_class_name")
         name = class_name if isinstance(class_name, str) else None

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from publisher.errors import InputError, SourceError
-from publisher.integrity import ForwardReader
+from publisher.io.integrity import ForwardReader
 from publisher.streaming import safetensors_io as stio
 
 log = logging.getLogger(__name__)
@@ -39,13 +39,13 @@ class LocalShards:
         return sorted(p.name for p in self.folder.glob("*.safetensors"))
 
     def open(self, name: str) -> BinaryIO:
-        from publisher.localfiles import open_regular
+        from publisher.io.localfiles import open_regular
 
         return open_regular(self.folder / name)  # unbuffered; never blocks on a FIFO; the caller closes it
 
     def json(self, name: str) -> dict[str, Any] | None:
         """A JSON file of the folder, through the one JSON reader (size limit, UTF-8, an object); None if absent."""
-        from publisher.jsonfile import read_object
+        from publisher.io.jsonfile import read_object
 
         path = self.folder / name
         return read_object(path) if path.exists() else None
@@ -62,7 +62,7 @@ class HubShards:
 
     def files(self) -> list[str]:
         if self._listing is None:
-            from publisher import hub
+            from publisher.io import hub
 
             api = hub.client(self.token)
             every = hub.call(api.list_repo_files, self.repo_id, revision=self.revision, what=f"listing {self.repo_id}")
@@ -84,7 +84,7 @@ class HubShards:
         from huggingface_hub import hf_hub_download
         from huggingface_hub.errors import EntryNotFoundError
 
-        from publisher.jsonfile import read_object
+        from publisher.io.jsonfile import read_object
 
         try:
             path = hf_hub_download(self.repo_id, name, subfolder=self.subfolder or None, revision=self.revision,
@@ -100,7 +100,7 @@ class RangeFile(ForwardReader):
     fsspec's HfFileSystem would buffer each range two or three times over.
 
     A short answer or a connection dropped mid-body is resumed from the first missing byte (HF_AO_PUBLISH_RETRIES
-    tries without progress, with publisher.hub's backoff); a server that ignores ``Range`` (200 with the whole file)
+    tries without progress, with publisher.io.hub's backoff); a server that ignores ``Range`` (200 with the whole file)
     or answers another range is refused with RangeIgnored, never read at the wrong offset."""
 
     def __init__(self, url: str, token: str | None, name: str) -> None:
@@ -112,7 +112,7 @@ class RangeFile(ForwardReader):
         """Fill ``view`` from the current position (fewer bytes only at the end of the file)."""
         import time
 
-        from publisher import hub
+        from publisher.io import hub
 
         view = memoryview(view).cast("B")
         tries, delay = hub.settings()

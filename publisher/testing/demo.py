@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",
     })
     os.environ.pop("HF_TOKEN", None)
-    from publisher import logs
+    from publisher.runtime import logs
 
     logs.setup(quiet=True)  # the libraries' known-harmless lines are hidden here too, as in the CLI
 

@@ -75,7 +75,8 @@ def of_operation(op: Any) -> CommitFile:
 def check_commit(repo_id: str, revision: str, expected: dict[str, CommitFile], token: str | None,
                  component: str = "") -> PathResult:
     """Compare the Hub's record of ``revision`` with ``expected``, file by file; one ``PathResult``."""
-    from publisher import hub, loadpath
+    from publisher import loadpath
+    from publisher.io import hub
 
     api = hub.client(token)
     info = hub.call(api.model_info, repo_id, revision=revision, files_metadata=True, what=f"reading the file hashes of {repo_id}")

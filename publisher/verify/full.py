@@ -18,10 +18,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from publisher import loadpath, procs
+from publisher import loadpath
 from publisher.errors import VerificationError
 from publisher.handoffs.artifacts import Artifacts
 from publisher.handoffs.report import PATHS, PLAIN_CLASSES, Expected, ForwardInputs, Mode, PathResult, VerifyReport
+from publisher.runtime import procs
 from publisher.verify.inputs import token_inputs
 from publisher.verify.quality import quality_against_base
 

@@ -13,9 +13,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from publisher import downloads, hub
 from publisher.errors import VerificationError
-from publisher.integrity import FileHash, hashes_of
+from publisher.io import downloads, hub
+from publisher.io.integrity import FileHash, hashes_of
 
 log = logging.getLogger(__name__)
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from publisher.errors import SourceError
-from publisher.jsonfile import read_object
-from publisher.localfiles import allowed_roots, plain_name
+from publisher.io.jsonfile import read_object
+from publisher.io.localfiles import allowed_roots, plain_name
 
 SAFETENSORS = "safetensors"
 PICKLE = "pickle"

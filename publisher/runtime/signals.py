@@ -5,7 +5,7 @@ and a repo the run had created would all stay), and its SIGINT raises a bare Key
 ``handled()`` both raise ``Interrupted`` (a KeyboardInterrupt, so ``except Exception`` never swallows it) wherever
 the main thread is: in a blocking socket read or ``wait()`` too (PEP 475 runs the handler, which raises). The
 stages' own cleanup then runs on the way out (``finally``, ``except BaseException``: temporary folders removed,
-the verify and measurement workers' process groups killed (publisher.procs), a repo this run created deleted),
+the verify and measurement workers' process groups killed (publisher.runtime.procs), a repo this run created deleted),
 and the CLI prints one line and exits 128 + the signal (130, 143).
 
 A second signal while that cleanup runs ends the process at once (the user insists; a CI runner sends SIGINT,

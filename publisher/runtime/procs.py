@@ -2,7 +2,7 @@
 
 ``start_new_session=True`` puts the child and anything it starts in a new process group, so a terminal's Ctrl-C
 does not reach it behind our back, and a whole tree can be killed at once: if waiting ends in any exception (a
-timeout, or SIGINT / SIGTERM turned into ``errors.Interrupted`` by publisher.signals), the group is sent SIGKILL
+timeout, or SIGINT / SIGTERM turned into ``errors.Interrupted`` by publisher.runtime.signals), the group is sent SIGKILL
 and the child reaped before the exception goes on. Nothing we start outlives the run.
 """
 

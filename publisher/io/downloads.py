@@ -16,7 +16,7 @@ bytes, which those repos' own loads would not have checked). When that copy is w
 was, the run stops, and the warning names the file, which the user may delete.
 
 A body that arrives short ("Consistency check failed" from huggingface_hub: the connection ended cleanly
-before the announced size) is retried like a dropped connection (publisher.hub); when every try was short,
+before the announced size) is retried like a dropped connection (publisher.io.hub); when every try was short,
 the error says so in one line.
 """
 
@@ -28,10 +28,10 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from publisher import hub
 from publisher.errors import SourceError
-from publisher.integrity import FileHash, hash_file, mismatch
-from publisher.localfiles import in_shared_blob_store
+from publisher.io import hub
+from publisher.io.integrity import FileHash, hash_file, mismatch
+from publisher.io.localfiles import in_shared_blob_store
 
 log = logging.getLogger(__name__)
 

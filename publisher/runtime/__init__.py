@@ -1,0 +1,6 @@
+"""Process-level runtime helpers of a command: how it logs, how it ends on a signal, how its children are run.
+
+logs.py     our messages and the libraries' warnings on stderr, known-harmless noise dropped
+signals.py  SIGINT and SIGTERM raise errors.Interrupted in the main thread
+procs.py    child processes in their own process group, killed with it when we stop waiting
+"""
