@@ -50,18 +50,18 @@ lint: setup
 	$(BIN)/ruff check publisher scripts benchmarks action tests
 	$(BIN)/mypy
 
-# Two workers. --dist loadgroup: a file whose tests share a module-scoped fixture stays on one worker; the files that
+# Two workers. --dist loadscope with the scheduler of tests/conftest.py: a test file stays on one worker; the files that
 # share none (the family corpus, the publishes) are spread test by test, costliest first (tests/conftest.py).
 TEST_WORKERS ?= 2
 
 # The suite runs with Xet, as users' transfers do; the tests marked `transfer` run a second time with Xet off
 # (HF_AO_TEST_TRANSFER=lfs: plain LFS and HTTP, multipart uploads), so each guarantee holds on both paths.
 test: lint
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup --durations=40
-	HF_AO_TEST_TRANSFER=lfs $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m transfer --durations=15
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope --durations=40
+	HF_AO_TEST_TRANSFER=lfs $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope -m transfer --durations=15
 
 test-fast: lint
-	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadgroup -m "not slow"
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope -m "not slow"
 
 bench: setup
 	$(BIN)/python benchmarks/bench_streaming.py --publish

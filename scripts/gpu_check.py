@@ -79,9 +79,9 @@ def skip_reason(name: str, cc: tuple[int, int] | None) -> str | None:
     """Why this machine cannot take the recipe on its GPU (recipes.py's device rules), or None."""
     recipe = recipes.get(name)
     have = f"this GPU has {cc[0]}.{cc[1]}" if cc else "this machine has no CUDA GPU"
-    if recipe.run.cuda and recipes.run_device(recipe, cc) != "cuda":
+    if recipe.run.cuda and recipes.device(recipe, cc) != "cuda":  # one device rule for quantizing and running
         return f"runs on a {recipe.run.describe()} only; {have}"
-    if recipe.needs_gpu_to_quantize and recipes.quantize_device(recipe, cc) != "cuda":
+    if recipe.needs_gpu_to_quantize and recipes.device(recipe, cc) != "cuda":
         return f"quantizes on a {recipe.quantize.describe()} only; {have}"
     return None
 

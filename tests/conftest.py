@@ -90,6 +90,14 @@ def _no_token(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HF_TOKEN", raising=False)
 
 
+@pytest.fixture(autouse=True)
+def _own_resume_cache(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Each test its own resume cache (finished components, stages/unfinished.py): what another test left there (an
+    interrupted run, say) must not stand in for a quantization this test needs to happen, whatever order the tests
+    run in. A test's own re-runs share it, as a user's do."""
+    monkeypatch.setenv("HF_AO_PUBLISH_CACHE", str(tmp_path_factory.mktemp("components")))
+
+
 @pytest.fixture(scope="session")
 def tiny_flux_dir() -> Path:
     from publisher.testing.tiny import build_tiny_flux
@@ -199,24 +207,38 @@ def pytest_sessionfinish(session: Any, exitstatus: int) -> None:
 
 
 # ---------------------------------------------------------------- how the suite spreads over the workers
-# `make test` runs `--dist loadgroup`: a test file whose tests share a module-scoped fixture (a publish, a corpus) stays
-# on one worker, as `--dist loadfile` kept every file; the files below share nothing but session fixtures (each worker
-# builds its own), so their tests go to whichever worker is free; before, the 25 family publishes sat on one worker.
+# `make test` runs `--dist loadscope`, with the scheduler below: a test file stays on one worker (its module-scoped
+# fixtures, a publish or a corpus, are built once), as `--dist loadfile` kept every file, except the files named in
+# SPREAD, which share nothing but session fixtures (each worker builds its own): their tests go one by one to
+# whichever worker is free (before, the 25 family publishes sat on one worker). xdist's own `loadgroup` marks do not
+# take effect with pytest 9 (the group suffix it writes into a test's node id is not read back), hence a scheduler.
 SPREAD = {"test_families", "test_job", "test_hub", "test_cli", "test_publish_configs", "test_family_failures",
-          "test_hfjobs_e2e", "test_action", "test_one_pass", "test_signals", "test_quality_e2e", "test_local_inputs",
-          "test_verify_full"}
+          "test_hfjobs_e2e", "test_action", "test_one_pass", "test_signals", "test_quality_e2e", "test_local_inputs"}
 # Files in the order their work is handed out, the costliest first (seconds on 2 cores, `--durations` of a full run), so
 # that no long test starts last and leaves the other worker idle; files not named here follow, in their usual order.
-COST_ORDER = ["test_families", "test_stages_card", "test_verify_full", "test_hub", "test_job", "test_hfjobs_e2e",
-              "test_integrity", "test_quality_e2e", "test_publish_configs", "test_verify_matrix", "test_action",
-              "test_signals", "test_family_failures", "test_verify_peers", "test_verify_streaming", "test_one_pass"]
+COST_ORDER = ["test_families", "test_stages_card", "test_verify_full", "test_verify_matrix", "test_quality_e2e",
+              "test_hub", "test_job", "test_hfjobs_e2e", "test_family_failures", "test_publish_configs", "test_action",
+              "test_integrity", "test_signals", "test_verify_peers", "test_verify_streaming", "test_cli", "test_one_pass"]
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook, which reads the xdist_group marks
+def _module(nodeid: str) -> str:
+    return Path(nodeid.split("::", 1)[0]).stem
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: absent with -p no:xdist
+def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
+    """--dist loadscope with a scope per file, or per test for the files in SPREAD."""
+    if config.getoption("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class FileOrTestScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:  # the hook LoadScopeScheduling's subclasses override (loadfile's too)
+            return nodeid if _module(nodeid) in SPREAD else nodeid.split("::", 1)[0]
+
+    return FileOrTestScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
-    for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1]
-        if module not in SPREAD and item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(module))
     rank = {name: i for i, name in enumerate(COST_ORDER)}
-    items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)))
+    items.sort(key=lambda item: rank.get(_module(item.nodeid), len(rank)))

@@ -150,11 +150,12 @@ def test_token_scope() -> None:
 
 def test_cli_refuses_a_wrong_flavor_before_anything_is_submitted(cli: Any, hub: Any, flux_repo: str, tmp_path: Path) -> None:
     before = len(hub.jobs.jobs)
+    staging = hub.store.get_repo("dataset", "alice/hf-ao-publish-jobs")  # an earlier test's jobs may have made it
     result = cli(flux_repo, "--quant", "int4wo", "--on-hf-jobs", "t4-small", token="tok_alice")
     assert result.exit_code == 2
     assert result.stderr.splitlines()[-1].startswith("Error: int4wo needs a CUDA GPU with compute capability >= 8.0 "
                                                      "to quantize and t4-small (T4, CC 7.5) is below it; pick l4x1")
-    assert len(hub.jobs.jobs) == before and hub.store.get_repo("dataset", "alice/hf-ao-publish-jobs") is None
+    assert len(hub.jobs.jobs) == before and hub.store.get_repo("dataset", "alice/hf-ao-publish-jobs") == staging
     result = cli(str(tmp_path), "--quant", "int8wo", "--on-hf-jobs", "cpu-basic", token="tok_alice")
     assert result.exit_code == 2 and "is a local folder, which a Job cannot read" in result.stderr
     result = cli(flux_repo, "--quant", "int8wo", "--on-hf-jobs", "cpu-basic")

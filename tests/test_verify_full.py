@@ -79,7 +79,6 @@ def _copy(folder: Path, tmp_path: Path) -> Path:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("test_verify_full-verified_folder")  # one module fixture: one worker
 def test_verify_command_passes_and_requantizes_the_base(cli: Any, verified_folder: Path) -> None:
     result = cli("verify", str(verified_folder), "--json")
     assert result.exit_code == 0, result.output
@@ -89,7 +88,6 @@ def test_verify_command_passes_and_requantizes_the_base(cli: Any, verified_folde
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("test_verify_full-verified_folder")  # one module fixture: one worker
 def test_tampered_tensor_fails_with_its_name(cli: Any, verified_folder: Path, tmp_path: Path) -> None:
     import struct
 
@@ -107,7 +105,6 @@ def test_tampered_tensor_fails_with_its_name(cli: Any, verified_folder: Path, tm
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("test_verify_full-verified_folder")  # one module fixture: one worker
 def test_missing_shard_fails_every_path(cli: Any, verified_folder: Path, tmp_path: Path) -> None:
     folder = _copy(verified_folder, tmp_path)
     (folder / "transformer" / "diffusion_pytorch_model.safetensors").unlink()
