@@ -69,6 +69,7 @@ class Run:
                "HF_AO_PUBLISH_RETRIES": "2", "HF_AO_PUBLISH_RETRY_DELAY": "0.05",
                "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
         env.pop("HF_TOKEN", None)
+        env.pop("HF_AO_PUBLISH_CACHE", None)  # the resume cache where users have it: under this run's HF_HOME
         if token:
             env["HF_TOKEN"] = token
         self.err_path = root / "stderr.txt"

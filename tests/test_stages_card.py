@@ -16,6 +16,9 @@ import pytest
 GOLDEN = Path(__file__).parent / "golden"
 SMALL = ["--sample-steps", "2", "--sample-size", "64"]
 EVAL = ["--eval-budget", "10m", "--eval-tokens", "256"]  # the quality evaluation (off in the suite unless asked)
+# multi-recipe runs (one download, cross-links, no half-published set) verify in-process: the reloads are not their
+# subject, and the cards this file checks in full come from the default verification (the `published` fixture)
+IN_PROCESS = ["--verify-mode", "streaming"]
 
 
 def _snippets(card: str) -> list[str]:
@@ -181,7 +184,8 @@ def test_two_recipes_one_download_cross_linked(cli: Any, flux_repo: str, caplog:
     from huggingface_hub import HfApi
 
     caplog.set_level(logging.INFO, logger="publisher")
-    result = cli(flux_repo, "--quant", "int8wo,float8wo", "--repo-id", "alice/pair-{recipe}", "--json", *SMALL, token="tok_alice")
+    result = cli(flux_repo, "--quant", "int8wo,float8wo", "--repo-id", "alice/pair-{recipe}", "--json", *SMALL, *IN_PROCESS,
+                 token="tok_alice")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert [r["repo_id"] for r in data["results"]] == ["alice/pair-int8wo", "alice/pair-float8wo"] and data["verified"]
@@ -211,7 +215,7 @@ def test_one_failing_recipe_publishes_no_half_set(cli: Any, flux_repo: str, monk
 
     monkeypatch.setattr(publish, "quantize_recipe", failing)
     prefix = f"alice/half-{keep_going}"
-    args = [flux_repo, "--quant", "int8wo,float8wo", "--repo-id", prefix + "-{recipe}", *SMALL]
+    args = [flux_repo, "--quant", "int8wo,float8wo", "--repo-id", prefix + "-{recipe}", *SMALL, *IN_PROCESS]
     result = cli(*args, *(["--keep-going"] if keep_going else []), token="tok_alice")
     assert result.exit_code == 1
     assert "injected failure" in result.stderr
