@@ -232,6 +232,10 @@ def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
         return None
     from xdist.scheduler import LoadScopeScheduling
 
+    # xdist would hand out the files with the most tests first, which puts the one-test scopes (the family publishes)
+    # last; keep the collection's order, the costliest first (pytest_collection_modifyitems below)
+    config.option.loadscopereorder = False
+
     class FileOrTestScheduling(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:  # the hook LoadScopeScheduling's subclasses override (loadfile's too)
             return nodeid if _module(nodeid) in SPREAD else nodeid.split("::", 1)[0]
