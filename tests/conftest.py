@@ -57,6 +57,11 @@ os.environ.setdefault("HF_AO_PUBLISH_ENVS", str(Path(os.environ.get("XDG_CACHE_H
                                                  / "hf-ao-publish-tests" / "envs"))
 
 FAST_TRIES = 3  # HF_AO_PUBLISH_RETRIES under the fast_retries fixture
+# For publishes whose subject is not the load paths (pushes, re-runs, Hub faults, integrity, resume, signals, quality
+# figures, configs, repo ids): verification in process (every saved tensor against the in-memory one, a block-by-block
+# forward) instead of the default's reloads in fresh interpreters, at about half the cost. The default stays where the
+# load paths are the subject (docs/development.md, "The tiers").
+IN_PROCESS = ["--verify-mode", "streaming"]
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ from typing import Any
 import click
 import pytest
 from click.testing import CliRunner, Result
+from conftest import IN_PROCESS
 
 from publisher import __version__
 from publisher import recipes as recipe_registry
@@ -879,7 +880,7 @@ def test_a_successful_publish_prints_no_library_noise(tiny_flux_dir: Path, tmp_p
     assert not _third_party(clean.stderr), clean.stderr
     assert "int8wo: verified repo folder at" in clean.stderr
     # the import-time lines are enough to see the filter lifted: no fresh-process reloads needed for that
-    debug = run("debug", "--debug", "--verify-mode", "streaming")
+    debug = run("debug", "--debug", *IN_PROCESS)
     shown = [line for line in debug.stderr.splitlines() if any(mark in line for mark in NOISE_MARKS)]
     assert shown  # --debug shows what the filter hides (which lines depends on the machine)
     assert all(logs.is_harmless(logging.makeLogRecord({"name": line.split(": ", 1)[0], "msg": line.split(": ", 1)[1]}))

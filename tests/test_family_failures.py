@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import IN_PROCESS
 
 SMALL = ["--sample-steps", "2", "--sample-size", "64"]
 
@@ -120,7 +121,7 @@ def test_local_base_without_push_uses_the_token_users_repo_id(cli: Any, hub: Any
     """With a token, a --no-push run of a local folder shows the repo id a push would use (whoami)."""
     out = tmp_path / "out"
     result = cli(str(tiny_llama_dir), "--quant", "int8wo", "--no-push", "--output-dir", str(out), "--json", *SMALL,
-                 "--verify-mode", "streaming", token="tok_alice")  # the repo id is the subject, not the reloads
+                 *IN_PROCESS, token="tok_alice")  # the repo id is the subject, not the reloads
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["repo_id"] == "alice/tiny-llama-torchao-int8wo" and data["repo_id_note"] is None

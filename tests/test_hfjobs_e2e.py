@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 from action_harness import assert_secret_absent, run_action
+from conftest import IN_PROCESS
 from huggingface_hub import HfApi
 
 from publisher.hfjobs.bootstrap import EXIT_MARKER, RESULT_MARKER
@@ -66,7 +67,7 @@ def test_publish_tiny_flux_on_two_parallel_jobs_and_attach_again(cli: Any, hub: 
     # paths; the default mode's fresh-interpreter reloads are covered end to end by test_action.py's publish.
     # A target of its own: another test file on this worker's loopback Hub may have published the default names.
     result = cli(flux_repo, "--quant", "int8wo,float8wo", "--on-hf-jobs", "cpu-basic", "--json", *SMALL,
-                 "--verify-mode", "streaming", "--repo-id", "alice/tiny-flux-two-jobs-{recipe}", token=TOKEN)
+                 *IN_PROCESS, "--repo-id", "alice/tiny-flux-two-jobs-{recipe}", token=TOKEN)
     took = time.monotonic() - started
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
@@ -178,7 +179,7 @@ def test_ctrl_c_cancels_the_submitted_job(hub: Any, flux_repo: str) -> None:
 def test_the_action_runs_on_hf_jobs(hub: Any, flux_repo: str, tmp_path: Path) -> None:
     run = run_action({"model": flux_repo, "quant": "int8wo", "repo-id": "alice/tiny-flux-action-jobs", "hf-token": TOKEN,
                       "run-on": "hf-jobs", "hf-jobs-flavor": "cpu-basic",
-                      "extra-args": " ".join([*SMALL, "--verify-mode", "streaming"])}, tmp_path)
+                      "extra-args": " ".join([*SMALL, *IN_PROCESS])}, tmp_path)
     assert run.returncode == 0, run.log[-4000:]
     assert run.outputs["verified"] == "true" and run.outputs["repo-id"] == "alice/tiny-flux-action-jobs"
     result = json.loads(run.outputs["result-json"])

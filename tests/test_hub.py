@@ -23,13 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FAST_TRIES, TRANSFER
+from conftest import FAST_TRIES, IN_PROCESS, TRANSFER
 
 SMALL = ["--sample-steps", "2", "--sample-size", "64"]
-# In-process verification (tensor by tensor, block forward) for the runs whose subject is the Hub, not the load paths:
-# about half the time of the default's fresh-interpreter reloads. The outage test's re-run keeps the default, so the
-# users' path is covered end to end here, in both transfer modes.
-STREAMING = ["--verify-mode", "streaming"]
 TRIES = FAST_TRIES
 EXCLUDE = "model.layers.0.mlp.down_proj"
 EXCLUDE_FAULTS = "model.layers.1.mlp.up_proj"  # only used below: its weights are new to the Hub's LFS store
@@ -123,7 +119,7 @@ def _cli_cmd(*args: str) -> list[str]:
 def test_hub_faults_leave_the_target_absent_or_complete_or_unchanged(cli: Any, hub: Any, llama_repo: str,
                                                                        tmp_path: Path) -> None:
     repo, api = "alice/rel-faults", _api()
-    args = [llama_repo, "--quant", "int8wo", "--repo-id", repo, "--json", *SMALL, *STREAMING]
+    args = [llama_repo, "--quant", "int8wo", "--repo-id", repo, "--json", *SMALL, *IN_PROCESS]
 
     # 1. Every commit answers 500: exit 1 after the bounded tries; the repo created for the push is gone again.
     hub.set_fault(commit_status=500, count=1000)
@@ -175,7 +171,7 @@ def test_hub_faults_leave_the_target_absent_or_complete_or_unchanged(cli: Any, h
 @pytest.mark.slow
 def test_rerun_is_a_noop_and_a_changed_input_makes_a_described_commit(cli: Any, llama_repo: str) -> None:
     repo, api = "alice/rel-idem", _api()
-    args = [llama_repo, "--quant", "int8wo", "--repo-id", repo, "--json", *SMALL, *STREAMING]
+    args = [llama_repo, "--quant", "int8wo", "--repo-id", repo, "--json", *SMALL, *IN_PROCESS]
     first = cli(*args, token="tok_alice")
     assert first.exit_code == 0, first.output
     head = _head(repo)
@@ -211,7 +207,7 @@ def test_create_pr_opens_one_pr_and_a_changed_rerun_updates_it(cli: Any, hub: An
     api.create_repo(repo)
     api.upload_file(path_or_fileobj=b"# existing\n", path_in_repo="README.md", repo_id=repo, commit_message="existing")
     main = _head(repo)
-    args = [llama_repo, "--quant", "int8wo", "--repo-id", repo, "--create-pr", "--json", *SMALL, *STREAMING]
+    args = [llama_repo, "--quant", "int8wo", "--repo-id", repo, "--create-pr", "--json", *SMALL, *IN_PROCESS]
 
     first = cli(*args, token="tok_alice")
     assert first.exit_code == 0, first.output
@@ -261,7 +257,7 @@ def test_hub_stopped_mid_commit_then_rerun_completes_and_token_is_never_written(
         with open(tmp_path / "run1.out", "w+") as so, open(tmp_path / "run1.err", "w+") as se:
             # the first run's subject is the outage at its commit: it verifies in process (the re-run below keeps the
             # default mode, the users' path end to end)
-            cli_proc = subprocess.Popen([*cmd, "--output-dir", str(out1), *STREAMING], env=env, stdout=so, stderr=se)
+            cli_proc = subprocess.Popen([*cmd, "--output-dir", str(out1), *IN_PROCESS], env=env, stdout=so, stderr=se)
             try:
                 deadline = time.monotonic() + 180
                 while _admin(url)["fired"].get("delay", 0) < 1:  # the CLI is now waiting on its commit
@@ -330,7 +326,7 @@ def test_sigkill_during_quantization_leaves_nothing_finished_and_rerun_completes
     assert _finished_looking(tmp_path / "work") == []
 
     # Same --output-dir again: the interrupted run's unfinished folder is discarded, never reused as finished.
-    result = cli(llama_repo, "--quant", "int8wo", "--no-push", "--output-dir", str(out), "--json", *SMALL, *STREAMING)
+    result = cli(llama_repo, "--quant", "int8wo", "--no-push", "--output-dir", str(out), "--json", *SMALL, *IN_PROCESS)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["verified"] is True
     assert _finished_looking(tmp_path / "work") == [out]
@@ -500,7 +496,7 @@ def test_a_rate_limited_api_call_during_a_run_waits_and_the_run_goes_on(cli: Any
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     hub.set_fault(status=429, match=f"/api/models/{llama_repo}", ratelimit_reset=1, count=1)
     t0 = time.monotonic()
-    result = cli(llama_repo, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "out"), "--json", *STREAMING)
+    result = cli(llama_repo, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "out"), "--json", *IN_PROCESS)
     assert result.exit_code == 0, result.output
     assert hub.faults_fired == {"status": 1} and time.monotonic() - t0 >= 2  # reset (1 s) + 1 s margin
     assert [line for line in result.stderr.splitlines() if "rate limit is used up" in line][0].startswith(

@@ -16,13 +16,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FAST_TRIES, TRANSFER, distinct_copy, download_fault, seed
+from conftest import FAST_TRIES, IN_PROCESS, TRANSFER, distinct_copy, download_fault, seed
 
 TRIES = FAST_TRIES
 WEIGHTS = "model.safetensors"
-# The publishes here are about the bytes of downloads and range reads, not the load paths: they verify in process
-# (tensor by tensor, block forward), at about half the cost of the default's fresh-interpreter reloads.
-STREAMING = ["--verify-mode", "streaming"]
 
 
 pytestmark = pytest.mark.usefixtures("fast_retries")  # conftest: FAST_TRIES tries, no faults left over
@@ -193,7 +190,7 @@ def test_a_flipped_byte_in_a_download_is_refused_then_a_rerun_publishes(cli: Any
     # same size, same ETag, one byte off; with Xet the run downloads a file again outside the shared store before it
     # gives up (downloads.py), so both downloads are damaged
     kind = download_fault(hub, "flip", f"/{base}/resolve/", at=size // 2, count=2 if TRANSFER == "xet" else 1)
-    result = cli(base, "--quant", "int8wo", "--repo-id", target, *STREAMING, token="tok_alice")
+    result = cli(base, "--quant", "int8wo", "--repo-id", target, *IN_PROCESS, token="tok_alice")
     assert result.exit_code == 1, result.output
     line = _error_line(result.stderr)
     assert f"{WEIGHTS} of {base}@{sha[:12]}" in line and "download again" in line and f"but the Hub reports {want}" in line
@@ -203,7 +200,7 @@ def test_a_flipped_byte_in_a_download_is_refused_then_a_rerun_publishes(cli: Any
     assert _cached(base, WEIGHTS) == [] and want not in _blobs(base)  # the snapshot link and its blob are gone
     assert hub.faults_fired == {kind: 2 if TRANSFER == "xet" else 1}
     # the fault is gone: the same command downloads the file afresh and publishes, recording the base's hashes
-    result = cli(base, "--quant", "int8wo", "--repo-id", target, "--json", *STREAMING, token="tok_alice")
+    result = cli(base, "--quant", "int8wo", "--repo-id", target, "--json", *IN_PROCESS, token="tok_alice")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["pushed"] and want in _blobs(base)
     state = json.loads(Path(_api().hf_hub_download(target, "hf_ao_publish.json")).read_text())
@@ -273,7 +270,7 @@ def test_truncated_and_dropped_downloads_are_retried_or_fail_in_one_line(cli: An
         download_fault(hub, "truncate", f"/{base}/resolve/{sha}/{WEIGHTS}")
     else:
         hub.set_fault(drop_body_after_bytes=1000, match=f"/{base}/resolve/{sha}/{WEIGHTS}")  # the run reads at the sha
-    result = cli(base, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "b"), "--json", *STREAMING)
+    result = cli(base, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "b"), "--json", *IN_PROCESS)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["verified"]
     assert hub.faults_fired == {"truncate": 1, "xet_truncate" if TRANSFER == "xet" else "drop_body": 1}
@@ -345,7 +342,7 @@ def test_range_reads_resume_short_and_dropped_bodies_and_refuse_an_ignored_range
     hub.set_fault(truncate_body_at=7, match=f"{weights}{sha}/{WEIGHTS}", count=2)
     hub.set_fault(drop_body_after_bytes=100, match=f"{weights}{sha}/{WEIGHTS}", count=2)
     out = tmp_path / "out"
-    result = cli(base, "--quant", "int8wo", "--low-disk", "--no-push", "--output-dir", str(out), "--json", *STREAMING)
+    result = cli(base, "--quant", "int8wo", "--low-disk", "--no-push", "--output-dir", str(out), "--json", *IN_PROCESS)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["verified"]
     assert hub.faults_fired == {"truncate": 2, "drop_body": 2}
@@ -366,7 +363,7 @@ def published(hub: Any, tiny_flux_dir: Path, tmp_path_factory: pytest.TempPathFa
     os.environ["HF_TOKEN"] = "tok_alice"
     try:
         result = CliRunner().invoke(main, ["bfl/integ-verify", "--quant", "int8wo", "--repo-id", "alice/integ-verify",
-                                           *STREAMING], catch_exceptions=False)
+                                           *IN_PROCESS], catch_exceptions=False)
     finally:
         del os.environ["HF_TOKEN"]
     assert result.exit_code == 0, result.output

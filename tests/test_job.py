@@ -7,14 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import IN_PROCESS
 
 from publisher import recipes
 
 SMALL = ["--sample-steps", "2", "--sample-size", "64"]
-# Tests whose subject is not the load paths verify in-process (--verify-mode streaming: every saved tensor against the
-# in-memory one, and a block-by-block forward) instead of reloading in fresh interpreters; the fresh-process reloads
-# are tests/test_verify_full.py's and the family corpus's subject, and the other tests here keep the default.
-IN_PROCESS = ["--verify-mode", "streaming"]
 
 
 def _torchao_classes(model: Any) -> set[str]:

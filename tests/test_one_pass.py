@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import TRANSFER, seed
+from conftest import IN_PROCESS, TRANSFER, seed
 
 from publisher import recipes
 
@@ -297,7 +297,7 @@ def test_max_shard_size_changes_only_the_shard_boundaries(cli: Any, tiny_flux_di
     for engine in ("streaming", "library"):
         out = tmp_path / engine
         result = cli(str(tiny_flux_dir), "--quant", "int8wo", "--engine", engine, "--no-push", "--max-shard-size", "300KB",
-                     "--output-dir", str(out), *SMALL, "--verify-mode", "streaming")  # shards, not load paths
+                     "--output-dir", str(out), *SMALL, *IN_PROCESS)  # shards, not load paths
         assert result.exit_code == 0, result.output
         shards = sorted((out / "transformer").glob("*.safetensors"))
         assert len(shards) > 2 and all(p.stat().st_size <= 300_000 + 65_536 for p in shards)

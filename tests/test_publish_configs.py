@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import IN_PROCESS
 
 SMALL = ["--sample-steps", "2", "--sample-size", "64"]
 CALLS = ["Int8WeightOnlyConfig(granularity=PerGroup(128))", "Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())"]
@@ -49,7 +50,7 @@ def test_call_syntax_and_json_configs_publish_and_reload(cli: Any, llama_repo: s
     config_file.write_text(json.dumps(config_to_dict(Int8DynamicActivationInt8WeightConfig()), indent=2))
     args = [llama_repo, "--quant", CALLS[0], "--quant", CALLS[1], "--quant", str(config_file),
             "--quant", "int8dq-int4", "--repo-id", "alice/cfg-{recipe}", "--json", *SMALL,
-            "--verify-mode", "streaming"]  # reloaded below with from_pretrained; the fresh-process reloads: test_verify_full
+            *IN_PROCESS]  # reloaded below with from_pretrained; the fresh-process reloads: test_verify_full
     result = cli(*args, token="tok_alice")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)

@@ -9,11 +9,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import IN_PROCESS
 
 EVAL = ["--eval-budget", "10m"]
-# The figures are this file's subject, not the load paths: the publishes verify in process (as --low-disk with a push
-# always does), at about half the cost of the default's fresh-interpreter reloads.
-STREAMING = ["--verify-mode", "streaming"]
 SMALL = ["--sample-steps", "2", "--sample-size", "64"]
 
 
@@ -35,7 +33,7 @@ def test_llama_perplexity_continuation_and_gate(cli: Any, trained_llama_repo: st
     for mode, extra in (("plain", []), ("low-disk", ["--low-disk"])):
         target = f"alice/q-llama-{mode}"
         result = cli(trained_llama_repo, "--quant", "int8wo", "--repo-id", target, *EVAL, "--eval-tokens", "512",
-                     "--min-quality", "ppl-recovery=95", "--json", *extra, *STREAMING, token="tok_alice")
+                     "--min-quality", "ppl-recovery=95", "--json", *extra, *IN_PROCESS, token="tok_alice")
         assert result.exit_code == 0, result.output
         ev = json.loads(result.stdout)["evaluation"]
         assert ev["kind"] == "causal language model" and ev["dataset"] == "Salesforce/wikitext:wikitext-2-raw-v1:test"
@@ -60,7 +58,7 @@ def test_llama_perplexity_continuation_and_gate(cli: Any, trained_llama_repo: st
     # in-pass observer: its perplexity runs after the pass, block by block from the saved files
     with zeroed_scales():
         bad = cli(trained_llama_repo, "--quant", "int8wo", "--repo-id", "alice/q-llama-bad", *EVAL, "--eval-tokens", "512",
-                  "--min-quality", "ppl-recovery=95", "--engine", "library", "--json", *STREAMING, token="tok_alice")
+                  "--min-quality", "ppl-recovery=95", "--engine", "library", "--json", *IN_PROCESS, token="tok_alice")
     assert bad.exit_code == 1, bad.output
     assert "int8wo: ppl-recovery is " in bad.stderr and "%, below --min-quality ppl-recovery=95; nothing was pushed" in bad.stderr
     assert not _exists("alice/q-llama-bad")
@@ -78,7 +76,7 @@ def test_flux_grid_whole_and_offloaded(cli: Any, flux_repo: str, tmp_path: Path)
     for mode, extra in (("plain", []), ("low-disk", ["--low-disk"])):
         target = f"alice/q-flux-{mode}"
         result = cli(flux_repo, "--quant", "int8wo", "--repo-id", target, *EVAL, *SMALL, "--min-quality", "psnr=20",
-                     "--min-quality", "ssim=0.5", "--json", *extra, *STREAMING, token="tok_alice")
+                     "--min-quality", "ssim=0.5", "--json", *extra, *IN_PROCESS, token="tok_alice")
         assert result.exit_code == 0, result.output
         assert "Loading pipeline components" not in result.stderr and "it/s]" not in result.stderr  # no library bars
         ev = json.loads(result.stdout)["evaluation"]
@@ -96,7 +94,7 @@ def test_flux_grid_whole_and_offloaded(cli: Any, flux_repo: str, tmp_path: Path)
 
     out = tmp_path / "out"
     result = cli(flux_repo, "--quant", "int8wo", "--no-push", "--output-dir", str(out), *EVAL, *SMALL,
-                 "--min-quality", "psnr=1000", *STREAMING)
+                 "--min-quality", "psnr=1000", *IN_PROCESS)
     assert result.exit_code == 1 and "int8wo: psnr is " in result.stderr and "below --min-quality psnr=1000" in result.stderr
     assert not any(out.iterdir()) if out.exists() else True  # nothing half-written
 

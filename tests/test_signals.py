@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import seed
+from conftest import IN_PROCESS, seed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -194,7 +194,7 @@ def test_sigterm_during_the_push_deletes_the_new_repo(hub: Any, tiny_llama_dir: 
     target = "alice/sig-push"
     hub.set_fault(delay_s=1.0, match=f"/api/models/{target}/preupload/", count=10_000)
     # verified in process (the load paths are not this test's subject; the verification test above runs the workers)
-    run = Run(tmp_path, "meta/sig-push", "--quant", "int8wo", "--repo-id", target, "--verify-mode", "streaming")
+    run = Run(tmp_path, "meta/sig-push", "--quant", "int8wo", "--repo-id", target, *IN_PROCESS)
     run.wait_for("the upload", lambda: hub.faults_fired.get("delay", 0) >= 1)
     assert _api().repo_exists(target)  # created for the commit
     rc, stderr = run.stop(signal.SIGTERM)

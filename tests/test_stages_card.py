@@ -12,13 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import IN_PROCESS
 
 GOLDEN = Path(__file__).parent / "golden"
 SMALL = ["--sample-steps", "2", "--sample-size", "64"]
 EVAL = ["--eval-budget", "10m", "--eval-tokens", "256"]  # the quality evaluation (off in the suite unless asked)
-# multi-recipe runs (one download, cross-links, no half-published set) verify in-process: the reloads are not their
-# subject, and the cards this file checks in full come from the default verification (the `published` fixture)
-IN_PROCESS = ["--verify-mode", "streaming"]
 
 
 def _snippets(card: str) -> list[str]:

@@ -8,10 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-# The re-runs verify in process (tensor by tensor against the digests the cache entry recorded, block forward): the
-# subject here is what the cache hands back, not the load paths, which cost about twice as much.
-STREAMING = ["--verify-mode", "streaming"]
+from conftest import IN_PROCESS
 
 
 def _interrupted_run(cli: Any, args: list[str], monkeypatch: pytest.MonkeyPatch, cache: Path) -> None:
@@ -38,7 +35,7 @@ def test_interrupted_run_reuses_finished_components(cli: Any, tiny_llama_dir: Pa
     cache = tmp_path / "cache"
     caplog.set_level(logging.INFO, logger="publisher")
     out = tmp_path / "out"
-    args = [str(tiny_llama_dir), "--quant", "int8wo", "--no-push", "--output-dir", str(out), "--json", *STREAMING]
+    args = [str(tiny_llama_dir), "--quant", "int8wo", "--no-push", "--output-dir", str(out), "--json", *IN_PROCESS]
     _interrupted_run(cli, args, monkeypatch, cache)
     assert not (out / "README.md").exists()  # nothing passes for finished
     entries = [p for p in cache.iterdir() if not p.name.endswith(".tmp")]
@@ -59,7 +56,7 @@ def test_damaged_cache_entry_is_quantized_again(cli: Any, tiny_llama_dir: Path, 
                                                monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     cache = tmp_path / "cache"
     caplog.set_level(logging.INFO, logger="publisher")
-    args = [str(tiny_llama_dir), "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "out"), *STREAMING]
+    args = [str(tiny_llama_dir), "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "out"), *IN_PROCESS]
     _interrupted_run(cli, args, monkeypatch, cache)
     entry = next(cache.iterdir())
     shard = entry / "model.safetensors"
