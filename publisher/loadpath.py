@@ -379,16 +379,20 @@ def _watched_forward(model: Any, library: str, inputs: dict[str, Any]) -> tuple[
     """``forward`` with a hook on every leaf module: (its first output, the first module whose output held a NaN
     or an infinity, with which (empty when none did), the first module whose output held a NaN ("" when none))."""
     found: dict[str, str] = {}
-    nan = [""]
+    nan = ""
 
     def hook(name: str) -> Any:
         def check(module: Any, args: Any, output: Any) -> None:
+            nonlocal nan
+            if nan:  # both are known: the first NaN is the first bad output or comes after it
+                return
             for o in output if isinstance(output, (tuple, list)) else (output,):
-                what = None if found and nan[0] else _nonfinite(o)
+                what = _nonfinite(o)
                 if what and not found:
                     found.update(layer=name, what=what)
-                if what == "NaN" and not nan[0]:
-                    nan[0] = name
+                if what == "NaN":
+                    nan = name
+                    return
         return check
 
     handles = [m.register_forward_hook(hook(n)) for n, m in model.named_modules() if n and not list(m.children())]
@@ -397,7 +401,7 @@ def _watched_forward(model: Any, library: str, inputs: dict[str, Any]) -> tuple[
     finally:
         for h in handles:
             h.remove()
-    return first, found, nan[0]
+    return first, found, nan
 
 
 def first_nonfinite(model: Any, library: str, inputs: dict[str, Any]) -> dict[str, str]:
