@@ -177,6 +177,9 @@ def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str |
         compat_manual=claims.manual_text(compat),
         harmless=logs.card_lines(plan.kind),
         compile_target=next((c.name for c in artifacts.components if c.name in DENOISERS), first.name),
+        # torch 2.13: compiled int8 weight-only matmuls go to a CPU kernel that crashes on unaligned rows (as weights read
+        # from safetensors can be); the compile snippet turns inductor's pattern matcher off on a CPU for these
+        cpu_compile_without_pattern_matcher="Int8Tensor" in recipe.tensor_classes,
         bytes_before=sum(c.bytes_before for c in artifacts.components),
         bytes_after=sum(c.bytes_after for c in artifacts.components),
         bench=_bench_summary(inputs.benchmark),
