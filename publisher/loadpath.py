@@ -1,7 +1,8 @@
 """Reload one quantized component in a fresh interpreter, the way a user would, and report what came back.
 
-Run as a *script* (``python loadpath.py REQUEST.json``) in a fresh interpreter, so that any interpreter with
-torch/torchao/diffusers/transformers can run it (``--verify-env``): it imports nothing of ``publisher``. The
+Run as a *script* (``python loadpath.py REQUESTS.json``) in a fresh interpreter, so that any interpreter with
+torch/torchao/diffusers/transformers can run it (``--verify-env``): it imports nothing of ``publisher``. One
+interpreter takes one load path for every component of a repo, in turn (publisher/verify/workers.py). The
 package imports it too (one way to load a component, one digest of a tensor, everywhere). Inputs are safetensors;
 weights are safetensors, or a pickle ``.bin`` (``safe_serialization=False``) that is only ever read with
 ``torch.load(weights_only=True)``, as the library loaders read it.
@@ -410,8 +411,8 @@ def first_nonfinite(model: Any, library: str, inputs: dict[str, Any]) -> dict[st
     return _watched_forward(model, library, inputs)[1] or {"layer": "", "what": "NaN"}
 
 
-def main(request_file: str) -> int:
-    req = json.loads(Path(request_file).read_text())
+def run_request(req: dict[str, Any]) -> dict[str, Any]:
+    """Load one component along one path, as the request says, and report what came back."""
     result: dict[str, Any] = {"path": req["path"], "component": req.get("subfolder") or "", "versions": versions()}
     try:
         import torch
@@ -439,7 +440,20 @@ def main(request_file: str) -> int:
         result["ok"] = False
         result["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
         result["traceback"] = traceback.format_exc()[-4000:]
-    Path(req["result"]).write_text(json.dumps(result))
+    return result
+
+
+def main(request_file: str) -> int:
+    """Every request of the file (``{"requests": [...]}``: the components of one repo, one load path) in turn, in this
+    one interpreter, as a user's pipeline load reads its components in one process; each model is freed before the
+    next is loaded, and each result is written as soon as it is known (the parent reruns, alone, any component this
+    process did not finish)."""
+    import gc
+
+    for req in json.loads(Path(request_file).read_text())["requests"]:
+        result = run_request(req)
+        gc.collect()  # the model went with run_request's frame; its reference cycles go now, before the next load
+        Path(req["result"]).write_text(json.dumps(result))
     return 0
 
 

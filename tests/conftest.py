@@ -62,6 +62,11 @@ FAST_TRIES = 3  # HF_AO_PUBLISH_RETRIES under the fast_retries fixture
 # forward) instead of the default's reloads in fresh interpreters, at about half the cost. The default stays where the
 # load paths are the subject (docs/development.md, "The tiers").
 IN_PROCESS = ["--verify-mode", "streaming"]
+# The fresh-interpreter reloads of a default verification read the saved folder on this disk, never the Hub: the
+# transfer mode changes nothing in them. Tests marked `transfer` that run them for other reasons (the token never
+# written, the CLI's output) keep them in the Xet session, the users' default, and verify in process in the LFS one,
+# where only the transfers differ. (test_job.py's pipeline publish stays wholly default in both.)
+XET_DEFAULT_VERIFY = [] if TRANSFER == "xet" else IN_PROCESS
 
 
 @pytest.fixture

@@ -115,14 +115,18 @@ def check_family(cli: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fami
         assert "published as it was, at the user's request (--allow-unquantized)" in card
     if layers["quantized"] and any(k["kind"] == "experts" for k in layers["kept"]):
         assert "**MoE experts stay bf16.**" in card
-    if family in FRESH_PROCESS:
-        run_snippets(card, tmp_path / "fresh")
-    # reloaded alone (the base is gone) and run: the card's usage snippet, as a user would paste it
+    # reloaded alone (the base is gone) and run: the card's usage snippet, as a user would paste it; for the families
+    # in FRESH_PROCESS in a fresh interpreter with every other snippet, for the others in this one
     for p in (tmp_path / "base").iterdir():
         p.rename(p.with_name(p.name + "-gone"))
-    monkeypatch.chdir(tmp_path)
-    exec(compile(usage_snippet(card), f"<{family} card>", "exec"), {"__name__": "__card__"})
+    if family in FRESH_PROCESS:
+        run_snippets(card, tmp_path / "fresh")
+        ran_in = tmp_path / "fresh"
+    else:
+        monkeypatch.chdir(tmp_path)
+        exec(compile(usage_snippet(card), f"<{family} card>", "exec"), {"__name__": "__card__"})
+        ran_in = tmp_path
     kind = FAMILIES[family].kind
     if kind in OUTPUT:
-        assert (tmp_path / OUTPUT[kind]).stat().st_size > 0
+        assert (ran_in / OUTPUT[kind]).stat().st_size > 0
     return data

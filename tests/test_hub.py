@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FAST_TRIES, IN_PROCESS, TRANSFER
+from conftest import FAST_TRIES, IN_PROCESS, TRANSFER, XET_DEFAULT_VERIFY
 
 SMALL = ["--sample-steps", "2", "--sample-size", "64"]
 TRIES = FAST_TRIES
@@ -256,7 +256,7 @@ def test_hub_stopped_mid_commit_then_rerun_completes_and_token_is_never_written(
         cmd = _cli_cmd("meta/tiny-llama", "--quant", "int8wo", "--repo-id", repo, *SMALL)
         with open(tmp_path / "run1.out", "w+") as so, open(tmp_path / "run1.err", "w+") as se:
             # the first run's subject is the outage at its commit: it verifies in process (the re-run below keeps the
-            # default mode, the users' path end to end)
+            # default mode, the users' path end to end, in the Xet session: conftest.XET_DEFAULT_VERIFY)
             cli_proc = subprocess.Popen([*cmd, "--output-dir", str(out1), *IN_PROCESS], env=env, stdout=so, stderr=se)
             try:
                 deadline = time.monotonic() + 180
@@ -282,8 +282,8 @@ def test_hub_stopped_mid_commit_then_rerun_completes_and_token_is_never_written(
         # exist, but holds nothing of ours
         assert not api.repo_exists(repo) or _repo_files(repo, api) == {".gitattributes"}
 
-        run2 = subprocess.run([*cmd, "--output-dir", str(out2), "--json"], env=env, capture_output=True, text=True,
-                              timeout=300)
+        run2 = subprocess.run([*cmd, "--output-dir", str(out2), "--json", *XET_DEFAULT_VERIFY], env=env,
+                              capture_output=True, text=True, timeout=300)
         assert run2.returncode == 0, run2.stderr
         data = json.loads(run2.stdout)
         assert data["pushed"] and data["verified"] and data["commit"] == _head(repo, api)

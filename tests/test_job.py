@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import IN_PROCESS
+from conftest import IN_PROCESS, XET_DEFAULT_VERIFY
 
 from publisher import recipes
 
@@ -66,7 +66,8 @@ THIRD_PARTY = ("Xet Storage", "Falling back", "hf_xet", "huggingface_hub", "Warn
 @pytest.mark.transfer
 def test_a_publish_through_the_hub_prints_only_our_own_lines(hub: Any, flux_repo: str, tmp_path: Path) -> None:
     """The real CLI in a fresh process (so hf_xet's own output would show): downloads, a --low-disk push with files
-    copied Hub to Hub, and a plain push, in this session's transfer mode. stderr holds our lines only."""
+    copied Hub to Hub, and a plain push, in this session's transfer mode. stderr holds our lines only. (The default
+    verification's reloads, in the Xet session: they read the local folder whatever the transfer mode.)"""
     import os
     import subprocess
     import sys
@@ -75,7 +76,7 @@ def test_a_publish_through_the_hub_prints_only_our_own_lines(hub: Any, flux_repo
     env.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)  # as a user runs it: progress bars go to stderr, warnings must not
     for extra, target in ((["--low-disk"], "alice/quiet-low-disk"), ([], "alice/quiet-plain")):
         proc = subprocess.run([sys.executable, "-m", "publisher.cli", flux_repo, "--quant", "int8wo", "--repo-id", target,
-                               *extra, *SMALL], env=env, capture_output=True, text=True, timeout=900)
+                               *extra, *SMALL, *XET_DEFAULT_VERIFY], env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stderr[-3000:]
         lines = [line for line in proc.stderr.replace("\r", "\n").splitlines() if line.strip()]
         noisy = [line for line in lines if any(mark in line for mark in THIRD_PARTY) and "%|" not in line]
@@ -88,7 +89,9 @@ def test_publish_llama_and_generate(cli: Any, llama_repo: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    result = cli(llama_repo, "--quant", "int8wo", "--repo-id", "acme/llama-int8", "--json", token="tok_alice")
+    # the subject is the push to an organisation and plain from_pretrained + generate; the fresh-process reloads of a
+    # Llama are tests/test_families.py's and test_verify_full.py's
+    result = cli(llama_repo, "--quant", "int8wo", "--repo-id", "acme/llama-int8", "--json", *IN_PROCESS, token="tok_alice")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["repo_id"] == "acme/llama-int8" and data["verified"]

@@ -10,11 +10,9 @@ from __future__ import annotations
 import gc
 import json
 import logging
-import os
-import subprocess
 import sys
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,17 +20,15 @@ from publisher import loadpath
 from publisher.errors import VerificationError
 from publisher.handoffs.artifacts import Artifacts
 from publisher.handoffs.report import PATHS, PLAIN_CLASSES, Expected, ForwardInputs, Mode, PathResult, VerifyReport
-from publisher.runtime import procs
 from publisher.verify.inputs import token_inputs
 from publisher.verify.quality import quality_against_base
+from publisher.verify.workers import run_workers
 
 if TYPE_CHECKING:
     from publisher.streaming.shards import ShardSource
 
 log = logging.getLogger(__name__)
 
-WORKER = Path(loadpath.__file__).resolve()
-WORKER_TIMEOUT_S = 3600
 GiB = 1024**3
 REFERENCE_IN_PASS = "the forward pass on the in-memory quantized tensors during quantization"
 
@@ -205,9 +201,10 @@ def verify(
                     else:
                         log.warning("block-by-block forward of %s failed (%s); the library-path reload gives the reference",
                                     exp.component or "model", first)
-            report.results.append(_adopt_reference(exp, str(artifacts.folder), work, token, artifacts.recipe.tensor_class, device))
+        tensor_class = artifacts.recipe.tensor_class
         report.results += check_location(expected, str(artifacts.folder), None, work, envs=envs, token=token,
-                                         tensor_class=artifacts.recipe.tensor_class, device=device, skip_reference=True)
+                                         tensor_class=tensor_class, device=device,
+                                         reference=lambda exp, data: _adopt_reference(exp, data, tensor_class))
         if envs:
             report.notes.append("--verify-env runs the whole-component reloads only (full verification).")
     if base_sources or any(e.base_output is not None for e in expected):
@@ -244,13 +241,11 @@ def _block_reference(exp: Expected, source: ShardSource) -> None:
     exp.reference = "the block-by-block forward of the in-memory-equal tensors"
 
 
-def _adopt_reference(exp: Expected, where: str, work: Path, token: str | None, tensor_class: str, device: str) -> PathResult:
-    """Library path in this interpreter: its tensors must equal the in-memory ones the streaming engine recorded
-    (when it did), and its output becomes what every other path must match."""
-    import torch
+def _adopt_reference(exp: Expected, data: dict[str, Any], tensor_class: str) -> PathResult:
+    """A streamed component's library-path reload in this environment: its tensors must equal the in-memory ones the
+    streaming engine recorded (when it did), and its output becomes what every other path must match."""
     from safetensors.torch import load_file
 
-    data = run_worker(exp, "library", sys.executable, where, None, work, token, torch.get_num_threads(), "ref", device)
     adopted = not exp.digests
     if data.get("ok") and adopted:
         exp.digests = dict(data["digests"])
@@ -263,60 +258,34 @@ def _adopt_reference(exp: Expected, where: str, work: Path, token: str | None, t
     return result
 
 
+# Records a component's expected output (and digests) from its library-path reload here; returns that reload's result.
+Reference = Callable[[Expected, dict[str, Any]], PathResult]
+
+
 def check_location(expected: list[Expected], where: str, revision: str | None, work: Path, *,
                    envs: Sequence[str | tuple[str, str]] = (), token: str | None = None, tensor_class: str | None,
-                   paths: tuple[str, ...] = PATHS, device: str = "cpu", skip_reference: bool = False) -> list[PathResult]:
-    """Each load path, in each interpreter, on ``where`` (a folder or a Hub repo id), against ``expected``.
-    ``envs``: interpreter paths, or (name, interpreter) pairs (an environment built from a spec)."""
+                   paths: tuple[str, ...] = PATHS, device: str = "cpu", reference: Reference | None = None) -> list[PathResult]:
+    """Each load path, in each interpreter, on ``where`` (a folder or a Hub repo id), against ``expected``: one fresh
+    interpreter per environment and path loads every component in turn (verify/workers.py). ``envs``: interpreter
+    paths, or (name, interpreter) pairs (an environment built from a spec). With ``reference``, a component marked
+    ``needs_reference`` takes what it must reproduce from its library-path reload in this environment (the first
+    path run), which ``reference`` records and reports. Results in the order component, environment, path."""
     import torch
 
-    results: list[PathResult] = []
     interpreters = [("current", sys.executable)] + [env if isinstance(env, tuple) else (env, env) for env in envs]
-    for exp in expected:
-        for i, (env_name, python) in enumerate(interpreters):
-            for path in paths:
-                if skip_reference and exp.needs_reference and i == 0 and path == "library":
-                    continue  # already run as the reference
-                log.info("verifying %s via the %s path (%s) on %s", exp.component or "model", path, env_name, where)
-                data = run_worker(exp, path, python, where, revision, work, token, torch.get_num_threads(), tag=f"{i}", device=device)
-                results.append(compare(exp, data, path, env_name, python, tensor_class))
-    return results
-
-
-def run_worker(exp: Expected, path: str, python: str, where: str, revision: str | None, work: Path,
-               token: str | None, threads: int, tag: str = "", device: str = "cpu") -> dict[str, Any]:
-    """Load one component in a fresh interpreter; returns the worker's result (or an error record)."""
-    name = f"{exp.component or 'model'}-{path}-{tag}-{len(list(work.glob('request-*')))}"
-    request = {
-        "path": path,
-        "library": exp.library,
-        "class_name": exp.class_name,
-        "location": where,
-        "subfolder": exp.component or None,
-        "revision": revision,
-        "inputs": str(exp.inputs) if exp.inputs else None,
-        "output": str(work / f"out-{name}.safetensors"),
-        "result": str(work / f"result-{name}.json"),
-        "threads": threads,
-        "device": device,
-        "dtype": exp.dtype,
-    }
-    req_file = work / f"request-{name}.json"
-    req_file.write_text(json.dumps(request))
-    env = dict(os.environ)
-    if token:
-        env["HF_TOKEN"] = token  # through the environment, never the command line
-    try:  # its own process group, killed with it if we stop waiting (timeout, SIGINT/SIGTERM)
-        proc = procs.run([python, str(WORKER), str(req_file)], env=env, timeout=WORKER_TIMEOUT_S)
-    except OSError as exc:
-        return {"ok": False, "error": f"interpreter {python} cannot run: {exc.strerror or exc}"}
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "error": f"interpreter {python} did not finish within {WORKER_TIMEOUT_S} s (stopped)"}
-    result_file = work / f"result-{name}.json"
-    if proc.returncode != 0 or not result_file.exists():
-        last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
-        return {"ok": False, "error": f"interpreter {python} failed: {last[:300]}"}
-    return json.loads(result_file.read_text())
+    order = sorted(paths, key=lambda p: p != "library")  # the library path first: it may give the reference
+    found: dict[tuple[int, int, int], PathResult] = {}
+    for i, (env_name, python) in enumerate(interpreters):
+        for path in order:
+            log.info("verifying %s via the %s path (%s) on %s", ", ".join(e.component or "model" for e in expected), path,
+                     env_name, where)
+            datas = run_workers(expected, path, python, where, revision, work, token, torch.get_num_threads(), tag=f"{i}",
+                                device=device)
+            for k, (exp, data) in enumerate(zip(expected, datas)):
+                adopt = reference is not None and exp.needs_reference and i == 0 and path == "library"
+                found[k, i, paths.index(path)] = (reference(exp, data) if adopt and reference is not None
+                                                  else compare(exp, data, path, env_name, python, tensor_class))
+    return [found[key] for key in sorted(found)]
 
 
 def compare(exp: Expected, data: dict[str, Any], path: str, env_name: str, python: str, tensor_class: str | None) -> PathResult:

@@ -24,7 +24,8 @@ from publisher import compat
 from publisher.errors import UsageError
 from publisher.handoffs.report import PATHS, EnvRecord, PathResult, VerifyReport
 from publisher.verify import envs as env_builder
-from publisher.verify.full import compare, run_worker
+from publisher.verify.full import compare
+from publisher.verify.workers import run_workers
 
 log = logging.getLogger(__name__)
 
@@ -147,14 +148,16 @@ def measure(report: VerifyReport, where: str, revision: str | None, work: Path, 
 
     started = time.monotonic()
     log.info("compatibility matrix: %d environments x %d components x %d load paths", len(matrix), len(report.expected), len(PATHS))
-    for env in matrix:
-        for exp in report.expected:
-            for path in PATHS:
-                data = run_worker(exp, path, env.python, where, revision, work, token, torch.get_num_threads(), tag="compat",
-                                  device=device)
-                result = compare(exp, data, path, env.record.name, env.python, report.tensor_class or None)
-                report.compat.append(result)
-                _log(result)
+    for env in matrix:  # one interpreter per path loads every component in turn (verify/workers.py)
+        found: dict[tuple[int, int], PathResult] = {}
+        for j, path in enumerate(PATHS):
+            datas = run_workers(report.expected, path, env.python, where, revision, work, token, torch.get_num_threads(),
+                                tag="compat", device=device)
+            for k, (exp, data) in enumerate(zip(report.expected, datas)):
+                found[k, j] = compare(exp, data, path, env.record.name, env.python, report.tensor_class or None)
+        for key in sorted(found):  # component by component, as the verification's own results
+            report.compat.append(found[key])
+            _log(found[key])
     log.info("compatibility matrix measured in %.0f s", time.monotonic() - started)
 
 

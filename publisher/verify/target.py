@@ -23,12 +23,12 @@ from typing import Any
 from publisher import recipe_args
 from publisher import recipes as recipe_registry
 from publisher.errors import UsageError
-from publisher.handoffs.report import PATHS, PLAIN_CLASSES, ContentCheck, Expected, ForwardInputs, VerifyReport
+from publisher.handoffs.report import PATHS, PLAIN_CLASSES, ContentCheck, Expected, ForwardInputs, PathResult, VerifyReport
 from publisher.handoffs.state import STATE_FILE
 from publisher.loadpath import load_call
 from publisher.verify import against_base, capture, declared, layout, matrix, stored
 from publisher.verify import hashes as hashes_check
-from publisher.verify.full import check_location, compare, run_worker
+from publisher.verify.full import check_location, compare
 from publisher.verify.layout import TargetComponent
 
 log = logging.getLogger(__name__)
@@ -82,13 +82,16 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), compat
         exp = None
         if chosen is not None and decl is not None:
             exp = _against(comp, decl, check, chosen, state, folder, inputs_file, device, target, token, report, recipe)
-        if exp is None:
-            exp = _self_reference(comp, check, inputs_file, where, where_rev, work, token, device, report)
-        report.expected_layers[comp.label] = len(exp.quantized)
+        if exp is None:  # no base to compare with: its library path here is the reference (check_location's)
+            exp = Expected(comp.name, comp.library, comp.class_name, inputs_file, None, {}, sorted(check.classes),
+                           "the library path", classes=dict(check.classes), dtype=check.dtype, needs_reference=True)
         report.expected.append(exp)
-        report.results += check_location([exp], where, where_rev, work, envs=[e.pair for e in gating], token=token,
-                                         tensor_class=report.tensor_class or None, paths=PATHS, device=device,
-                                         skip_reference=True)
+    tensor_class = report.tensor_class or None
+    report.results += check_location(report.expected, where, where_rev, work, envs=[e.pair for e in gating], token=token,
+                                     tensor_class=tensor_class, paths=PATHS, device=device,
+                                     reference=lambda exp, data: _self_reference(exp, data, tensor_class))
+    for comp, exp in zip(comps, report.expected):
+        report.expected_layers[comp.label] = len(exp.quantized)
     compared = [c for c in report.content if c.what == "against the base" and c.checked]
     if chosen is not None and len(compared) < len(comps):
         why = f"the base {chosen.display} could not be compared with {len(comps) - len(compared)} of {len(comps)} components"
@@ -211,28 +214,21 @@ def _against(comp: TargetComponent, decl: declared.Declared, check: declared.Dec
                     classes=dict(check.classes), dtype=check.dtype)
 
 
-def _self_reference(comp: TargetComponent, check: declared.DeclaredCheck, inputs_file: Path | None, where: str,
-                    where_rev: str | None, work: Path, token: str | None, device: str, report: VerifyReport) -> Expected:
-    """No base to compare with: the library path in a fresh process is the reference every other path must match (its
-    own result is recorded as the library path's, so it is not run twice)."""
-    import torch
+def _self_reference(exp: Expected, data: dict[str, Any], tensor_class: str | None) -> PathResult:
+    """No base to compare with: the library path's reload in a fresh process (``data``) is the reference every other
+    path must match; recorded as the library path's own result, so it is not run twice."""
     from safetensors.torch import load_file
 
-    exp = Expected(comp.name, comp.library, comp.class_name, inputs_file, None, {}, sorted(check.classes),
-                   "the library path", classes=dict(check.classes), dtype=check.dtype)
-    data = run_worker(exp, "library", sys.executable, where, where_rev, work, token, torch.get_num_threads(), "ref", device)
-    exp.needs_reference = True  # its library path ran: check_location(skip_reference=True) does not run it again
     if data.get("ok"):
         loaded = {n for n, c in data["linear_classes"].items() if c not in PLAIN_CLASSES}
-        exp.quantized = sorted(loaded | set(check.classes))
+        exp.quantized = sorted(loaded | set(exp.quantized))
         exp.digests = dict(data["digests"])
         exp.output = load_file(data["output"])["output"] if data.get("output") else None
-    result = compare(exp, data, "library", "current", sys.executable, report.tensor_class or None)
-    report.results.append(result)
+    result = compare(exp, data, "library", "current", sys.executable, tensor_class)
     if result.ok:
         result.forward_checked = False  # its output is the reference, not compared with anything
         result.detail = "the reference for the other paths (no base to compare with)"
-    return exp
+    return result
 
 
 def _forward_inputs(target: str, comps: list[TargetComponent], work: Path, token: str | None,

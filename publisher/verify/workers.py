@@ -1,0 +1,96 @@
+"""The load-path workers: publisher/loadpath.py run as a script in fresh interpreters.
+
+One interpreter per environment and load path loads every component of the repo in turn, each freed before the next
+(memory stays at about the largest component), as a user's pipeline load reads all its components in one process.
+The two load paths never share an interpreter: what one leaves registered (torchao's tensor classes allowed for
+``weights_only`` loading, a library's quantizer imported) could let the other pass where a user's fresh process
+fails.
+
+A worker that stops before it has written every result (a crash in a kernel, a timeout, a non-zero exit) leaves
+components unfinished: each of them runs again in an interpreter of its own, so a failure is reported for the
+component that caused it, and no component goes unchecked because another one crashed its interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from publisher import loadpath
+from publisher.handoffs.report import Expected
+from publisher.runtime import procs
+
+log = logging.getLogger(__name__)
+
+WORKER = Path(loadpath.__file__).resolve()
+WORKER_TIMEOUT_S = 3600  # per component: a worker that loads n components has n times this
+
+
+def run_workers(exps: Sequence[Expected], path: str, python: str, where: str, revision: str | None, work: Path,
+                token: str | None, threads: int, tag: str = "", device: str = "cpu") -> list[dict[str, Any]]:
+    """Load each of ``exps`` along ``path`` with ``python`` (one interpreter for all, components rerun alone if it
+    stops early); returns each component's worker result, or an error record, in the order of ``exps``."""
+    if not exps:
+        return []
+    results, failure, started = _spawn(exps, path, python, where, revision, work, token, threads, tag, device)
+    if failure is not None and (len(exps) == 1 or not started):
+        return [failure if r is None or len(exps) == 1 else r for r in results]
+    if failure is not None:
+        # Stopped early: the components it did not finish run again alone (when it finished them all and still
+        # failed, at its exit, each runs again alone to find the one that fails).
+        redo = [i for i, r in enumerate(results) if r is None] or list(range(len(exps)))
+        log.warning("the %s-path interpreter (%s) stopped early (%s); %s again, each in an interpreter of its own",
+                    path, python, failure["error"], ", ".join(exps[i].component or "model" for i in redo))
+        for i in redo:
+            results[i] = run_workers([exps[i]], path, python, where, revision, work, token, threads, tag, device)[0]
+    return [r if r is not None else {"ok": False, "error": "no result"} for r in results]
+
+
+def _spawn(exps: Sequence[Expected], path: str, python: str, where: str, revision: str | None, work: Path,
+           token: str | None, threads: int, tag: str, device: str) -> tuple[list[dict[str, Any] | None], dict[str, Any] | None, bool]:
+    """One interpreter for ``exps``: the results it wrote (None where it wrote none), the failure record when it did
+    not end cleanly (else None), and whether it started at all."""
+    work.mkdir(parents=True, exist_ok=True)
+    batch = f"{path}-{tag}-{len(list(work.glob('request-*')))}"
+    requests: list[dict[str, Any]] = []
+    for i, exp in enumerate(exps):
+        name = f"{batch}-{i}-{exp.component or 'model'}"
+        requests.append({
+            "path": path,
+            "library": exp.library,
+            "class_name": exp.class_name,
+            "location": where,
+            "subfolder": exp.component or None,
+            "revision": revision,
+            "inputs": str(exp.inputs) if exp.inputs else None,
+            "output": str(work / f"out-{name}.safetensors"),
+            "result": str(work / f"result-{name}.json"),
+            "threads": threads,
+            "device": device,
+            "dtype": exp.dtype,
+        })
+    req_file = work / f"request-{batch}.json"
+    req_file.write_text(json.dumps({"requests": requests}))
+    env = dict(os.environ)
+    if token:
+        env["HF_TOKEN"] = token  # through the environment, never the command line
+    timeout = WORKER_TIMEOUT_S * len(exps)
+    failure: dict[str, Any] | None = None
+    try:  # its own process group, killed with it if we stop waiting (timeout, SIGINT/SIGTERM)
+        proc = procs.run([python, str(WORKER), str(req_file)], env=env, timeout=timeout)
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+            failure = {"ok": False, "error": f"interpreter {python} failed: {last[:300]}"}
+    except OSError as exc:
+        return [None] * len(exps), {"ok": False, "error": f"interpreter {python} cannot run: {exc.strerror or exc}"}, False
+    except subprocess.TimeoutExpired:
+        failure = {"ok": False, "error": f"interpreter {python} did not finish within {timeout} s (stopped)"}
+    results = [json.loads(Path(r["result"]).read_text()) if Path(r["result"]).exists() else None for r in requests]
+    if failure is None and any(r is None for r in results):
+        failure = {"ok": False, "error": f"interpreter {python} ended without a result"}
+    return results, failure, True
