@@ -25,6 +25,7 @@ from publisher.io import hub
 from publisher.quality import stage as quality
 from publisher.recipes import Recipe
 from publisher.request import Outcome, PublishRequest
+from publisher.runtime.gcfreeze import frozen_after
 from publisher.stages import card, fetch, lowdisk_push, preflight, unfinished
 from publisher.stages import plan as planning
 from publisher.stages import push as pushing
@@ -97,7 +98,8 @@ def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = 
 def run(req: PublishRequest) -> list[Outcome]:
     bound_heap()  # before any worker thread exists: they would each get a heap arena
     token = resolve_token(req.token)
-    plan = make_plan(req, token)
+    with frozen_after():  # the plan imports torch & co (runtime/gcfreeze.py)
+        plan = make_plan(req, token)
     outcomes = [Outcome(recipe=r.name, repo_id=plan.targets[r.name]) for r in plan.recipes]
     try:
         return _run_plan(req, plan, token, outcomes)

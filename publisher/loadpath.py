@@ -411,10 +411,30 @@ def first_nonfinite(model: Any, library: str, inputs: dict[str, Any]) -> dict[st
     return _watched_forward(model, library, inputs)[1] or {"layer": "", "what": "NaN"}
 
 
+def _import_class(req: dict[str, Any]) -> None:
+    """torch and the component's class, imported as both load paths begin (torch, then the library), with the cyclic
+    GC paused; what they made is then frozen out of later collections. Otherwise every full collection during the
+    load walks the objects of some 3,000 modules again: a third of a worker's CPU time on a tiny model (4.6 s -> 3.2 s
+    for the tiny FLUX transformer, measured). What loads, and in which order, is the same."""
+    import gc
+
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        import torch  # noqa: F401
+
+        _model_class(req["library"], req["class_name"])
+    finally:
+        if was:
+            gc.enable()
+        gc.freeze()
+
+
 def run_request(req: dict[str, Any]) -> dict[str, Any]:
     """Load one component along one path, as the request says, and report what came back."""
     result: dict[str, Any] = {"path": req["path"], "component": req.get("subfolder") or "", "versions": versions()}
     try:
+        _import_class(req)
         import torch
 
         if req.get("threads"):

@@ -3,4 +3,5 @@
 logs.py     our messages and the libraries' warnings on stderr, known-harmless noise dropped
 signals.py  SIGINT and SIGTERM raise errors.Interrupted in the main thread
 procs.py    child processes in their own process group, killed with it when we stop waiting
+gcfreeze.py the cyclic garbage collector paused while the libraries are imported, their objects frozen after
 """
