@@ -425,6 +425,7 @@ def _import_class(req: dict[str, Any]) -> None:
 
         _model_class(req["library"], req["class_name"])
     finally:
+        gc.collect()  # the imports' own garbage first: a frozen cycle would keep the frames above it, ours too
         if was:
             gc.enable()
         gc.freeze()
@@ -433,6 +434,7 @@ def _import_class(req: dict[str, Any]) -> None:
 def run_request(req: dict[str, Any]) -> dict[str, Any]:
     """Load one component along one path, as the request says, and report what came back."""
     result: dict[str, Any] = {"path": req["path"], "component": req.get("subfolder") or "", "versions": versions()}
+    model: Any = None
     try:
         _import_class(req)
         import torch
@@ -460,7 +462,21 @@ def run_request(req: dict[str, Any]) -> dict[str, Any]:
         result["ok"] = False
         result["error"] = f"{type(exc).__name__}: {exc}".splitlines()[0][:500]
         result["traceback"] = traceback.format_exc()[-4000:]
+    finally:
+        model = None  # not held past this request, even by a frame object that outlives the call
+    result["peak_rss_bytes"] = _peak_rss()
     return result
+
+
+def _peak_rss() -> int | None:
+    """This process's peak resident memory so far (VmHWM), in bytes; None where /proc is not there."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def main(request_file: str) -> int:

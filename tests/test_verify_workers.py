@@ -118,3 +118,28 @@ def test_an_interpreter_that_cannot_start_fails_every_component_once(tmp_path: P
     results = _run(missing, ["a", "b"], tmp_path)
     assert [r["error"] for r in results] == [f"interpreter {missing} cannot run: No such file or directory"] * 2
     assert not os.path.exists(starts)
+
+
+@pytest.mark.slow
+def test_the_real_worker_frees_each_component_before_the_next(tmp_path: Path) -> None:
+    """publisher/loadpath.py itself, on three components of 150 MB (one plain bf16 Llama folder, three times): its
+    peak memory after the third is its peak after the first, within a quarter component, so a worker that loads every
+    component of a repo needs about the largest one (docs/verification.md). A frozen reference cycle of the imports
+    used to keep the previous model until the next load was done (one component more)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from publisher.handoffs.report import Expected
+    from publisher.verify.workers import run_workers
+
+    config = LlamaConfig(vocab_size=256, hidden_size=768, intermediate_size=3072, num_hidden_layers=8,
+                         num_attention_heads=12, num_key_value_heads=12)
+    with torch.device("meta"):
+        size = sum(p.numel() * 2 for p in LlamaForCausalLM(config).parameters())
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "model")
+    exps = [Expected("", "transformers", "LlamaForCausalLM", None, None, {}, []) for _ in range(3)]
+    results = run_workers(exps, "library", sys.executable, str(tmp_path / "model"), None, tmp_path / "work", None, 1)
+    assert all(r["ok"] for r in results), results
+    first, last = results[0]["peak_rss_bytes"], results[2]["peak_rss_bytes"]
+    assert first > size and last - first < size / 4, (first, last, size)

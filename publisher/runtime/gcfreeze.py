@@ -22,6 +22,9 @@ def frozen_after() -> Iterator[None]:
     try:
         yield
     finally:
+        # the block's garbage first: a frozen reference cycle is never freed, with whatever it holds (torch.fx.wrap
+        # leaves its frame in one, and a frame holds its callers' frames and their variables)
+        gc.collect()
         if was:
             gc.enable()
         gc.freeze()
