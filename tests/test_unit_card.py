@@ -207,3 +207,22 @@ def test_a_report_without_a_passing_result_cannot_be_pushed(tmp_path: Path) -> N
     with pytest.raises(VerificationError, match=r"model via the library path \(current\): silently wrong: loads without"):
         require_passed(report)
     require_passed(uf.report_for(artifacts, uf.passing_results(artifacts)))  # a passed report goes through
+
+
+@pytest.mark.parametrize(("recipe", "workaround"), [("int8wo", True), ("int8dq", True), ("float8wo", False),
+                                                    ("intx4wo", False)])
+def test_the_cpu_compile_workaround_only_where_the_recipe_makes_int8tensor_weights(tmp_path: Path, recipe: str,
+                                                                                    workaround: bool) -> None:
+    """inductor's pattern matcher is a process-wide switch: the compile snippet turns it off on a CPU only for the
+    recipes whose weights are Int8Tensor (torch 2.13's _weight_int8pack_mm crash), and leaves every other card alone."""
+    from dataclasses import replace
+
+    from publisher import recipes
+
+    for plan, artifacts in (uf.lm_publish(tmp_path / "lm"), uf.pipeline_publish(tmp_path / "pipe")):
+        artifacts.recipe = recipes.get(recipe)
+        plan = replace(plan, recipes=(artifacts.recipe,))
+        text = _render(plan, artifacts, uf.report_for(artifacts, uf.passing_results(artifacts)), "alice/x")
+        (compiled,) = [code for code in _snippets(text) if "torch.compile(" in code]
+        assert ("torch._inductor.config.pattern_matcher = False" in compiled) is workaround, compiled
+        assert ("import torch._inductor.config" in compiled) is workaround

@@ -109,8 +109,14 @@ def test_a_missing_layer_and_an_unplanned_quantized_layer(tmp_path: Path) -> Non
     data = _worker(tmp_path, digests=dict(DIGESTS, **{"norm_out.linear.weight": "sha-int8"}))
     data["linear_classes"]["norm_out.linear"] = "Int8Tensor"
     r = _compare(_expected(tmp_path), data)
-    assert r.outcome == "silently wrong" and r.detail == "tensor norm_out.linear.weight differs from the in-memory quantized model"
+    assert r.outcome == "silently wrong" and r.detail == ("loads without an error, but 1 layers are quantized that were not "
+                                                          "planned (layer norm_out.linear is Int8Tensor)")
     assert r.quantized_layers == 4
+    # with no digests to compare (verify TARGET's library path as the reference), the layer alone tells it
+    exp = _expected(tmp_path)
+    exp.digests = {}
+    r = _compare(exp, data)
+    assert r.outcome == "silently wrong" and "1 layers are quantized that were not planned" in r.detail
     r = _compare(_expected(tmp_path), dict(data, ok=False, error="RuntimeError: shapes"))
     assert r.outcome == "fail" and r.detail == ("it loaded, but 1 layers are quantized that were not planned (layer "
                                                 "norm_out.linear is Int8Tensor); then it raised RuntimeError: shapes")
