@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import struct
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,6 @@ LIBRARY_KINDS = [
     ("invalid shape, data type, or offset for tensor", "size"), ("incomplete metadata, file not fully covered", "coverage"),
 ]
 PER_TENSOR = {"offsets", "overflow", "misaligned", "size"}  # checked in offset order; equal offsets: any order
-_DIR = Path(tempfile.mkdtemp(prefix="st-validator-"))
 
 
 def library_kind(path: Path) -> str | None:
@@ -345,9 +343,9 @@ def check(case: Case, path: Path) -> None:
 
 
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=[m.__name__[2:] for m in MUTATIONS])
-def test_validator_accepts_exactly_what_the_library_accepts(mutation: Any) -> None:
+def test_validator_accepts_exactly_what_the_library_accepts(mutation: Any, tmp_path: Path) -> None:
     """40 generated files per kind of corruption (400 in all), each with up to two more corruptions on top."""
-    path = _DIR / f"generated-{mutation.__name__}.safetensors"
+    path = tmp_path / f"generated-{mutation.__name__}.safetensors"
 
     @settings(max_examples=40, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
     @given(case=cases(mutation))
