@@ -311,8 +311,9 @@ def test_sigkill_during_quantization_leaves_nothing_finished_and_rerun_completes
         cli: Any, llama_repo: str, tmp_path: Path) -> None:
     out = tmp_path / "work" / "out"
     cmd = _cli_cmd(llama_repo, "--quant", "int8wo", "--no-push", "--output-dir", str(out), *SMALL)
-    proc = subprocess.Popen(cmd, env=_cli_env(tmp_path / "hf_home", None), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    (tmp_path / "tmp").mkdir()  # what a SIGKILL leaves of the run's temporary folder stays in the test's own
+    proc = subprocess.Popen(cmd, env={**_cli_env(tmp_path / "hf_home", None), "TMPDIR": str(tmp_path / "tmp")},
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 180
         while not list((tmp_path / "work").rglob("*.partial")):
