@@ -98,8 +98,11 @@ def _admin(url: str, method: str = "GET", body: dict | None = None) -> dict:
 
 
 def _cli_env(hf_home: Path, token: str | None, endpoint: str | None = None) -> dict[str, str]:
-    # the session's transfer mode (HF_HUB_DISABLE_XET or not) is inherited
-    env = {**os.environ, "HF_HOME": str(hf_home),
+    # the session's transfer mode (HF_HUB_DISABLE_XET or not) is inherited; the run's temporary folders go beside
+    # hf_home, in the test's own folder (what a killed CLI leaves there would otherwise stay in /tmp after the session)
+    tmp = hf_home.parent / "tmp"
+    tmp.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "HF_HOME": str(hf_home), "TMPDIR": str(tmp),
            "PYTHONPATH": os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)}
     env.pop("HF_TOKEN", None)
     if token:
@@ -311,9 +314,8 @@ def test_sigkill_during_quantization_leaves_nothing_finished_and_rerun_completes
         cli: Any, llama_repo: str, tmp_path: Path) -> None:
     out = tmp_path / "work" / "out"
     cmd = _cli_cmd(llama_repo, "--quant", "int8wo", "--no-push", "--output-dir", str(out), *SMALL)
-    (tmp_path / "tmp").mkdir()  # what a SIGKILL leaves of the run's temporary folder stays in the test's own
-    proc = subprocess.Popen(cmd, env={**_cli_env(tmp_path / "hf_home", None), "TMPDIR": str(tmp_path / "tmp")},
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, env=_cli_env(tmp_path / "hf_home", None), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 180
         while not list((tmp_path / "work").rglob("*.partial")):
