@@ -97,13 +97,28 @@ class Run:
         return rc, self.err_path.read_text()
 
     def workers(self) -> list[Any]:
+        """The CLI's load-path workers: fresh interpreters running loadpath.py, or children forked from a zygote
+        (publisher/runtime/zygote.py), which keep the zygote's command line."""
         import psutil
 
         try:
             kids = psutil.Process(self.proc.pid).children(recursive=True)
-            return [p for p in kids if any("loadpath.py" in part for part in p.cmdline())]
+            return [p for p in kids if any("loadpath.py" in part for part in p.cmdline())
+                    or (_is_zygote(p) and _is_zygote(p.parent()))]
         except psutil.Error:
             return []
+
+    def zygotes(self) -> list[Any]:
+        import psutil
+
+        try:
+            return [p for p in psutil.Process(self.proc.pid).children() if _is_zygote(p)]
+        except psutil.Error:
+            return []
+
+
+def _is_zygote(proc: Any) -> bool:
+    return proc is not None and any(part.endswith("zygote.py") for part in proc.cmdline())
 
 
 def _the_line(stderr: str, signame: str) -> str:
@@ -147,6 +162,8 @@ def test_sigterm_during_verification_kills_the_workers_and_leaves_the_resume_cac
     target = "alice/sig-verify"
     run = Run(tmp_path, "meta/sig-verify", "--quant", "int8wo", "--repo-id", target)
     worker = run.wait_for("a verify worker", run.workers)[0]
+    zygotes = run.zygotes()
+    assert len(zygotes) == 1 and worker.parent().pid == zygotes[0].pid  # forked, as on every Linux run
     pgid = os.getpgid(worker.pid)
     assert pgid == worker.pid != os.getpgid(run.proc.pid)  # each worker leads its own process group
     assert any(p.name.startswith("hf-ao-verify-") for p in run.tmp.iterdir())
@@ -156,6 +173,8 @@ def test_sigterm_during_verification_kills_the_workers_and_leaves_the_resume_cac
     assert "the base files downloaded so far, in the Hugging Face cache" in line
     assert f"the quantized model in the resume cache ({run.hf_home / 'hf-ao-publish' / 'components'})" in line
     _gone(worker.pid, pgid)
+    for z in zygotes:  # the zygote the worker was forked from ends with the CLI
+        _gone(z.pid, z.pid)
     assert list(run.tmp.iterdir()) == []  # hf-ao-verify-*, the hf-ao-publish-* output folder: all removed
     assert not _api().repo_exists(target)
     assert len(_cache_entries(run)) == 1  # what the line promised: a re-run reuses it

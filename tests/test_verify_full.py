@@ -79,7 +79,11 @@ def _copy(folder: Path, tmp_path: Path) -> Path:
 
 
 @pytest.mark.slow
-def test_verify_command_passes_and_requantizes_the_base(cli: Any, verified_folder: Path) -> None:
+@pytest.mark.parametrize("workers", ["forked", "fresh"])  # HF_AO_PUBLISH_ZYGOTE=0: what every system but Linux runs
+def test_verify_command_passes_and_requantizes_the_base(cli: Any, verified_folder: Path, workers: str,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    if workers == "fresh":
+        monkeypatch.setenv("HF_AO_PUBLISH_ZYGOTE", "0")
     result = cli("verify", str(verified_folder), "--json")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)

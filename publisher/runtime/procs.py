@@ -12,13 +12,15 @@ import os
 import signal
 import subprocess
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 
 def run(cmd: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
     """Like ``subprocess.run(cmd, capture_output=True, text=True)``, in a new process group that is killed on any
     exception (``subprocess.TimeoutExpired`` included, re-raised after the kill)."""
-    proc = subprocess.Popen(list(cmd), env=dict(env) if env is not None else None, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    # stdin from /dev/null: a child never reads what was meant for us (a terminal, a pipe we were given)
+    proc = subprocess.Popen(list(cmd), env=dict(env) if env is not None else None, stdin=subprocess.DEVNULL,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
     except BaseException:
@@ -27,7 +29,7 @@ def run(cmd: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: fl
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def kill_group(proc: subprocess.Popen[str]) -> None:
+def kill_group(proc: subprocess.Popen[Any]) -> None:
     """SIGKILL the child's process group (the child leads it: its pgid is its pid), then reap the child."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)  # before the child is reaped, its pid cannot name another group

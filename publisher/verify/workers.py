@@ -9,6 +9,10 @@ fails.
 A worker that stops before it has written every result (a crash in a kernel, a timeout, a non-zero exit) leaves
 components unfinished: each of them runs again in an interpreter of its own, so a failure is reported for the
 component that caused it, and no component goes unchecked because another one crashed its interpreter.
+
+"Fresh" is what a user's new process is: on Linux the interpreter is forked from a zygote that has imported torch
+and nothing else (publisher/runtime/zygotes.py); everything a load path registers it imports itself, from the
+environment of the call.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from typing import Any
 
 from publisher import loadpath
 from publisher.handoffs.report import Expected
-from publisher.runtime import procs
+from publisher.runtime import zygotes
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +86,9 @@ def _spawn(exps: Sequence[Expected], path: str, python: str, where: str, revisio
     timeout = WORKER_TIMEOUT_S * len(exps)
     failure: dict[str, Any] | None = None
     try:  # its own process group, killed with it if we stop waiting (timeout, SIGINT/SIGTERM)
-        proc = procs.run([python, str(WORKER), str(req_file)], env=env, timeout=timeout)
+        # a GPU load starts a new interpreter: CUDA must be initialized after any fork, never before one
+        proc = zygotes.run(python, WORKER, [str(req_file)], env=env, timeout=timeout, log_file=work / f"log-{batch}.txt",
+                           forked=device == "cpu")
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
             failure = {"ok": False, "error": f"interpreter {python} failed: {last[:300]}"}

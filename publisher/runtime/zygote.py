@@ -1,0 +1,117 @@
+"""A zygote: an interpreter that has imported torch and nothing of a run, and forks a child per script to run.
+
+Run as a *script* (``python zygote.py``) by publisher/runtime/zygotes.py, in any interpreter (it imports nothing
+of ``publisher``, only the standard library and torch). It imports torch and ``torch._dynamo`` (torch's own
+module, which torchao's import brings in on every load path; together some 3 s of a worker's 5 s on this machine),
+freezes what they made, says it is ready, and then serves requests from stdin, one JSON line each::
+
+    {"argv": [SCRIPT, ARG...], "env": {...}, "cwd": DIR, "log": FILE}
+
+For each it forks a child that takes the caller's environment, working directory and ``sys.argv`` as they are now,
+sends stdout and stderr to ``log``, leads a process group of its own (the caller kills the group), and runs
+``SCRIPT`` as ``__main__`` (``runpy.run_path``, as ``python SCRIPT ARG...`` would, ``sys.path[0]`` its folder).
+The zygote answers ``{"pid": N}`` at once and ``{"exit": CODE}`` when the child has ended (CODE as ``subprocess``
+gives it: negative for a signal). It ends when stdin closes, so it never outlives its caller for long.
+
+Why nothing else is imported: huggingface_hub reads its settings (``HF_ENDPOINT``, ``HF_HOME``, ...) when it is
+imported, and the libraries decide at their import what they register (torchao's tensor classes for
+``weights_only`` loading, their quantizers); a child imports all of that itself, from the caller's environment,
+as a user's fresh process does. Torch reads only its own variables at import; the caller reuses a zygote only
+while the environment outside the Hugging Face libraries' variables is the one it started with.
+"""
+
+import gc
+import json
+import os
+import runpy
+import signal
+import sys
+import traceback
+
+PRELOAD = ("torch", "torch._dynamo")
+
+
+def _child(req, proto):
+    """In the forked child: become the process ``python SCRIPT ARG...`` would be, run it, and exit with its code."""
+    code = 1
+    try:
+        os.close(proto)
+        os.setsid()
+        log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.close(log)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        sys.stdin = open(os.devnull)  # noqa: SIM115 - not the zygote's buffered requests
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # a fresh interpreter's handlers
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        os.chdir(req["cwd"])
+        os.environ.clear()
+        os.environ.update(req["env"])
+        script = req["argv"][0]
+        sys.argv = list(req["argv"])
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
+        try:
+            runpy.run_path(script, run_name="__main__")
+            code = 0
+        except SystemExit as exc:
+            if exc.code is None or isinstance(exc.code, int):
+                code = exc.code or 0
+            else:
+                print(exc.code, file=sys.stderr)
+                code = 1
+        except BaseException:  # noqa: BLE001 - what the interpreter would print before exiting with 1
+            traceback.print_exc()
+            code = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:  # noqa: BLE001 - the exit code is what is left to report
+                pass
+        os._exit(code)
+
+
+def _exit_code(status):
+    if os.WIFSIGNALED(status):
+        return -os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)
+
+
+def serve():
+    proto = os.dup(1)  # the answers; fd 1 itself goes nowhere, so an import that prints cannot garble them
+    null = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 1)
+    os.close(null)
+    del sys.path[0]  # this script's folder: nothing in it may stand in for a module torch imports
+    gc.disable()
+    for name in PRELOAD:
+        try:
+            __import__(name)
+        except ImportError:
+            pass  # an interpreter without torch: its scripts fail as they would in a fresh one
+    gc.collect()
+    gc.enable()
+    gc.freeze()  # the children's collections skip what the imports made (and forking copies fewer pages)
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():  # CUDA does not survive a fork: no zygote, then
+        os.write(proto, b'{"ready": false}\n')
+        return 1
+    os.write(proto, b'{"ready": true}\n')
+    for line in sys.stdin.buffer:
+        req = json.loads(line)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _child(req, proto)
+        os.write(proto, json.dumps({"pid": pid}).encode() + b"\n")
+        _, status = os.waitpid(pid, 0)
+        os.write(proto, json.dumps({"exit": _exit_code(status)}).encode() + b"\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve())

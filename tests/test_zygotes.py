@@ -1,0 +1,143 @@
+"""Scripts forked from a zygote (publisher/runtime/zygote.py, zygotes.py): the child is what ``python SCRIPT ARG...``
+would be, with torch imported and nothing else; it takes the caller's environment, folder and arguments at the time
+of the call; it is killed (with its process group) on a timeout; without a zygote a fresh interpreter runs it.
+
+Each zygote costs one import of torch (about 3 s here), so the tests share few of them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="zygotes fork: Linux only")
+
+# What a user's script could notice about its process.
+PROBE = """
+import json, os, sys
+facts = {
+    "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "pid": os.getpid(), "ppid": os.getppid(),
+    "pgid": os.getpgid(0), "name": __name__, "stdin": os.readlink("/proc/self/fd/0"),
+    "env": {k: os.environ.get(k) for k in ("HF_ENDPOINT", "HF_TOKEN", "PROBE_VAR")},
+    "imported": sorted(m for m in ("torch", "torch._dynamo", "huggingface_hub", "transformers", "diffusers", "torchao",
+                                   "publisher") if m in sys.modules),
+}
+open(sys.argv[1], "w").write(json.dumps(facts))
+print("to stderr", file=sys.stderr)
+if len(sys.argv) > 2 and sys.argv[2] == "crash":
+    os.kill(os.getpid(), 11)
+if len(sys.argv) > 2 and sys.argv[2] == "sleep":
+    import time
+    time.sleep(600)
+sys.exit(int(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2].isdigit() else 0)
+"""
+
+
+@pytest.fixture
+def probe(tmp_path: Path) -> Path:
+    script = tmp_path / "scripts" / "probe.py"
+    script.parent.mkdir()
+    script.write_text(PROBE)
+    return script
+
+
+def _run(probe: Path, tmp_path: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120,
+         name: str = "facts") -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    from publisher.runtime import zygotes
+
+    out = tmp_path / f"{name}.json"
+    done = zygotes.run(sys.executable, probe, [str(out), *args], env=env if env is not None else dict(os.environ),
+                       timeout=timeout, log_file=tmp_path / f"{name}.log")
+    return done, json.loads(out.read_text()) if out.exists() else {}
+
+
+def test_the_child_is_a_fresh_script_process_with_torch_imported(probe: Path, tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    env = {**os.environ, "HF_ENDPOINT": "http://one.invalid", "HF_TOKEN": "tok_one", "PROBE_VAR": "a"}
+    done, facts = _run(probe, tmp_path, "7", env=env)
+    assert done.returncode == 7 and done.stderr == "to stderr\n"
+    assert facts["argv"] == [str(probe), str(tmp_path / "facts.json"), "7"] and facts["name"] == "__main__"
+    assert facts["cwd"] == str(tmp_path) and facts["path0"] == str(probe.parent) and facts["stdin"] == os.devnull
+    assert facts["env"] == {"HF_ENDPOINT": "http://one.invalid", "HF_TOKEN": "tok_one", "PROBE_VAR": "a"}
+    # torch only: huggingface_hub reads HF_ENDPOINT at its import, the libraries register what they register at theirs
+    assert facts["imported"] == ["torch", "torch._dynamo"]
+    assert facts["pgid"] == facts["pid"] != os.getpgid(0)  # its own process group, which a kill takes whole
+    zygote = facts["ppid"]
+    assert zygote != os.getpid()
+    # the token went to the child through the pipe, never to the zygote
+    assert "tok_one" not in Path(f"/proc/{zygote}/environ").read_bytes().decode(errors="replace")
+
+    # another endpoint and token, the rest alike: the same zygote, and the child sees the new values
+    env2 = {**env, "HF_ENDPOINT": "http://two.invalid", "HF_TOKEN": "tok_two"}
+    done, facts = _run(probe, tmp_path, env=env2, name="second")
+    assert done.returncode == 0 and facts["ppid"] == zygote
+    assert facts["env"] == {"HF_ENDPOINT": "http://two.invalid", "HF_TOKEN": "tok_two", "PROBE_VAR": "a"}
+    # a variable torch could read at its import: another zygote
+    done, facts = _run(probe, tmp_path, env={**env, "PROBE_VAR": "b"}, name="third")
+    assert done.returncode == 0 and facts["ppid"] != zygote and facts["env"]["PROBE_VAR"] == "b"
+
+
+def test_a_crash_and_a_timeout(probe: Path, tmp_path: Path) -> None:
+    import psutil
+
+    done, _ = _run(probe, tmp_path, "crash")
+    assert done.returncode == -signal.SIGSEGV and done.stderr == "to stderr\n"  # as subprocess reports a signal
+    start = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        _run(probe, tmp_path, "sleep", timeout=5, name="slow")
+    assert time.monotonic() - start < 60
+    facts = json.loads((tmp_path / "slow.json").read_text())
+    assert not psutil.pid_exists(facts["pid"]) or psutil.Process(facts["pid"]).status() == psutil.STATUS_ZOMBIE
+    with pytest.raises(ProcessLookupError):
+        os.killpg(facts["pgid"], 0)
+    done, _ = _run(probe, tmp_path, name="after")  # a new zygote serves the next call
+    assert done.returncode == 0
+
+
+def test_switched_off_or_no_zygote_runs_a_fresh_interpreter(probe: Path, tmp_path: Path) -> None:
+    done, facts = _run(probe, tmp_path, env={**os.environ, "HF_AO_PUBLISH_ZYGOTE": "0"})
+    assert done.returncode == 0 and facts["ppid"] == os.getpid() and facts["imported"] == []
+    assert done.stderr == "to stderr\n" and not (tmp_path / "facts.log").exists()
+    from publisher.runtime import zygotes
+
+    out = tmp_path / "unforked.json"  # a caller that asks for a new interpreter (a load on a GPU)
+    done = zygotes.run(sys.executable, probe, [str(out)], env=dict(os.environ), timeout=60, log_file=tmp_path / "u.log",
+                       forked=False)
+    assert done.returncode == 0 and json.loads(out.read_text())["ppid"] == os.getpid()
+    # an interpreter that is not one (a stand-in script ignoring its arguments): the script runs in it directly
+    stand_in = tmp_path / "stand-in"
+    stand_in.write_text(f"#!{sys.executable}\nimport sys\nprint('stand-in', sys.argv[1:], file=sys.stderr)\n")
+    stand_in.chmod(0o755)
+    done = zygotes.run(str(stand_in), probe, ["x"], env=dict(os.environ), timeout=60, log_file=tmp_path / "s.log")
+    assert done.returncode == 0 and done.stderr == f"stand-in ['{probe}', 'x']\n"
+
+
+def test_the_zygote_ends_with_its_caller(tmp_path: Path, probe: Path) -> None:
+    """A caller killed with SIGKILL runs no cleanup: the zygote ends when its stdin closes."""
+    import psutil
+
+    caller = subprocess.Popen([sys.executable, "-c", (
+        "import os, sys; from pathlib import Path; from publisher.runtime import zygotes; "
+        f"zygotes.run(sys.executable, Path({str(probe)!r}), [{str(tmp_path / 'f.json')!r}], env=dict(os.environ), "
+        f"timeout=60, log_file=Path({str(tmp_path / 'f.log')!r})); print('ran', flush=True); sys.stdin.read()")],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert caller.stdout is not None and caller.stdout.readline() == "ran\n"
+        zygote = json.loads((tmp_path / "f.json").read_text())["ppid"]
+        assert psutil.Process(zygote).parent().pid == caller.pid
+    finally:
+        caller.kill()
+        caller.wait()
+    deadline = time.monotonic() + 30
+    while psutil.pid_exists(zygote) and psutil.Process(zygote).status() != psutil.STATUS_ZOMBIE:
+        assert time.monotonic() < deadline, "the zygote outlived its caller"
+        time.sleep(0.1)
