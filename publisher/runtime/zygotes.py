@@ -81,7 +81,15 @@ class Zygote:
         deadline = time.monotonic() + timeout if timeout is not None else None
         try:
             return int(self._line(deadline)["exit"])
-        except BaseException:  # a timeout, SIGINT/SIGTERM (errors.Interrupted), the zygote gone: the child goes too
+        except subprocess.TimeoutExpired:
+            _kill_group(pid)
+            try:
+                self._line(time.monotonic() + 60)  # the killed child's exit: the zygote serves on
+            except BaseException:
+                self.close()
+                raise
+            raise
+        except BaseException:  # SIGINT/SIGTERM (errors.Interrupted), the zygote gone: the child goes too
             _kill_group(pid)
             self.close()
             raise
