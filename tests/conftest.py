@@ -152,6 +152,21 @@ def distinct_copy(src: Path, dst: Path, salt: int) -> Path:
     return dst
 
 
+def run_snippet(code: str, cwd: Path, env: dict[str, str], timeout: float) -> Any:
+    """What ``python -c CODE`` in ``cwd`` gives (a ``subprocess.CompletedProcess``), as a user pastes a card snippet
+    into a new interpreter, forked from a zygote of this interpreter (publisher/runtime/zygotes.py, as the verify
+    workers are): it has imported torch, every snippet's first import, and nothing else, so a snippet costs its own
+    work and not torch's import again. The code is a file in ``cwd``, so ``sys.path[0]`` is ``cwd`` as with ``-c``."""
+    import hashlib
+    import sys
+
+    from publisher.runtime import zygotes
+
+    script = cwd / f"snippet_{hashlib.sha256(code.encode()).hexdigest()[:12]}.py"
+    script.write_text(code)
+    return zygotes.run(sys.executable, script, [], env=env, timeout=timeout, outputs=script.with_suffix(""), cwd=cwd)
+
+
 def seed(repo_id: str, folder: Path, token: str, **kwargs: Any) -> str:
     """Upload a local model folder as a Hub repo; returns its commit sha."""
     from huggingface_hub import HfApi

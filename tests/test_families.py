@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import run_snippet
 
 from publisher.testing.demo import card_snippets
 from publisher.testing.families import FAMILIES
@@ -52,13 +53,11 @@ def usage_snippet(card: str) -> str:
 
 
 def run_snippets(card: str, cwd: Path) -> None:
-    """Every Python block of the card in its own fresh interpreter (the config block, usage, offload, the manual path),
-    but the torch.compile block: its text is one template per kind (a pipeline's denoiser, an LM's forward) with the
+    """Every Python block of the card in its own fresh interpreter (conftest.run_snippet: the config block, usage,
+    offload, the manual path), but the torch.compile block: its text is one template per kind (a pipeline's denoiser, an LM's forward) with the
     usage snippet's call, run as pasted for the tiny FLUX and Llama (tests/test_stages_card.py::
     test_every_card_snippet_runs); compiling each family's model again costs a minute or more of CPU per family."""
     import os
-    import subprocess
-    import sys
 
     cwd.mkdir()
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
@@ -69,7 +68,7 @@ def run_snippets(card: str, cwd: Path) -> None:
     for i, (kind, code) in enumerate(zip(kinds, snippets)):
         if kind == "compile":
             continue
-        proc = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+        proc = run_snippet(code, cwd, env, timeout=600)
         assert proc.returncode == 0, f"snippet {i} failed:\n{code}\n{proc.stderr[-3000:]}"
 
 

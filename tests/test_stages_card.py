@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import IN_PROCESS
+from conftest import IN_PROCESS, run_snippet
 
 GOLDEN = Path(__file__).parent / "golden"
 SMALL = ["--sample-steps", "2", "--sample-size", "64"]
@@ -105,7 +105,7 @@ def test_every_card_snippet_runs(published: dict[str, str], which: str, tmp_path
     env.pop("HF_TOKEN", None)
     outputs = []
     for i, code in enumerate(snippets):  # the compile snippet compiles on the CPU: minutes when inductor's cache is cold
-        proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=900)
+        proc = run_snippet(code, tmp_path, env, timeout=900)
         assert proc.returncode == 0, f"snippet {i} failed:\n{code}\n{proc.stderr[-3000:]}"
         outputs.append(proc.stdout)
         assert "deprecated" not in proc.stderr.replace("register_constant() on Enum subclasses is deprecated", ""), proc.stderr

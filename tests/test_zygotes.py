@@ -32,6 +32,7 @@ facts = {
 }
 open(sys.argv[1], "w").write(json.dumps(facts))
 print("to stderr", file=sys.stderr)
+print("to stdout")
 if len(sys.argv) > 2 and sys.argv[2] == "crash":
     os.kill(os.getpid(), 11)
 if len(sys.argv) > 2 and sys.argv[2] == "sleep":
@@ -55,7 +56,7 @@ def _run(probe: Path, tmp_path: Path, *args: str, env: dict[str, str] | None = N
 
     out = tmp_path / f"{name}.json"
     done = zygotes.run(sys.executable, probe, [str(out), *args], env=env if env is not None else dict(os.environ),
-                       timeout=timeout, log_file=tmp_path / f"{name}.log")
+                       timeout=timeout, outputs=tmp_path / name)
     return done, json.loads(out.read_text()) if out.exists() else {}
 
 
@@ -65,7 +66,7 @@ def test_the_child_is_a_fresh_script_process_with_torch_imported(probe: Path, tm
     env = {**os.environ, "HF_ENDPOINT": "http://one.invalid", "HF_TOKEN": "tok_one"}
     env.pop("PROBE_VAR", None)
     done, facts = _run(probe, tmp_path, "7", env=env)
-    assert done.returncode == 7 and done.stderr == "to stderr\n"
+    assert done.returncode == 7 and done.stderr == "to stderr\n" and done.stdout == "to stdout\n"
     assert facts["argv"] == [str(probe), str(tmp_path / "facts.json"), "7"] and facts["name"] == "__main__"
     assert facts["cwd"] == str(tmp_path) and facts["path0"] == str(probe.parent) and facts["stdin"] == os.devnull
     assert facts["env"] == {"HF_ENDPOINT": "http://one.invalid", "HF_TOKEN": "tok_one", "PROBE_VAR": None}
@@ -87,11 +88,22 @@ def test_the_child_is_a_fresh_script_process_with_torch_imported(probe: Path, tm
     assert done.returncode == 0 and facts["ppid"] != zygote and facts["env"]["PROBE_VAR"] == "b"
 
 
+def test_what_the_zygote_imports_prints_nothing() -> None:
+    """The zygote's own stderr goes nowhere: a child would miss what its imports print in a fresh interpreter. They
+    print nothing (a test that checks a script's stderr, the card snippets' for instance, still sees everything)."""
+    from publisher.runtime import zygote
+
+    done = subprocess.run([sys.executable, "-c", f"import {', '.join(zygote.PRELOAD)}"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and done.stdout == done.stderr == ""
+
+
 def test_a_crash_and_a_timeout(probe: Path, tmp_path: Path) -> None:
     import psutil
 
     done, _ = _run(probe, tmp_path, "crash")
-    assert done.returncode == -signal.SIGSEGV and done.stderr == "to stderr\n"  # as subprocess reports a signal
+    # as subprocess reports a signal; what was written before the crash is there
+    assert done.returncode == -signal.SIGSEGV and done.stderr == "to stderr\n" and done.stdout == "to stdout\n"
     start = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired):
         _run(probe, tmp_path, "sleep", timeout=2, name="slow")
@@ -107,18 +119,18 @@ def test_a_crash_and_a_timeout(probe: Path, tmp_path: Path) -> None:
 def test_switched_off_or_no_zygote_runs_a_fresh_interpreter(probe: Path, tmp_path: Path) -> None:
     done, facts = _run(probe, tmp_path, env={**os.environ, "HF_AO_PUBLISH_ZYGOTE": "0"})
     assert done.returncode == 0 and facts["ppid"] == os.getpid() and facts["imported"] == []
-    assert done.stderr == "to stderr\n" and not (tmp_path / "facts.log").exists()
+    assert done.stderr == "to stderr\n" and done.stdout == "to stdout\n" and not (tmp_path / "facts.stderr").exists()
     from publisher.runtime import zygotes
 
     out = tmp_path / "unforked.json"  # a caller that asks for a new interpreter (a load on a GPU)
-    done = zygotes.run(sys.executable, probe, [str(out)], env=dict(os.environ), timeout=60, log_file=tmp_path / "u.log",
+    done = zygotes.run(sys.executable, probe, [str(out)], env=dict(os.environ), timeout=60, outputs=tmp_path / "u",
                        forked=False)
     assert done.returncode == 0 and json.loads(out.read_text())["ppid"] == os.getpid()
     # an interpreter that is not one (a stand-in script ignoring its arguments): the script runs in it directly
     stand_in = tmp_path / "stand-in"
     stand_in.write_text(f"#!{sys.executable}\nimport sys\nprint('stand-in', sys.argv[1:], file=sys.stderr)\n")
     stand_in.chmod(0o755)
-    done = zygotes.run(str(stand_in), probe, ["x"], env=dict(os.environ), timeout=60, log_file=tmp_path / "s.log")
+    done = zygotes.run(str(stand_in), probe, ["x"], env=dict(os.environ), timeout=60, outputs=tmp_path / "s")
     assert done.returncode == 0 and done.stderr == f"stand-in ['{probe}', 'x']\n"
 
 
@@ -129,7 +141,7 @@ def test_the_zygote_ends_with_its_caller(tmp_path: Path, probe: Path) -> None:
     caller = subprocess.Popen([sys.executable, "-c", (
         "import os, sys; from pathlib import Path; from publisher.runtime import zygotes; "
         f"zygotes.run(sys.executable, Path({str(probe)!r}), [{str(tmp_path / 'f.json')!r}], env=dict(os.environ), "
-        f"timeout=60, log_file=Path({str(tmp_path / 'f.log')!r})); print('ran', flush=True); sys.stdin.read()")],
+        f"timeout=60, outputs=Path({str(tmp_path / 'f')!r})); print('ran', flush=True); sys.stdin.read()")],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert caller.stdout is not None and caller.stdout.readline() == "ran\n"

@@ -12,14 +12,16 @@ import os
 import signal
 import subprocess
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 
-def run(cmd: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float | None = None) -> subprocess.CompletedProcess[str]:
+def run(cmd: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float | None = None,
+        cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
     """Like ``subprocess.run(cmd, capture_output=True, text=True)``, in a new process group that is killed on any
     exception (``subprocess.TimeoutExpired`` included, re-raised after the kill)."""
     # stdin from /dev/null: a child never reads what was meant for us (a terminal, a pipe we were given)
-    proc = subprocess.Popen(list(cmd), env=dict(env) if env is not None else None, stdin=subprocess.DEVNULL,
+    proc = subprocess.Popen(list(cmd), env=dict(env) if env is not None else None, cwd=cwd, stdin=subprocess.DEVNULL,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)

@@ -5,10 +5,10 @@ of ``publisher``, only the standard library and torch). It imports torch and ``t
 module, which torchao's import brings in on every load path; together some 3 s of a worker's 5 s on this machine),
 freezes what they made, says it is ready, and then serves requests from stdin, one JSON line each::
 
-    {"argv": [SCRIPT, ARG...], "env": {...}, "cwd": DIR, "log": FILE}
+    {"argv": [SCRIPT, ARG...], "env": {...}, "cwd": DIR, "stdout": FILE, "stderr": FILE}
 
 For each it forks a child that takes the caller's environment, working directory and ``sys.argv`` as they are now,
-sends stdout and stderr to ``log``, leads a process group of its own (the caller kills the group), and runs
+sends stdout and stderr to those files, leads a process group of its own (the caller kills the group), and runs
 ``SCRIPT`` as ``__main__`` (``runpy.run_path``, as ``python SCRIPT ARG...`` would, ``sys.path[0]`` its folder).
 The zygote answers ``{"pid": N}`` at once and ``{"exit": CODE}`` when the child has ended (CODE as ``subprocess``
 gives it: negative for a signal). It ends when stdin closes, so it never outlives its caller for long.
@@ -26,52 +26,29 @@ import os
 import runpy
 import signal
 import sys
-import traceback
 
 PRELOAD = ("torch", "torch._dynamo")
 
 
-def _child(req, proto):
-    """In the forked child: become the process ``python SCRIPT ARG...`` would be, run it, and exit with its code."""
-    code = 1
-    try:
-        os.close(proto)
-        os.setsid()
-        log = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.dup2(log, 1)
-        os.dup2(log, 2)
-        os.close(log)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.close(null)
-        sys.stdin = open(os.devnull)  # noqa: SIM115 - not the zygote's buffered requests
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # a fresh interpreter's handlers
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.chdir(req["cwd"])
-        os.environ.clear()
-        os.environ.update(req["env"])
-        script = req["argv"][0]
-        sys.argv = list(req["argv"])
-        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-        try:
-            runpy.run_path(script, run_name="__main__")
-            code = 0
-        except SystemExit as exc:
-            if exc.code is None or isinstance(exc.code, int):
-                code = exc.code or 0
-            else:
-                print(exc.code, file=sys.stderr)
-                code = 1
-        except BaseException:  # noqa: BLE001 - what the interpreter would print before exiting with 1
-            traceback.print_exc()
-            code = 1
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:  # noqa: BLE001 - the exit code is what is left to report
-                pass
-        os._exit(code)
+def _become(req, proto):
+    """In the forked child: become the process ``python SCRIPT ARG...`` would be, up to running the script."""
+    os.close(proto)
+    os.setsid()
+    for fd, name in ((1, "stdout"), (2, "stderr")):
+        out = os.open(req[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.dup2(out, fd)
+        os.close(out)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    sys.stdin = open(os.devnull)  # noqa: SIM115 - not the zygote's buffered requests
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a fresh interpreter's handlers
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    sys.argv = list(req["argv"])
+    sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
 
 
 def _exit_code(status):
@@ -106,7 +83,11 @@ def serve():
         sys.stderr.flush()
         pid = os.fork()
         if pid == 0:
-            _child(req, proto)
+            # the child runs the script and ends as an interpreter ends: an exception or SystemExit from the script
+            # goes up from here to the top, the interpreter prints it, runs the atexit handlers, sets the exit code
+            _become(req, proto)
+            runpy.run_path(sys.argv[0], run_name="__main__")
+            return 0
         os.write(proto, json.dumps({"pid": pid}).encode() + b"\n")
         _, status = os.waitpid(pid, 0)
         os.write(proto, json.dumps({"exit": _exit_code(status)}).encode() + b"\n")

@@ -6,7 +6,7 @@ the script from a zygote that has done that import once: a publish that verifies
 once instead of twice, and a process that publishes many times (several recipes, the compatibility matrix, a
 test session) imports it once per interpreter. The child is what ``python SCRIPT ARG...`` would be, with torch
 already imported: the caller's environment, working directory and arguments, its own process group, stdout and
-stderr in ``log``.
+stderr in files that are read back.
 
 A zygote serves one interpreter and one environment: it is reused only while every variable outside the Hugging
 Face libraries' own (``HF_*``, ``HUGGINGFACE_*``, ``TRANSFORMERS_*``, ``DIFFUSERS_*``, which nothing the zygote
@@ -67,10 +67,11 @@ class Zygote:
             self.close()
             raise
 
-    def run(self, argv: Sequence[str], env: Mapping[str, str], log_file: Path, timeout: float | None) -> int:
-        """Fork a child that runs ``argv`` (script and arguments); its exit code. Raises
-        ``subprocess.TimeoutExpired`` after killing it, ``Gone`` if the zygote went away."""
-        req = {"argv": list(argv), "env": dict(env), "cwd": os.getcwd(), "log": str(log_file)}
+    def run(self, argv: Sequence[str], env: Mapping[str, str], cwd: str, outputs: tuple[Path, Path],
+            timeout: float | None) -> int:
+        """Fork a child that runs ``argv`` (script and arguments) in ``cwd``, its stdout and stderr to ``outputs``;
+        its exit code. Raises ``subprocess.TimeoutExpired`` after killing it, ``Gone`` if the zygote went away."""
+        req = {"argv": list(argv), "env": dict(env), "cwd": cwd, "stdout": str(outputs[0]), "stderr": str(outputs[1])}
         assert self.proc.stdin is not None
         try:
             self.proc.stdin.write(json.dumps(req).encode() + b"\n")
@@ -137,24 +138,27 @@ _lock = threading.Lock()
 
 
 def run(python: str, script: Path, args: Sequence[str], *, env: Mapping[str, str], timeout: float | None,
-        log_file: Path, forked: bool = True) -> subprocess.CompletedProcess[str]:
-    """``python script args...`` with ``env``, like ``procs.run`` (stderr in the result; a timeout raises
-    ``subprocess.TimeoutExpired`` after the kill), forked from a zygote where there is one and ``forked``."""
+        outputs: Path, forked: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``python script args...`` with ``env`` in ``cwd`` (default: ours), like ``procs.run`` (stdout and stderr in
+    the result; a timeout raises ``subprocess.TimeoutExpired`` after the kill), forked from a zygote where there is
+    one and ``forked``. A forked child writes its stdout and stderr to ``outputs`` + ``.stdout`` / ``.stderr``, which
+    are read back."""
     argv = [str(script), *args]
     z = _zygote(python, env) if forked else None
     if z is not None:
+        files = (outputs.with_name(outputs.name + ".stdout"), outputs.with_name(outputs.name + ".stderr"))
         with z.lock:
             try:
-                code = z.run(argv, env, log_file, timeout)
+                code = z.run(argv, env, str(cwd or os.getcwd()), files, timeout)
             except Gone as exc:
                 log.debug("the zygote of %s went away (%s); a fresh interpreter instead", python, exc)
                 _forget(z)
             else:
-                return subprocess.CompletedProcess([python, *argv], code, "", _read(log_file))
+                return subprocess.CompletedProcess([python, *argv], code, _read(files[0]), _read(files[1]))
             finally:
                 if z.proc.poll() is not None:
                     _forget(z)
-    return procs.run([python, *argv], env=env, timeout=timeout)
+    return procs.run([python, *argv], env=env, timeout=timeout, cwd=cwd)
 
 
 def _zygote(python: str, env: Mapping[str, str]) -> Zygote | None:
