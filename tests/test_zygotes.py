@@ -30,6 +30,8 @@ facts = {
     "imported": sorted(m for m in ("torch", "torch._dynamo", "huggingface_hub", "transformers", "diffusers", "torchao",
                                    "publisher") if m in sys.modules),
 }
+hub = sys.modules.get("huggingface_hub.constants")  # what the libraries' imports read from the environment
+facts["hub_endpoint"] = hub.ENDPOINT if hub else None
 open(sys.argv[1], "w").write(json.dumps(facts))
 print("to stderr", file=sys.stderr)
 print("to stdout")
@@ -86,6 +88,28 @@ def test_the_child_is_a_fresh_script_process_with_torch_imported(probe: Path, tm
     # a variable torch could read at its import: another zygote
     done, facts = _run(probe, tmp_path, env={**env, "PROBE_VAR": "b"}, name="third")
     assert done.returncode == 0 and facts["ppid"] != zygote and facts["env"]["PROBE_VAR"] == "b"
+
+
+def test_a_load_path_zygote_serves_the_environment_the_libraries_were_imported_in(probe: Path, tmp_path: Path) -> None:
+    from publisher.runtime import zygotes
+
+    def run(env: dict[str, str], name: str) -> dict[str, Any]:
+        out = tmp_path / f"{name}.json"
+        done = zygotes.run(sys.executable, probe, [str(out)], env=env, timeout=120, outputs=tmp_path / name,
+                           preload=zygotes.LIBRARIES)
+        assert done.returncode == 0, done.stderr
+        return dict(json.loads(out.read_text()))
+
+    env = {**os.environ, "HF_ENDPOINT": "http://one.invalid", "HF_TOKEN": "tok_one"}
+    first = run(env, "one")
+    assert {"torch", "transformers", "diffusers", "huggingface_hub"} <= set(first["imported"])
+    assert "publisher" not in first["imported"] and first["hub_endpoint"] == "http://one.invalid"
+    # the token is read when a call needs it: the same zygote, the child sees its own
+    second = run({**env, "HF_TOKEN": "tok_two"}, "two")
+    assert second["ppid"] == first["ppid"] and second["env"]["HF_TOKEN"] == "tok_two"
+    # the endpoint is read when huggingface_hub is imported: another zygote, imported with it
+    third = run({**env, "HF_ENDPOINT": "http://two.invalid"}, "three")
+    assert third["ppid"] != first["ppid"] and third["hub_endpoint"] == "http://two.invalid"
 
 
 def test_what_the_zygote_imports_prints_nothing() -> None:

@@ -1,8 +1,9 @@
-"""A zygote: an interpreter that has imported torch and nothing of a run, and forks a child per script to run.
+"""A zygote: an interpreter that has imported torch (and what else it is told) and nothing of a run, and forks a
+child per script to run.
 
-Run as a *script* (``python zygote.py``) by publisher/runtime/zygotes.py, in any interpreter (it imports nothing
-of ``publisher``, only the standard library and torch). It imports torch and ``torch._dynamo`` (torch's own
-module, which torchao's import brings in on every load path; together some 3 s of a worker's 5 s on this machine),
+Run as a *script* (``python zygote.py [MODULE...]``) by publisher/runtime/zygotes.py, in any interpreter (it
+imports nothing of ``publisher``, only the standard library and the modules named). It imports the modules named
+(default: torch and ``torch._dynamo``, torch's own module that torchao's import brings in on every load path),
 freezes what they made, says it is ready, and then serves requests from stdin, one JSON line each::
 
     {"argv": [SCRIPT, ARG...], "env": {...}, "cwd": DIR, "stdout": FILE, "stderr": FILE}
@@ -13,11 +14,8 @@ sends stdout and stderr to those files, leads a process group of its own (the ca
 The zygote answers ``{"pid": N}`` at once and ``{"exit": CODE}`` when the child has ended (CODE as ``subprocess``
 gives it: negative for a signal). It ends when stdin closes, so it never outlives its caller for long.
 
-Why nothing else is imported: huggingface_hub reads its settings (``HF_ENDPOINT``, ``HF_HOME``, ...) when it is
-imported, and the libraries decide at their import what they register (torchao's tensor classes for
-``weights_only`` loading, their quantizers); a child imports all of that itself, from the caller's environment,
-as a user's fresh process does. Torch reads only its own variables at import; the caller reuses a zygote only
-while the environment outside the Hugging Face libraries' variables is the one it started with.
+What the modules read from the environment when imported is the zygote's: the caller starts one per environment
+(publisher/runtime/zygotes.py says which variables count).
 """
 
 import gc
@@ -27,7 +25,7 @@ import runpy
 import signal
 import sys
 
-PRELOAD = ("torch", "torch._dynamo")
+PRELOAD = ("torch", "torch._dynamo")  # when no module is named
 
 
 def _become(req, proto):
@@ -57,18 +55,19 @@ def _exit_code(status):
     return os.WEXITSTATUS(status)
 
 
-def serve():
+def serve(preload):
     proto = os.dup(1)  # the answers; fd 1 itself goes nowhere, so an import that prints cannot garble them
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)
     os.close(null)
     del sys.path[0]  # this script's folder: nothing in it may stand in for a module torch imports
     gc.disable()
-    for name in PRELOAD:
-        try:
+    try:
+        for name in preload:
             __import__(name)
-        except ImportError:
-            pass  # an interpreter without torch: its scripts fail as they would in a fresh one
+    except BaseException:  # noqa: BLE001 - reported as "not ready": the caller starts fresh interpreters, which
+        os.write(proto, b'{"ready": false}\n')  # fail (or not) on their own, from a clean state
+        return 1
     gc.collect()
     gc.enable()
     gc.freeze()  # the children's collections skip what the imports made (and forking copies fewer pages)
@@ -95,4 +94,4 @@ def serve():
 
 
 if __name__ == "__main__":
-    sys.exit(serve())
+    sys.exit(serve(sys.argv[1:] or PRELOAD))

@@ -1,22 +1,24 @@
 """Python scripts run in children forked from a zygote of their interpreter, or in a fresh interpreter.
 
-A verify worker is a fresh interpreter by design (publisher/verify/workers.py), and some 3 s of its 5 s go to
-importing torch (publisher/runtime/zygote.py says what the zygote imports and why nothing more). ``run()`` forks
-the script from a zygote that has done that import once: a publish that verifies two load paths imports torch
-once instead of twice, and a process that publishes many times (several recipes, the compatibility matrix, a
-test session) imports it once per interpreter. The child is what ``python SCRIPT ARG...`` would be, with torch
-already imported: the caller's environment, working directory and arguments, its own process group, stdout and
-stderr in files that are read back.
+A verify worker is a fresh interpreter by design (publisher/verify/workers.py), and most of its time goes to
+imports: torch (some 3 s of a worker's 5 s on a 2-core machine), then the library and torchao (1 to 2 s).
+``run()`` forks the script from a zygote that has made those imports once (publisher/runtime/zygote.py): a
+process that verifies several load paths, recipes or environments (a test session too) makes them once per
+interpreter. The child is what ``python SCRIPT ARG...`` would be after those imports: the caller's environment,
+working directory and arguments, its own process group, stdout and stderr in files that are read back.
 
-A zygote serves one interpreter and one environment: it is reused only while every variable outside the Hugging
-Face libraries' own (``HF_*``, ``HUGGINGFACE_*``, ``TRANSFORMERS_*``, ``DIFFUSERS_*``, which nothing the zygote
-imports reads) is what it was when the zygote started; at most ``MAX_ZYGOTES`` live at once (the least recently
-used is closed). Where there is no zygote the script runs in a fresh interpreter, as before: not on Linux (fork
-after torch's import is what PyTorch's own data loaders do on Linux; macOS's system libraries refuse it), with
-``HF_AO_PUBLISH_ZYGOTE=0``, for a caller that asks so (a load on a GPU: CUDA cannot be used across a fork, so it
-is initialized in the new process only), or when the interpreter cannot run one (a stand-in script, an interpreter
-that exits, torch's import having initialized CUDA).
-Zygotes end with the process (and on their own when it is gone: their stdin closes).
+What a zygote imports is the caller's choice, and only what the script would import first anyway: ``TORCH`` for
+any script (a card snippet's first line is ``import torch``), ``LIBRARIES`` for a load path (what every load path
+imports before it reads a checkpoint: transformers' and diffusers' model base classes, with whatever those import
+in the interpreter's versions). A zygote serves one interpreter, one such list and one environment: it is reused
+only while every variable its imports could read is what it was when it started (``NOT_READ_BY_TORCH`` and
+``NOT_READ_BY_LIBRARIES`` list those that may differ: the token, our own, ...); at most ``MAX_ZYGOTES`` live at
+once (the least recently used is closed). Where there is no zygote the script runs in a fresh interpreter: not on
+Linux (fork after torch's import is what PyTorch's own data loaders do on Linux; macOS's system libraries refuse
+it), with ``HF_AO_PUBLISH_ZYGOTE=0``, for a caller that asks so (a load on a GPU: CUDA cannot be used across a
+fork, so it is initialized in the new process only), or when the interpreter cannot run one (a stand-in script, an
+interpreter that exits, an import that fails, torch's import having initialized CUDA). Zygotes end with the
+process (and on their own when it is gone: their stdin closes).
 """
 
 from __future__ import annotations
@@ -42,10 +44,17 @@ log = logging.getLogger(__name__)
 
 SERVER = Path(zygote.__file__).resolve()
 SWITCH = "HF_AO_PUBLISH_ZYGOTE"
-MAX_ZYGOTES = 2
+MAX_ZYGOTES = 3
 READY_TIMEOUT_S = 600  # importing torch from a cold disk on a slow machine
-LIBRARY_PREFIXES = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "DIFFUSERS_")
-UNREAD = ("PYTEST_CURRENT_TEST",)  # changes with every test, read by nothing the zygote imports
+TORCH = tuple(zygote.PRELOAD)  # torch and torch._dynamo: the first import of every script we run
+# ... and what every load path imports before it reads a checkpoint: the libraries' model base classes (in the versions
+# we run, transformers' imports torchao); a script that loads no model never gets these
+LIBRARIES = (*TORCH, "transformers.modeling_utils", "diffusers.models.modeling_utils")
+# Variables a zygote's imports do not read. Torch reads none of the Hugging Face libraries' (or ours); the libraries
+# read theirs at import (huggingface_hub its endpoint and folders, ...) but the token only when a call needs it, and
+# none reads ours. PYTEST_CURRENT_TEST changes with every test and is read by none.
+NOT_READ_BY_TORCH = ("HF_", "HUGGINGFACE_", "HUGGING_FACE_", "TRANSFORMERS_", "DIFFUSERS_", "PYTEST_CURRENT_TEST")
+NOT_READ_BY_LIBRARIES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_AO_PUBLISH_", "PYTEST_CURRENT_TEST")
 
 
 class Gone(Exception):
@@ -55,8 +64,8 @@ class Gone(Exception):
 class Zygote:
     """One zygote process (publisher/runtime/zygote.py run by ``python``), serving one script at a time."""
 
-    def __init__(self, python: str, env: Mapping[str, str]) -> None:
-        self.proc = subprocess.Popen([python, str(SERVER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    def __init__(self, python: str, env: Mapping[str, str], preload: Sequence[str]) -> None:
+        self.proc = subprocess.Popen([python, str(SERVER), *preload], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, env=dict(env), start_new_session=True)
         self._buf = b""
         self.lock = threading.Lock()
@@ -132,19 +141,21 @@ class Zygote:
             self.proc.stdout.close()
 
 
-_zygotes: OrderedDict[tuple[str, frozenset[tuple[str, str]]], Zygote] = OrderedDict()
-_without: set[tuple[str, frozenset[tuple[str, str]]]] = set()  # interpreters that could not run one
+_Key = tuple[str, tuple[str, ...], frozenset[tuple[str, str]]]
+_zygotes: OrderedDict[_Key, Zygote] = OrderedDict()
+_without: set[_Key] = set()  # interpreters that could not run one
 _lock = threading.Lock()
 
 
 def run(python: str, script: Path, args: Sequence[str], *, env: Mapping[str, str], timeout: float | None,
-        outputs: Path, forked: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+        outputs: Path, forked: bool = True, cwd: Path | None = None,
+        preload: tuple[str, ...] = TORCH) -> subprocess.CompletedProcess[str]:
     """``python script args...`` with ``env`` in ``cwd`` (default: ours), like ``procs.run`` (stdout and stderr in
     the result; a timeout raises ``subprocess.TimeoutExpired`` after the kill), forked from a zygote where there is
-    one and ``forked``. A forked child writes its stdout and stderr to ``outputs`` + ``.stdout`` / ``.stderr``, which
-    are read back."""
+    one and ``forked``, from one that imported ``preload``. A forked child writes its stdout and stderr to
+    ``outputs`` + ``.stdout`` / ``.stderr``, which are read back."""
     argv = [str(script), *args]
-    z = _zygote(python, env) if forked else None
+    z = _zygote(python, env, preload) if forked else None
     if z is not None:
         files = (outputs.with_name(outputs.name + ".stdout"), outputs.with_name(outputs.name + ".stderr"))
         with z.lock:
@@ -161,10 +172,11 @@ def run(python: str, script: Path, args: Sequence[str], *, env: Mapping[str, str
     return procs.run([python, *argv], env=env, timeout=timeout, cwd=cwd)
 
 
-def _zygote(python: str, env: Mapping[str, str]) -> Zygote | None:
+def _zygote(python: str, env: Mapping[str, str], preload: tuple[str, ...]) -> Zygote | None:
     if sys.platform != "linux" or env.get(SWITCH) == "0":
         return None
-    key = (python, frozenset((k, v) for k, v in env.items() if not k.startswith(LIBRARY_PREFIXES) and k not in UNREAD))
+    unread = NOT_READ_BY_TORCH if all(m.split(".")[0] == "torch" for m in preload) else NOT_READ_BY_LIBRARIES
+    key = (python, preload, frozenset((k, v) for k, v in env.items() if not k.startswith(unread)))
     with _lock:
         if key in _without:
             return None
@@ -172,7 +184,7 @@ def _zygote(python: str, env: Mapping[str, str]) -> Zygote | None:
             _zygotes.move_to_end(key)
             return _zygotes[key]
         try:  # the zygote gets none of the libraries' variables (no token): its children get the caller's
-            z = Zygote(python, dict(key[1]))
+            z = Zygote(python, dict(key[2]), preload)
         except (OSError, Gone, subprocess.TimeoutExpired) as exc:
             log.debug("no zygote for %s (%s): fresh interpreters", python, exc)
             _without.add(key)

@@ -88,7 +88,7 @@ def _spawn(exps: Sequence[Expected], path: str, python: str, where: str, revisio
     try:  # its own process group, killed with it if we stop waiting (timeout, SIGINT/SIGTERM)
         # a GPU load starts a new interpreter: CUDA must be initialized after any fork, never before one
         proc = zygotes.run(python, WORKER, [str(req_file)], env=env, timeout=timeout, outputs=work / f"output-{batch}",
-                           forked=device == "cpu")
+                           forked=device == "cpu", preload=zygotes.LIBRARIES)
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
             failure = {"ok": False, "error": f"interpreter {python} failed: {last[:300]}"}
