@@ -10,9 +10,9 @@ A worker that stops before it has written every result (a crash in a kernel, a t
 components unfinished: each of them runs again in an interpreter of its own, so a failure is reported for the
 component that caused it, and no component goes unchecked because another one crashed its interpreter.
 
-"Fresh" is what a user's new process is: on Linux the interpreter is forked from a zygote that has imported torch
-and nothing else (publisher/runtime/zygotes.py); everything a load path registers it imports itself, from the
-environment of the call.
+"Fresh" is what a user's new process is: on Linux the interpreter is forked from a zygote that has made the
+imports every load path makes first (torch, the libraries' model base classes: ``zygotes.LIBRARIES``), in the
+environment of the call; the model's class, the quantizer and torchao's tensor classes it imports itself.
 """
 
 from __future__ import annotations
