@@ -34,7 +34,16 @@ def test_setup_installs_the_cpu_build_of_torch_by_default() -> None:
     assert "'torch==2.13.0+cpu'" in line
     assert f"--extra-index-url {CPU_INDEX}" in line
     lines = _setup_commands()
-    assert lines.index(line) < next(i for i, x in enumerate(lines) if "pip install -q -e '.[test]'" in x)  # torch first
+    package = next(i for i, x in enumerate(lines) if "-e '.[test]'" in x)
+    assert lines.index(line) < package  # torch first
+
+
+def test_setup_compiles_the_bytecode_on_every_core_after_pip() -> None:
+    lines = _setup_commands()
+    installs = [i for i, x in enumerate(lines) if re.search(r"pip install .*(torch==|-e '\.\[test\]')", x)]
+    assert installs and all("--no-compile" in lines[i] for i in installs)  # pip compiles one file at a time
+    (compileall,) = [i for i, x in enumerate(lines) if "-m compileall" in x]
+    assert compileall > max(installs) and "-j 0" in lines[compileall] and ".venv/lib" in lines[compileall]
 
 
 def test_one_variable_asks_for_a_cuda_build() -> None:
