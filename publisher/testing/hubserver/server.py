@@ -83,6 +83,10 @@ class _BodyReader:
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"  # keep-alive, as the client's connection pool expects
     server_version = "hf-ao-hubserver/0.1"
+    # TCP_NODELAY on each connection, as the Hub's front servers have it: the handler writes the headers and the body
+    # in separate sends, and with Nagle's algorithm on, the body waited for the client's delayed ACK (about 40 ms on
+    # Linux) on every keep-alive request: a repo_exists() took 44 ms here instead of 2 to 4 ms
+    disable_nagle_algorithm = True
     server: _HTTPServer
 
     def setup(self) -> None:
