@@ -77,6 +77,7 @@ class FaultInjector:
     fired: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _last: dict[str, float] = field(default_factory=dict, repr=False)  # kind -> when it last fired (monotonic)
+    delaying: int = 0  # requests held by a delay fault right now: "a request is in flight", which a count cannot say
 
     def add(self, spec: dict[str, Any]) -> Fault:
         count = int(spec.get("count", 1))
@@ -139,7 +140,13 @@ class FaultInjector:
         """The faults every request may meet before it is served, on the Hub and on its storage bridge alike: a delay,
         then an injected status (with the Hub's rate-limit headers where the fault has them)."""
         if (fault := self.take("delay", method, path)) is not None:
-            time.sleep(fault.delay_s)
+            with self._lock:
+                self.delaying += 1
+            try:
+                time.sleep(fault.delay_s)
+            finally:
+                with self._lock:
+                    self.delaying -= 1
         if (fault := self.take("status", method, path)) is not None:
             raise HubError(fault.status, f"Injected fault: HTTP {fault.status}", headers=fault.headers())
 
@@ -164,4 +171,4 @@ class FaultInjector:
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            return {"rules": [asdict(r) for r in self.rules], "fired": dict(self.fired)}
+            return {"rules": [asdict(r) for r in self.rules], "fired": dict(self.fired), "delaying": self.delaying}

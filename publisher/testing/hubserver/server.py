@@ -357,6 +357,11 @@ class HubServer:
     def faults_fired(self) -> dict[str, int]:
         return self.app.faults.snapshot()["fired"]
 
+    @property
+    def requests_delayed_now(self) -> int:
+        """How many requests a delay fault holds at this moment (a test's "the client is waiting on that request")."""
+        return int(self.app.faults.snapshot()["delaying"])
+
     def set_gated(self, repo_id: str, granted_users: tuple[str, ...] | list[str] = (), *,
                   repo_type: str = "model", mode: str | bool = "auto") -> None:
         """Gate an existing repo; only its namespace members and `granted_users` may download files."""
