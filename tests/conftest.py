@@ -102,6 +102,13 @@ def _no_token(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 @pytest.fixture(autouse=True)
+def _zygotes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Load-path workers forked from a zygote, as on every Linux run, unless a test switches it off: the zygote tests
+    and the worker-tree checks assert the forked path, whatever HF_AO_PUBLISH_ZYGOTE the shell has."""
+    monkeypatch.delenv("HF_AO_PUBLISH_ZYGOTE", raising=False)
+
+
+@pytest.fixture(autouse=True)
 def _own_resume_cache(monkeypatch: pytest.MonkeyPatch, tmp_path_factory: pytest.TempPathFactory) -> None:
     """Each test its own resume cache (finished components, stages/unfinished.py): what another test left there (an
     interrupted run, say) must not stand in for a quantization this test needs to happen, whatever order the tests
