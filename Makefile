@@ -63,10 +63,14 @@ lint: setup
 TEST_WORKERS ?= 2
 
 # The suite runs with Xet, as users' transfers do; the tests marked `transfer` run a second time with Xet off
-# (HF_AO_TEST_TRANSFER=lfs: plain LFS and HTTP, multipart uploads), so each guarantee holds on both paths.
+# (HF_AO_TEST_TRANSFER=lfs: plain LFS and HTTP, multipart uploads), so each guarantee holds on both paths. That pass
+# collects only the files that mark a test `transfer` (a mark is always written in its file: a decorator, a
+# `pytestmark`, a `pytest.param(marks=...)`, never added by a hook): each worker collecting every file took about 5 s.
+TRANSFER_FILES = $(shell grep -l 'mark\.transfer' tests/test_*.py)
 test: lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope --durations=40
-	HF_AO_TEST_TRANSFER=lfs $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope -m transfer --durations=15
+	HF_AO_TEST_TRANSFER=lfs $(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope -m transfer --durations=15 \
+	  $(TRANSFER_FILES)
 
 test-fast: lint
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadscope -m "not slow"
