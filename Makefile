@@ -2,9 +2,9 @@
 # `make test-fast`: the gates and the unit tier (no end-to-end publish). `make demo-serve`: the demo, then its local
 # Hub keeps serving (until Ctrl-C) with the environment lines that run the card's snippets against it.
 PYTHON ?= python3
-# Python's bytecode cache stays on for everything run from here: the suite starts some 200 interpreters on the same
-# sources, and with PYTHONDONTWRITEBYTECODE set (some images set it) each compiles our package again and pytest
-# rewrites the asserts of every test module again in each worker (10.7 s to collect the suite instead of 5.5 s).
+# Python's bytecode cache stays on for everything run from here: the suite starts dozens of fresh interpreters on
+# the same sources, and with PYTHONDONTWRITEBYTECODE set (some images set it) each compiles our package again and
+# pytest rewrites the asserts of every test module again in each worker (10.7 s to collect the suite, not 5.5 s).
 unexport PYTHONDONTWRITEBYTECODE
 VENV := .venv
 BIN := $(VENV)/bin
