@@ -15,10 +15,14 @@ CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 
 
 def _setup_commands(*variables: str) -> list[str]:
-    """The commands `make setup` runs, not run (-n), as if nothing were installed yet (-B)."""
+    return _commands("setup", *variables)
+
+
+def _commands(target: str, *variables: str) -> list[str]:
+    """The commands `make TARGET` runs, not run (-n), as if nothing were installed yet (-B)."""
     if shutil.which("make") is None:
         pytest.skip("make is not installed")
-    proc = subprocess.run(["make", "-n", "-B", "-C", str(ROOT), "setup", *variables], capture_output=True, text=True,
+    proc = subprocess.run(["make", "-n", "-B", "-C", str(ROOT), target, *variables], capture_output=True, text=True,
                           timeout=60, check=False)
     assert proc.returncode == 0, proc.stderr
     return proc.stdout.replace("\\\n", " ").splitlines()
@@ -72,17 +76,9 @@ def test_readme_installs_the_cpu_build() -> None:
 
 def test_the_lfs_pass_collects_every_file_that_marks_a_test_transfer() -> None:
     """The LFS pass names its files (grep for the mark's text): no mark may come from elsewhere, a hook say."""
-    (line,) = [x for x in _test_commands() if "HF_AO_TEST_TRANSFER=lfs" in x]
+    (line,) = [x for x in _commands("test") if "HF_AO_TEST_TRANSFER=lfs" in x]
     named = {Path(word).name for word in line.split() if word.startswith("tests/test_")}
     marking = {p.name for p in (ROOT / "tests").glob("test_*.py") if "mark.transfer" in p.read_text()}
     assert named == marking and len(named) >= 10
     helpers = [p for p in (ROOT / "tests").glob("*.py") if not p.name.startswith("test_")]
     assert helpers and not [p.name for p in helpers if "add_marker" in p.read_text()]  # conftest marks nothing
-
-
-def _test_commands() -> list[str]:
-    if shutil.which("make") is None:
-        pytest.skip("make is not installed")
-    proc = subprocess.run(["make", "-n", "-C", str(ROOT), "test"], capture_output=True, text=True, timeout=60, check=False)
-    assert proc.returncode == 0, proc.stderr
-    return proc.stdout.replace("\\\n", " ").splitlines()
