@@ -367,7 +367,7 @@ def test_a_cancelled_run_reaches_the_cli_which_deletes_the_repo_it_created(tmp_p
         # in-process verification: the subject is the cancel during the push (the publish test above keeps the default)
         run = run_action({"model": flux_repo, "quant": "int8wo", "repo-id": target, "hf-token": "tok_alice",
                           "extra-args": f"{SMALL} --verify-mode streaming"}, tmp_path,
-                         interrupt=Interrupt("publish", lambda: hub.faults_fired.get("delay", 0) >= 1, signal.SIGINT))
+                         interrupt=Interrupt("publish", lambda: hub.requests_delayed_now > 0, signal.SIGINT))
     finally:
         hub.clear_faults()
     assert run.returncode == 130 and run.failed_step == "Quantize, verify and publish", run.log[-4000:]

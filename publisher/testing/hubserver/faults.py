@@ -77,7 +77,8 @@ class FaultInjector:
     fired: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _last: dict[str, float] = field(default_factory=dict, repr=False)  # kind -> when it last fired (monotonic)
-    delaying: int = 0  # requests held by a delay fault right now: "a request is in flight", which a count cannot say
+    # requests held by a delay fault right now: "the client is waiting on it", which a count of fired faults cannot say
+    delaying: int = field(default=0, init=False)
 
     def add(self, spec: dict[str, Any]) -> Fault:
         count = int(spec.get("count", 1))
