@@ -100,3 +100,31 @@ def test_admin_api_takes_the_body_faults_and_rejects_unknown_ones(hub: Any) -> N
     r = httpx2.post(f"{base}/_admin/faults", json={"flip_byte_at": 5, "match": "x", "count": 2})
     assert r.status_code == 200 and r.json()["rules"][0]["kind"] == "flip" and r.json()["rules"][0]["count"] == 2
     assert httpx2.post(f"{base}/_admin/faults", json={"flip_bytes": 5}).status_code == 400
+
+
+def test_a_held_request_counts_while_held_and_not_after_a_clear(hub: Any, repo: str) -> None:
+    """requests_delayed_now: the requests a delay of the current rules holds (a test acts while its client waits); a
+    request left held when a test clears its faults (its client killed, say) does not count for the next one."""
+    import threading
+    import time
+
+    hub.set_fault(delay_s=1.0, match="/api/models/bfl/faults-selftest", count=2)
+    assert hub.requests_delayed_now == 0
+    calls = [threading.Thread(target=_get_info, args=(repo,)) for _ in range(2)]
+    for call in calls:
+        call.start()
+    deadline = time.monotonic() + 10
+    while hub.requests_delayed_now < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert hub.requests_delayed_now == 2
+    hub.clear_faults()
+    assert hub.requests_delayed_now == 0  # both still sleep in their server threads
+    for call in calls:
+        call.join()
+    assert hub.requests_delayed_now == 0
+
+
+def _get_info(repo: str) -> None:
+    import httpx2
+
+    httpx2.get(f"{os.environ['HF_ENDPOINT']}/api/models/{repo}")

@@ -77,8 +77,11 @@ class FaultInjector:
     fired: dict[str, int] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _last: dict[str, float] = field(default_factory=dict, repr=False)  # kind -> when it last fired (monotonic)
-    # requests held by a delay fault right now: "the client is waiting on it", which a count of fired faults cannot say
-    delaying: int = field(default=0, init=False)
+    # requests held by a delay fault right now ("the client is waiting on it", which a count of fired faults cannot
+    # say), by the clear() they came after: like `fired`, what a clear() precedes is not counted (a request a test
+    # left held, its client killed, sleeps on in its server thread)
+    _held: dict[int, int] = field(default_factory=dict, repr=False)
+    _generation: int = field(default=0, repr=False)
 
     def add(self, spec: dict[str, Any]) -> Fault:
         count = int(spec.get("count", 1))
@@ -119,6 +122,7 @@ class FaultInjector:
             self.rules.clear()
             self.fired.clear()
             self._last.clear()
+            self._generation += 1
 
     def take(self, kind: str, method: str = "", path: str = "",
              applies: Callable[[Fault], bool] | None = None) -> Fault | None:
@@ -142,12 +146,15 @@ class FaultInjector:
         then an injected status (with the Hub's rate-limit headers where the fault has them)."""
         if (fault := self.take("delay", method, path)) is not None:
             with self._lock:
-                self.delaying += 1
+                generation = self._generation
+                self._held[generation] = self._held.get(generation, 0) + 1
             try:
                 time.sleep(fault.delay_s)
             finally:
                 with self._lock:
-                    self.delaying -= 1
+                    self._held[generation] -= 1
+                    if not self._held[generation]:
+                        del self._held[generation]
         if (fault := self.take("status", method, path)) is not None:
             raise HubError(fault.status, f"Injected fault: HTTP {fault.status}", headers=fault.headers())
 
@@ -172,4 +179,5 @@ class FaultInjector:
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
-            return {"rules": [asdict(r) for r in self.rules], "fired": dict(self.fired), "delaying": self.delaying}
+            return {"rules": [asdict(r) for r in self.rules], "fired": dict(self.fired),
+                    "delaying": self._held.get(self._generation, 0)}
