@@ -161,7 +161,15 @@ def test_template_is_strict(tmp_path: Path) -> None:
     from publisher.stages import card
 
     with pytest.raises(jinja2.UndefinedError, match="'title' is undefined"):
-        card.environment().from_string(card.template_path().read_text()).render(card_data="x: 1")
+        card.environment().get_template(card.TEMPLATE_NAME).render(card_data="x: 1")
+
+
+def test_the_template_compiles_once_per_process() -> None:
+    from publisher.stages import card
+
+    template = card.environment().get_template(card.TEMPLATE_NAME)  # what render() uses
+    assert card.environment().get_template(card.TEMPLATE_NAME) is template
+    assert Path(template.filename) == card.template_path()
 
 
 def test_template_ships_in_the_wheel(tmp_path: Path) -> None:
