@@ -162,8 +162,10 @@ def distinct_copy(src: Path, dst: Path, salt: int) -> Path:
 def run_snippet(code: str, cwd: Path, env: dict[str, str], timeout: float) -> Any:
     """What ``python -c CODE`` in ``cwd`` gives (a ``subprocess.CompletedProcess``), as a user pastes a card snippet
     into a new interpreter, forked from a zygote of this interpreter (publisher/runtime/zygotes.py, as the verify
-    workers are): it has imported torch, every snippet's first import, and nothing else, so a snippet costs its own
-    work and not torch's import again. The code is a file in ``cwd``, so ``sys.path[0]`` is ``cwd`` as with ``-c``."""
+    workers are): it has imported torch and the libraries' model base classes (what every snippet imports first,
+    directly or through diffusers or transformers), and nothing else, so a snippet costs its own work and not those
+    imports again; what they print when imported is at the head of its stdout and stderr, as in a new interpreter.
+    The code is a file in ``cwd``, so ``sys.path[0]`` is ``cwd`` as with ``-c``."""
     import hashlib
     import sys
 

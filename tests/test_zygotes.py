@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -93,16 +94,29 @@ def test_the_child_is_a_fresh_script_process_with_torch_imported(probe: Path, tm
 def test_a_load_path_zygote_serves_the_environment_the_libraries_were_imported_in(probe: Path, tmp_path: Path) -> None:
     from publisher.runtime import zygotes
 
+    stderr = {}
+
     def run(env: dict[str, str], name: str) -> dict[str, Any]:
         out = tmp_path / f"{name}.json"
         done = zygotes.run(sys.executable, probe, [str(out)], env=env, timeout=120, outputs=tmp_path / name,
                            preload=zygotes.LIBRARIES)
         assert done.returncode == 0, done.stderr
+        stderr[name] = done.stderr
         return dict(json.loads(out.read_text()))
 
     env = {**os.environ, "HF_ENDPOINT": "http://one.invalid", "HF_TOKEN": "tok_one"}
     first = run(env, "one")
     assert {"torch", "transformers", "diffusers", "huggingface_hub"} <= set(first["imported"])
+    # the child's stderr starts with what those imports print, as a new interpreter's that makes them (torch's
+    # warnings carry a time and a process id)
+    fresh = subprocess.run([sys.executable, "-c", f"import {', '.join(zygotes.LIBRARIES)}"], env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert fresh.returncode == 0 and fresh.stderr.strip()
+
+    def unstamped(text: str) -> str:
+        return re.sub(r"(?m)^([IWEF])\d{4} [\d:.]+ +\d+ ", r"\1 ", text)
+
+    assert unstamped(stderr["one"]) == unstamped(fresh.stderr) + "to stderr\n"
     assert "publisher" not in first["imported"] and first["hub_endpoint"] == "http://one.invalid"
     # the token is read when a call needs it: the same zygote, the child sees its own
     second = run({**env, "HF_TOKEN": "tok_two"}, "two")
@@ -112,14 +126,25 @@ def test_a_load_path_zygote_serves_the_environment_the_libraries_were_imported_i
     assert third["ppid"] != first["ppid"] and third["hub_endpoint"] == "http://two.invalid"
 
 
-def test_what_the_zygote_imports_prints_nothing() -> None:
-    """The zygote's own stderr goes nowhere: a child would miss what its imports print in a fresh interpreter. They
-    print nothing (a test that checks a script's stderr, the card snippets' for instance, still sees everything)."""
-    from publisher.runtime import zygote
+def test_what_the_imports_print_every_child_prints_first(probe: Path, tmp_path: Path) -> None:
+    """A module the zygote imports prints when imported (torchao about its optional kernels, torch a deprecation
+    warning): every child's stdout and stderr start with it, as those of a fresh interpreter that imported it first
+    would (a test that checks a script's stderr, the card snippets' for instance, sees everything)."""
+    from publisher.runtime import zygotes
 
-    done = subprocess.run([sys.executable, "-c", f"import {', '.join(zygote.PRELOAD)}"], capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0 and done.stdout == done.stderr == ""
+    (tmp_path / "modules").mkdir()
+    (tmp_path / "modules" / "noisy_import.py").write_text(
+        "import os, sys\nprint('imported')\nprint('warned', file=sys.stderr)\nos.write(2, b'from C code\\n')\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path / "modules")}
+    parents = set()
+    for name in ("one", "two"):
+        out = tmp_path / f"{name}.json"
+        done = zygotes.run(sys.executable, probe, [str(out)], env=env, timeout=120, outputs=tmp_path / name,
+                           preload=(*zygotes.TORCH, "noisy_import"))
+        assert done.returncode == 0
+        assert done.stdout == "imported\nto stdout\n" and done.stderr == "warned\nfrom C code\nto stderr\n"
+        parents.add(json.loads(out.read_text())["ppid"])
+    assert len(parents) == 1  # one zygote: the second child got the same lines
 
 
 def test_a_crash_and_a_timeout(probe: Path, tmp_path: Path) -> None:

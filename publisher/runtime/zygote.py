@@ -15,7 +15,9 @@ The zygote answers ``{"pid": N}`` at once and ``{"exit": CODE}`` when the child 
 gives it: negative for a signal). It ends when stdin closes, so it never outlives its caller for long.
 
 What the modules read from the environment when imported is the zygote's: the caller starts one per environment
-(publisher/runtime/zygotes.py says which variables count).
+(publisher/runtime/zygotes.py says which variables count). What they print when imported (torchao's lines about its
+optional kernels, torch's deprecation warnings, ...) is kept, and every child writes it to its own stdout and stderr
+before it runs the script, as a fresh interpreter that imported them first would have.
 """
 
 import gc
@@ -24,11 +26,12 @@ import os
 import runpy
 import signal
 import sys
+import tempfile
 
 PRELOAD = ("torch", "torch._dynamo")  # when no module is named
 
 
-def _become(req, proto):
+def _become(req, proto, printed):
     """In the forked child: become the process ``python SCRIPT ARG...`` would be, up to running the script."""
     os.close(proto)
     os.setsid()
@@ -36,6 +39,7 @@ def _become(req, proto):
         out = os.open(req[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(out, fd)
         os.close(out)
+        os.write(fd, printed[fd])  # what the imports printed (a regular file takes it whole)
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
@@ -47,6 +51,28 @@ def _become(req, proto):
     os.environ.update(req["env"])
     sys.argv = list(req["argv"])
     sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
+
+
+def _import(preload):
+    """Import the modules; what they print on fd 1 and fd 2 (Python's own streams and C code's alike), by fd."""
+    kept = {}
+    for fd in (1, 2):
+        kept[fd] = (os.dup(fd), tempfile.TemporaryFile())  # noqa: SIM115 - closed below
+        os.dup2(kept[fd][1].fileno(), fd)
+    try:
+        for name in preload:
+            __import__(name)
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        printed = {}
+        for fd, (saved, file) in kept.items():
+            os.dup2(saved, fd)
+            os.close(saved)
+            file.seek(0)
+            printed[fd] = file.read()
+            file.close()
+    return printed
 
 
 def _exit_code(status):
@@ -63,8 +89,7 @@ def serve(preload):
     del sys.path[0]  # this script's folder: nothing in it may stand in for a module torch imports
     gc.disable()
     try:
-        for name in preload:
-            __import__(name)
+        printed = _import(preload)
     except BaseException:  # noqa: BLE001 - reported as "not ready": the caller starts fresh interpreters, which
         os.write(proto, b'{"ready": false}\n')  # fail (or not) on their own, from a clean state
         return 1
@@ -84,7 +109,7 @@ def serve(preload):
         if pid == 0:
             # the child runs the script and ends as an interpreter ends: an exception or SystemExit from the script
             # goes up from here to the top, the interpreter prints it, runs the atexit handlers, sets the exit code
-            _become(req, proto)
+            _become(req, proto, printed)
             runpy.run_path(sys.argv[0], run_name="__main__")
             return 0
         os.write(proto, json.dumps({"pid": pid}).encode() + b"\n")
