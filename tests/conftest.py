@@ -173,7 +173,8 @@ def run_snippet(code: str, cwd: Path, env: dict[str, str], timeout: float) -> An
 
     script = cwd / f"snippet_{hashlib.sha256(code.encode()).hexdigest()[:12]}.py"
     script.write_text(code)
-    return zygotes.run(sys.executable, script, [], env=env, timeout=timeout, outputs=script.with_suffix(""), cwd=cwd)
+    return zygotes.run(sys.executable, script, [], env=env, timeout=timeout, outputs=script.with_suffix(""), cwd=cwd,
+                       preload=zygotes.LIBRARIES)
 
 
 def seed(repo_id: str, folder: Path, token: str, **kwargs: Any) -> str:
@@ -269,9 +270,15 @@ SPREAD = {"test_families", "test_job", "test_hub", "test_cli", "test_publish_con
           "test_hfjobs_e2e", "test_action", "test_one_pass", "test_signals", "test_quality_e2e", "test_local_inputs"}
 # Files in the order their work is handed out, the costliest first (seconds on 2 cores, `--durations` of a full run), so
 # that no long test starts last and leaves the other worker idle; files not named here follow, in their usual order.
-COST_ORDER = ["test_families", "test_stages_card", "test_verify_full", "test_verify_matrix", "test_quality_e2e",
-              "test_hub", "test_job", "test_hfjobs_e2e", "test_family_failures", "test_publish_configs", "test_action",
-              "test_integrity", "test_signals", "test_verify_peers", "test_verify_streaming", "test_cli", "test_one_pass"]
+# Every file of more than a few seconds is named: test_zygotes (some 30 s on one worker), which came last by name,
+# left the other worker idle for half a minute at the end of the run. test_verify_matrix as on a fresh clone (its
+# environments built from PyPI: 30 s more than from the cache).
+COST_ORDER = ["test_families", "test_stages_card", "test_verify_full", "test_hfjobs_e2e", "test_job", "test_hub",
+              "test_cli", "test_signals", "test_quality_e2e", "test_verify_matrix", "test_action",
+              "test_scripts_gpu_check", "test_zygotes", "test_verify_streaming", "test_one_pass", "test_streaming_convert",
+              "test_verify_peers", "test_testing_tiny", "test_integrity", "test_hostile_input", "test_hf_extension",
+              "test_testing_hubserver", "test_publish_configs", "test_cli_bad_input", "test_action_run",
+              "test_family_failures", "test_verify_envs"]
 
 
 def _module(nodeid: str) -> str:
