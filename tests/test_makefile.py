@@ -46,8 +46,12 @@ def test_setup_compiles_the_bytecode_on_every_core_after_pip() -> None:
     lines = _setup_commands()
     installs = [i for i, x in enumerate(lines) if re.search(r"pip install .*(torch==|-e '\.\[test\]')", x)]
     assert installs and all("--no-compile" in lines[i] for i in installs)  # pip compiles one file at a time
-    (compileall,) = [i for i, x in enumerate(lines) if "-m compileall" in x]
-    assert compileall > max(installs) and "-j 0" in lines[compileall] and ".venv/lib" in lines[compileall]
+    compiles = [i for i, x in enumerate(lines) if "-m compileall" in x]
+    assert compiles and all("-j 0" in lines[i] and "-x '/tests?/'" in lines[i] for i in compiles)
+    # torch's files in the background while pip installs the package (pip keeps one core busy), then the whole venv
+    first, last = lines[compiles[0]], lines[compiles[-1]]
+    assert re.search(r"compileall .*site-packages/torch .*& .*pip install .*-e '\.\[test\]'.*wait", first)
+    assert compiles[-1] > max(installs) and re.search(r"compileall -qq -j 0 -x '/tests\?/' \.venv/lib ", last)
 
 
 def test_one_variable_asks_for_a_cuda_build() -> None:
