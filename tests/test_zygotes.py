@@ -54,12 +54,13 @@ def probe(tmp_path: Path) -> Path:
 
 
 def _run(probe: Path, tmp_path: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120,
-         name: str = "facts") -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+         name: str = "facts", preload: tuple[str, ...] | None = None
+         ) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     from publisher.runtime import zygotes
 
     out = tmp_path / f"{name}.json"
     done = zygotes.run(sys.executable, probe, [str(out), *args], env=env if env is not None else dict(os.environ),
-                       timeout=timeout, outputs=tmp_path / name)
+                       timeout=timeout, outputs=tmp_path / name, preload=preload or zygotes.TORCH)
     return done, json.loads(out.read_text()) if out.exists() else {}
 
 
@@ -94,18 +95,13 @@ def test_the_child_is_a_fresh_script_process_with_torch_imported(probe: Path, tm
 def test_a_load_path_zygote_serves_the_environment_the_libraries_were_imported_in(probe: Path, tmp_path: Path) -> None:
     from publisher.runtime import zygotes
 
-    stderr = {}
-
-    def run(env: dict[str, str], name: str) -> dict[str, Any]:
-        out = tmp_path / f"{name}.json"
-        done = zygotes.run(sys.executable, probe, [str(out)], env=env, timeout=120, outputs=tmp_path / name,
-                           preload=zygotes.LIBRARIES)
+    def run(env: dict[str, str], name: str) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+        done, facts = _run(probe, tmp_path, env=env, name=name, preload=zygotes.LIBRARIES)
         assert done.returncode == 0, done.stderr
-        stderr[name] = done.stderr
-        return dict(json.loads(out.read_text()))
+        return done, facts
 
     env = {**os.environ, "HF_ENDPOINT": "http://one.invalid", "HF_TOKEN": "tok_one"}
-    first = run(env, "one")
+    done, first = run(env, "one")
     assert {"torch", "transformers", "diffusers", "huggingface_hub"} <= set(first["imported"])
     # the child's stderr starts with what those imports print, as a new interpreter's that makes them (torch's
     # warnings carry a time and a process id)
@@ -116,13 +112,13 @@ def test_a_load_path_zygote_serves_the_environment_the_libraries_were_imported_i
     def unstamped(text: str) -> str:
         return re.sub(r"(?m)^([IWEF])\d{4} [\d:.]+ +\d+ ", r"\1 ", text)
 
-    assert unstamped(stderr["one"]) == unstamped(fresh.stderr) + "to stderr\n"
+    assert unstamped(done.stderr) == unstamped(fresh.stderr) + "to stderr\n"
     assert "publisher" not in first["imported"] and first["hub_endpoint"] == "http://one.invalid"
     # the token is read when a call needs it: the same zygote, the child sees its own
-    second = run({**env, "HF_TOKEN": "tok_two"}, "two")
+    _, second = run({**env, "HF_TOKEN": "tok_two"}, "two")
     assert second["ppid"] == first["ppid"] and second["env"]["HF_TOKEN"] == "tok_two"
     # the endpoint is read when huggingface_hub is imported: another zygote, imported with it
-    third = run({**env, "HF_ENDPOINT": "http://two.invalid"}, "three")
+    _, third = run({**env, "HF_ENDPOINT": "http://two.invalid"}, "three")
     assert third["ppid"] != first["ppid"] and third["hub_endpoint"] == "http://two.invalid"
 
 
@@ -138,12 +134,10 @@ def test_what_the_imports_print_every_child_prints_first(probe: Path, tmp_path: 
     env = {**os.environ, "PYTHONPATH": str(tmp_path / "modules")}
     parents = set()
     for name in ("one", "two"):
-        out = tmp_path / f"{name}.json"
-        done = zygotes.run(sys.executable, probe, [str(out)], env=env, timeout=120, outputs=tmp_path / name,
-                           preload=(*zygotes.TORCH, "noisy_import"))
+        done, facts = _run(probe, tmp_path, env=env, name=name, preload=(*zygotes.TORCH, "noisy_import"))
         assert done.returncode == 0
         assert done.stdout == "imported\nto stdout\n" and done.stderr == "warned\nfrom C code\nto stderr\n"
-        parents.add(json.loads(out.read_text())["ppid"])
+        parents.add(facts["ppid"])
     assert len(parents) == 1  # one zygote: the second child got the same lines
 
 
