@@ -78,9 +78,9 @@ class FaultInjector:
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _last: dict[str, float] = field(default_factory=dict, repr=False)  # kind -> when it last fired (monotonic)
     # requests held by a delay fault right now ("the client is waiting on it", which a count of fired faults cannot
-    # say), by the clear() they came after: like `fired`, what a clear() precedes is not counted (a request a test
-    # left held, its client killed, sleeps on in its server thread)
-    _held: dict[int, int] = field(default_factory=dict, repr=False)
+    # say); like `fired`, what a clear() precedes is not counted (a request a test left held, its client killed,
+    # sleeps on in its server thread): a clear() starts a new generation, and only its own requests count down
+    _delaying: int = field(default=0, repr=False)
     _generation: int = field(default=0, repr=False)
 
     def add(self, spec: dict[str, Any]) -> Fault:
@@ -122,6 +122,7 @@ class FaultInjector:
             self.rules.clear()
             self.fired.clear()
             self._last.clear()
+            self._delaying = 0
             self._generation += 1
 
     def take(self, kind: str, method: str = "", path: str = "",
@@ -147,14 +148,13 @@ class FaultInjector:
         if (fault := self.take("delay", method, path)) is not None:
             with self._lock:
                 generation = self._generation
-                self._held[generation] = self._held.get(generation, 0) + 1
+                self._delaying += 1
             try:
                 time.sleep(fault.delay_s)
             finally:
                 with self._lock:
-                    self._held[generation] -= 1
-                    if not self._held[generation]:
-                        del self._held[generation]
+                    if generation == self._generation:
+                        self._delaying -= 1
         if (fault := self.take("status", method, path)) is not None:
             raise HubError(fault.status, f"Injected fault: HTTP {fault.status}", headers=fault.headers())
 
@@ -180,4 +180,4 @@ class FaultInjector:
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return {"rules": [asdict(r) for r in self.rules], "fired": dict(self.fired),
-                    "delaying": self._held.get(self._generation, 0)}
+                    "delaying": self._delaying}
