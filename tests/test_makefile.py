@@ -47,12 +47,28 @@ def test_setup_compiles_the_bytecode_on_every_core_after_pip() -> None:
     installs = [i for i, x in enumerate(lines) if re.search(r"pip install .*(torch==|-e '\.\[test\]')", x)]
     assert installs and all("--no-compile" in lines[i] for i in installs)  # pip compiles one file at a time
     compiles = [i for i, x in enumerate(lines) if "-m compileall" in x]
-    assert compiles and all("-j 0" in lines[i] and "-x '/tests?/'" in lines[i] for i in compiles)
+    excluded = "-x '/tests?/|/site-packages/(transformers/models/(?!auto/)|diffusers/pipelines/)[^/]+/'"
+    assert compiles and all("-j 0" in lines[i] and excluded in lines[i] for i in compiles)
     # torch's files in the background while pip installs the package (pip keeps one core busy), then the whole venv
     first, last = lines[compiles[0]], lines[compiles[-1]]
     assert re.search(r"compileall .*site-packages/torch .*& .*pip install .*-e '\.\[test\]'.*wait", first)
-    assert compiles[-1] > max(installs) and re.search(r"compileall -qq -j 0 -x '/tests\?/' \.venv/lib ", last)
+    assert compiles[-1] > max(installs) and re.search(r"compileall -qq -j 0 -x '\S+' \.venv/lib ", last)
 
+
+
+def test_setup_leaves_out_what_a_run_never_imports_and_compiles_the_rest() -> None:
+    """The exclusion, applied as compileall applies it (re.search on each path): the packages' test suites and the
+    per-model / per-pipeline folders stay out; torch, transformers' auto classes and diffusers' pipeline base do not."""
+    lines = [x for x in _setup_commands() if "-m compileall" in x]
+    (pattern,) = {re.search(r"-x '([^']+)'", x).group(1) for x in lines}  # type: ignore[union-attr]
+    site = "/w/.venv/lib/python3.11/site-packages/"
+    out = ["sympy/polys/tests/test_rings.py", "numpy/tests/test_ctypeslib.py", "transformers/models/llama/modeling_llama.py",
+           "transformers/models/t5/configuration_t5.py", "diffusers/pipelines/flux/pipeline_flux.py"]
+    kept = ["torch/nn/modules/linear.py", "transformers/models/auto/modeling_auto.py", "transformers/models/__init__.py",
+            "transformers/modeling_utils.py", "diffusers/pipelines/pipeline_utils.py", "diffusers/models/modeling_utils.py",
+            "diffusers/models/transformers/transformer_flux.py", "torchao/quantization/quant_api.py"]
+    assert [p for p in out if not re.search(pattern, site + p)] == []
+    assert [p for p in kept if re.search(pattern, site + p)] == []
 
 def test_one_variable_asks_for_a_cuda_build() -> None:
     (line,) = _torch_installs(_setup_commands("TORCH_BUILD=cu128"))
