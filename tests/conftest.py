@@ -16,6 +16,7 @@ import gc
 import os
 import shutil
 import socket
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,15 @@ os.environ["HF_HOME"] = str(_SESSION_DIR / "hf_home")
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
+# torch's CPU kernels run on OpenMP threads (one per core), and libgomp's idle threads spin before they sleep (about
+# 300,000 turns after each parallel region). The suite runs two workers, each with its load paths, snippets and CLI
+# processes, on as many cores: a spinning thread takes the core another process needs, and tiny models make a parallel
+# region of almost every op. PASSIVE makes an idle thread sleep at once; the thread count, and so what each op
+# computes, stays as users have it. The family corpus on 2 cores, one run after the other: 78 s and 148 s of CPU
+# without it, 42 s and 82 s with it. Set before torch is imported anywhere (TORCH_BEFORE_CONFTEST, checked by
+# tests/test_makefile.py), so the workers' own OpenMP reads it too; every process the tests start inherits it.
+TORCH_BEFORE_CONFTEST = "torch" in sys.modules
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Every publish would otherwise build and run the default compatibility matrix (a few environments from PyPI, two
 # reloads each); the tests that measure it ask for it (tests/test_verify_matrix.py). Built environments are kept
 # across test sessions (keyed by spec and by this environment), outside the throw-away HF_HOME.

@@ -102,3 +102,20 @@ def test_the_lfs_pass_collects_every_file_that_marks_a_test_transfer() -> None:
     assert named == marking and len(named) >= 10
     helpers = [p for p in (ROOT / "tests").glob("*.py") if not p.name.startswith("test_")]
     assert helpers and not [p.name for p in helpers if "add_marker" in p.read_text()]  # conftest marks nothing
+
+
+def test_the_workers_openmp_threads_sleep_when_idle() -> None:
+    """tests/conftest.py sets OMP_WAIT_POLICY=PASSIVE before torch is first imported in a worker (libgomp reads it when
+    torch loads it), so the worker's own idle threads sleep instead of spinning, and every process a test starts (load
+    paths, snippets, the CLI) inherits it; the thread count stays torch's default."""
+    import os
+    import sys
+
+    import conftest
+    import torch
+
+    assert not conftest.TORCH_BEFORE_CONFTEST  # a plugin that imported torch first would leave this worker spinning
+    assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
+    threads = subprocess.run([sys.executable, "-c", "import os, torch; print(os.environ['OMP_WAIT_POLICY'], torch.get_num_threads())"],
+                             capture_output=True, text=True, check=True).stdout.split()
+    assert threads == ["PASSIVE", str(torch.get_num_threads())]
