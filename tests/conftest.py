@@ -52,8 +52,8 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 # 300,000 turns after each parallel region). The suite runs two workers, each with its load paths, snippets and CLI
 # processes, on as many cores: a spinning thread takes the core another process needs, and tiny models make a parallel
 # region of almost every op. PASSIVE makes an idle thread sleep at once; the thread count, and so what each op
-# computes, stays as users have it. The family corpus on 2 cores, one run after the other: 78 s and 148 s of CPU
-# without it, 42 s and 82 s with it. Set before torch is imported anywhere (TORCH_BEFORE_CONFTEST, checked by
+# computes, stays as users have it. The family corpus on 2 cores, one run after the other: 78 s (148 s of CPU)
+# without it, 42 s (82 s of CPU) with it. Set before torch is imported anywhere (TORCH_BEFORE_CONFTEST, checked by
 # tests/test_makefile.py), so the workers' own OpenMP reads it too; every process the tests start inherits it.
 TORCH_BEFORE_CONFTEST = "torch" in sys.modules
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
