@@ -47,13 +47,12 @@ def test_setup_compiles_the_bytecode_on_every_core_after_pip() -> None:
     installs = [i for i, x in enumerate(lines) if re.search(r"pip install .*(torch==|-e '\.\[test\]')", x)]
     assert installs and all("--no-compile" in lines[i] for i in installs)  # pip compiles one file at a time
     compiles = [i for i, x in enumerate(lines) if "-m compileall" in x]
-    excluded = "-x '/tests?/|/site-packages/(transformers/models/(?!auto/)|diffusers/pipelines/)[^/]+/'"
-    assert compiles and all("-j 0" in lines[i] and excluded in lines[i] for i in compiles)
+    # each with the one exclusion pattern, whose effect the next test checks path by path
+    assert compiles and all("-j 0" in lines[i] and "-x '" in lines[i] for i in compiles)
     # torch's files in the background while pip installs the package (pip keeps one core busy), then the whole venv
     first, last = lines[compiles[0]], lines[compiles[-1]]
     assert re.search(r"compileall .*site-packages/torch .*& .*pip install .*-e '\.\[test\]'.*wait", first)
     assert compiles[-1] > max(installs) and re.search(r"compileall -qq -j 0 -x '\S+' \.venv/lib ", last)
-
 
 
 def test_setup_leaves_out_what_a_run_never_imports_and_compiles_the_rest() -> None:
@@ -69,6 +68,7 @@ def test_setup_leaves_out_what_a_run_never_imports_and_compiles_the_rest() -> No
             "diffusers/models/transformers/transformer_flux.py", "torchao/quantization/quant_api.py"]
     assert [p for p in out if not re.search(pattern, site + p)] == []
     assert [p for p in kept if re.search(pattern, site + p)] == []
+
 
 def test_one_variable_asks_for_a_cuda_build() -> None:
     (line,) = _torch_installs(_setup_commands("TORCH_BUILD=cu128"))
@@ -116,6 +116,6 @@ def test_the_workers_openmp_threads_sleep_when_idle() -> None:
 
     assert not conftest.TORCH_BEFORE_CONFTEST  # a plugin that imported torch first would leave this worker spinning
     assert os.environ["OMP_WAIT_POLICY"] == "PASSIVE"
-    threads = subprocess.run([sys.executable, "-c", "import os, torch; print(os.environ['OMP_WAIT_POLICY'], torch.get_num_threads())"],
-                             capture_output=True, text=True, check=True).stdout.split()
-    assert threads == ["PASSIVE", str(torch.get_num_threads())]
+    child = subprocess.run([sys.executable, "-c", "import os, torch; print(os.environ['OMP_WAIT_POLICY'], torch.get_num_threads())"],
+                           capture_output=True, text=True, check=True).stdout.split()
+    assert child == ["PASSIVE", str(torch.get_num_threads())]
