@@ -181,8 +181,9 @@ def recipes_cmd(as_json: bool) -> None:
               metavar="N", help="Tokens of the evaluation text scored for perplexity (base and quantized).")
 @click.option("--eval-budget", default=quality_spec.DEFAULT_BUDGET, show_default=True, metavar="DURATION",
               envvar="HF_AO_PUBLISH_EVAL_BUDGET", show_envvar=True,
-              help="Time the quality evaluation may take (e.g. 15m, 1h, 600): the grid's size and steps on a CPU, the "
-                   "continuation's length; 0 turns the evaluation (perplexity, continuation, grid) off.")
+              help="Time each recipe's quality evaluation may take, a hard bound (e.g. 90s, 5m, 600): it decides the grid's "
+                   "size and steps, the continuation's length and the perplexity windows, and stops them when spent. auto: "
+                   "15 s plus 1 s per 20 MB of the weights evaluated, at most 10 min. 0 turns the evaluation off.")
 @click.option("--min-quality", "min_quality", multiple=True, metavar="METRIC=VALUE",
               help=f"Fail (exit 1, nothing pushed) when a quality figure is below VALUE: {', '.join(quality_spec.METRICS)} "
                    "(e.g. ppl-recovery=95 for a language model, psnr=25 for a pipeline). Repeatable.")

@@ -62,13 +62,18 @@ def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = 
     matrix.check(req.verify_envs, req.compat)
     if req.repo_id:
         planning.check_target_id(req.repo_id.replace("{recipe}", "x"))
+    from huggingface_hub import constants
+
+    offline = constants.HF_HUB_OFFLINE  # an air-gapped run: nothing of ours asks the Hub
+    if req.push and offline:
+        raise TargetError("HF_HUB_OFFLINE is set and pushing needs the Hub; unset HF_HUB_OFFLINE, or use --no-push")
     if req.push and not token:
         raise TargetError("pushing needs a Hub token with write access; set HF_TOKEN (or pass --token), or use --no-push")
     if req.output_dir is not None:
         unfinished.check_output_dir(req.output_dir)
     src = source_stage.resolve(req.model, req.revision, token)
     user, who = None, None  # before any file of the base is read: a gated base needs the token's gated access
-    if token:
+    if token and not offline:  # offline (no push): no default repo id is asked for, the card says none was chosen
         from publisher.io import hub
         from publisher.io.tokens import TokenRights
 
@@ -87,8 +92,9 @@ def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = 
         trust_remote_code=req.trust_remote_code, options=options, components_from=components_from,
     )
     plan = replace(plan, options={**options, "card": req.card_options(plan.kind)})
-    if req.evaluation is not None:  # a bound on a figure this model has not: a usage error, before any download
+    if req.evaluation is not None:  # a bound on a figure this model has not, or cannot get: a usage error, before any download
         quality.spec.check_applicable(req.evaluation.bounds, quality.kind_of(plan), f"{req.model} ({plan.quantized[0].class_name})")
+        quality.check_measurable(req.evaluation, plan, token)
     if req.push:  # after the base checks, in the order the preflight promises
         for target in targets.values():
             pushing.check_writable(str(target), token, who)  # a push has a token, so every target is named
@@ -145,13 +151,14 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
     auto_dir = req.output_dir is None
     from huggingface_hub import constants
 
+    text = quality.read_text(req.evaluation, plan, token) if req.evaluation else None  # one request, before the download
+
     if req.low_disk and plan.source.local_dir is not None:
         log.info("--low-disk has no effect on a local base folder: its weights are already on disk")
     estimate = preflight.check(plan, req.output_dir or Path(tempfile.gettempdir()), Path(constants.HF_HUB_CACHE),
                                req.engine, req.low_disk, req.push, req.max_shard_size)
     preflight.check_low_disk(estimate.low_disk, req.push, benchmark=req.benchmark, verify_envs=bool(req.verify_envs))
     remote = fetch.RemoteWeights(plan, token) if estimate.low_disk else None
-    text = quality.read_text(req.evaluation, plan, token) if req.evaluation else None  # before the download
     # Environments are built before the download: a spec that cannot be built stops the run while it is cheap.
     gating, measured = matrix.prepare(req.verify_envs, req.compat, {r.recipe.name: r.recipe.tensor_classes for r in todo},
                                       {c.library for c in plan.quantized},

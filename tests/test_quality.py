@@ -4,6 +4,7 @@ a whole model's logits, and a model against itself), the greedy continuation, an
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,14 @@ def test_options_parse_and_name_what_is_wrong() -> None:
     assert spec.Bound.parse("PSNR=30dB") == spec.Bound("psnr", 30.0)
     s = spec.settings(None, 512, "15m", ("ssim=0.9",), "a cat", 64, 2)
     assert s.budget_s == 900 and not s.explicit_dataset and s.dataset.text() == spec.DEFAULT_DATASET
+    assert s.budget_for(40_000_000_000) == 900  # a duration given is the bound, whatever the model
+    auto = spec.settings(None, 512, spec.DEFAULT_BUDGET, (), None, 64, 2)
+    assert spec.DEFAULT_BUDGET == "auto" and auto.budget_s is None and auto.enabled and auto.to_dict()["budget_s"] == "auto"
+    assert auto.budget_for(5_000_000) == pytest.approx(15.25)  # a tiny model: seconds
+    assert auto.budget_for(2_500_000_000) == pytest.approx(140)  # Llama-3.2-1B's bf16 weights: about two minutes
+    assert auto.budget_for(34_000_000_000) == 600  # FLUX.1-dev: at most ten minutes
+    assert spec.settings(None, 512, "AUTO", (), None, 64, 2).budget_s is None
+    assert not spec.settings(None, 512, "0", (), None, 64, 2).enabled
     assert spec.settings("me/t", 512, "90", (), None, 64, 2).explicit_dataset
     assert spec.seconds("1h") == 3600 and spec.seconds("0") == 0 and spec.seconds("soon") is None
     for args, message in [
@@ -52,7 +61,7 @@ def test_gate_names_the_figure_and_the_bound() -> None:
     assert spec.model_kind("transformers", "BertModel") is None and spec.model_kind("pipeline", "") == spec.PIPELINE
 
 
-def test_psnr_ssim_and_the_grid_image() -> None:
+def test_psnr_ssim_and_the_grid_image(tmp_path: Path) -> None:
     import numpy as np
     from PIL import Image
 
@@ -78,24 +87,90 @@ def test_psnr_ssim_and_the_grid_image() -> None:
     assert images.ssim(a, Image.fromarray(255 - np.asarray(a))) < 0  # the negative image anti-correlates
     with pytest.raises(ValueError, match="differ in size"):
         images.ssim(a, Image.new("RGB", (32, 64)))
-    g = images.grid([(a, b), (b, a), (a, a)])
-    assert g.size == (128, 192)
-    assert np.array_equal(np.asarray(g)[64:128, 64:], np.asarray(a))  # row 2, right: the second pair's quantized image
+    g = images.grid([(a, b), (b, a), (a, a)], ["a cat", "a bicycle " * 20, "fruit"], [30.0, float("inf"), 25.5],
+                    [0.91, 1.0, 0.8], "int8wo")
+    cell = images.CELL_MIN  # a 64 px image is shown enlarged (nearest neighbour: its pixels stay visible)
+    assert g.width == 2 * cell + 3 * 8 and cell * 3 < g.height < cell * 3 + 300  # two columns, three labelled rows
+    pixels = np.asarray(g)
+    ys, xs = np.nonzero((pixels < 128).all(axis=2)[:30])  # the column heads: dark text in the first rows
+    assert xs.min() < cell and xs.max() > cell  # over both columns
+    enlarged = np.asarray(a.resize((cell, cell), Image.Resampling.NEAREST))
+    top = next(y for y in range(g.height) if np.array_equal(pixels[y, 8:8 + cell], enlarged[0]))
+    assert np.array_equal(pixels[top:top + cell, 8:8 + cell], enlarged)  # row 1, left: the base image, unchanged
+    path = tmp_path / "grid.jpg"
+    big = [(Image.fromarray(rng.integers(0, 256, (1024, 1024, 3), dtype=np.uint8)),) * 2] * 3  # noise: JPEG's worst
+    size = images.save_grid(images.grid(big, ["a"] * 3, [20.0] * 3, [0.5] * 3, "int8wo"), path)
+    assert size == path.stat().st_size <= images.MAX_BYTES and Image.open(path).format == "JPEG"
+    assert Image.open(path).size == (2 * images.CELL_MAX + 24, Image.open(path).height)  # reduced to card size
 
 
-def test_budget_picks_the_largest_size_then_steps_that_fit() -> None:
-    from publisher.quality import grid
+def test_the_timing_model_counts_attention_and_chooses_the_largest_that_fits() -> None:
+    from publisher.quality import budget
 
-    flux = grid.Cost(denoiser_params=11_900_000_000, other_params=4_900_000_000 + 84_000_000,
-                     read_bytes_per_call=23_800_000_000, flops=2e11, read_rate=2e8)
-    assert grid.choose(flux, 900, 6, 1024, 28) is None  # FLUX.1-dev on a 2-core CPU: no grid within 15 min
-    small = grid.Cost(denoiser_params=1_000_000, other_params=1_000_000, read_bytes_per_call=0, flops=1e10, read_rate=1e9)
-    size, steps, seconds = grid.choose(small, 900, 6, 1024, 28)  # type: ignore[misc]
-    assert (size, steps) == (1024, 28) and seconds == pytest.approx(grid.estimate(small, 1024, 28, 6))
-    mid = grid.Cost(denoiser_params=100_000_000, other_params=0, read_bytes_per_call=0, flops=1e11, read_rate=1e9)
-    size, steps, _ = grid.choose(mid, 60, 6, 1024, 28)  # type: ignore[misc]
-    assert grid.estimate(mid, size, steps, 6) <= 60 < grid.estimate(mid, grid.CPU_SIZES[grid.CPU_SIZES.index(size) - 1], 2, 6)
-    assert grid.choose(small, 900, 6, 64, 2)[:2] == (64, 2)  # type: ignore[index]  # never above --sample-size/steps
+    # a denoiser whose step costs 1e-4 s per token and 1e-7 s per token pair (attention), 512 text tokens, and
+    # 16 image tokens per 64x64 px (a VAE of 8 and a 2x2 patch); a decode of 1e-5 s per latent pixel
+    def call(size: int) -> budget.Call:
+        t = 512 + 16 * (size // 64) ** 2
+        p = (size // 8) ** 2
+        return budget.Call(steps=[(t, 1e-4 * t + 1e-7 * t * t)], decodes=[(p, 1e-5 * p)],
+                           seconds=0.5 + 1e-4 * t + 1e-7 * t * t + 1e-5 * p)
+    model = budget.Model.fit([(64, call(64)), (128, call(128))])
+    for size in (64, 256, 1024):  # extrapolated from 64 and 128 px, attention's square included
+        assert model.per_image(size, 1) == pytest.approx(call(size).seconds, rel=1e-6)
+    assert model.per_image(1024, 28) > 20 * model.per_image(128, 28)  # not the linear rule's 4x per doubling
+    sizes, steps = [1024, 768, 512, 384, 256, 128, 64], [28, 8, 4, 2]
+    def need(size: int, n_steps: int) -> float:  # three pairs, the quantized pipeline 1.5x slower, 1 s to load it
+        return 3 * 2.5 * model.per_image(size, n_steps) + 1.0
+
+    choice = budget.choose(model, 20, sizes, steps, 3, 1.5, 1.0)
+    assert choice is not None and choice.prompts == 3 and choice.estimate_s == pytest.approx(need(choice.size, choice.steps))
+    assert choice.estimate_s <= budget.SAFETY * 20 and choice.size < 1024
+    assert need(sizes[sizes.index(choice.size) - 1], 2) > budget.SAFETY * 20  # the next size up does not fit at all
+    if choice.steps < 28:  # nor more steps at this size
+        assert need(choice.size, steps[steps.index(choice.steps) - 1]) > budget.SAFETY * 20
+    assert budget.choose(model, 10_000, sizes, steps, 3, 1.5, 1.0) == budget.Choice(1024, 28, 3, pytest.approx(need(1024, 28)))
+    assert budget.choose(model, 3.5, sizes, steps, 3, 1.5, 1.0) == budget.Choice(64, 2, 1, pytest.approx(
+        2.5 * model.per_image(64, 2) + 1.0))  # fewer prompts at the smallest rather than none
+    assert budget.choose(model, 1, sizes, steps, 3, 1.5, 1.0) is None
+    # timings that contradict the model (noise on a busy machine) give a conservative fit, never a negative cost
+    noisy = budget.Model.fit([(64, budget.Call(steps=[(768, 0.5)])), (128, budget.Call(steps=[(1536, 0.4)]))])
+    assert noisy.step[0] >= 0 and noisy.step[1] >= 0 and noisy.per_image(1024, 1) >= 0.4
+
+
+def test_the_deadline_stops_a_pipeline_within_one_step() -> None:
+    """Every denoiser step and decode checks the deadline: a pipeline far slower than planned still stops in time."""
+    import time
+
+    import torch
+
+    from publisher.quality import budget
+
+    class Denoiser(torch.nn.Module):
+        def forward(self, hidden_states: Any, encoder_hidden_states: Any = None) -> Any:
+            time.sleep(0.05)
+            return hidden_states
+
+    class Pipe:
+        def __init__(self) -> None:
+            self.transformer, self.vae = Denoiser(), type("Vae", (), {"decode": lambda self, latents: latents})()
+
+        def __call__(self, steps: int) -> None:
+            for _ in range(steps):
+                self.transformer(hidden_states=torch.zeros(1, 16, 4), encoder_hidden_states=torch.zeros(1, 8, 4))
+            self.vae.decode(torch.zeros(1, 4, 8, 8))
+
+    pipe = Pipe()
+    deadline = budget.Deadline(0.3)
+    with budget.Timer(pipe, pipe.transformer, deadline) as timer:
+        with timer.call() as first:
+            pipe(2)
+        assert [t for t, _ in first.steps] == [24, 24] and first.decodes[0][0] == 64  # tokens and latent pixels seen
+        started = time.monotonic()
+        with pytest.raises(budget.OutOfTime, match=r"--eval-budget \(0 s\) ran out before the next denoising step"):
+            with timer.call():
+                pipe(1000)  # 50 s of steps
+        assert time.monotonic() - started < 0.3 + 0.1  # stopped at the deadline, within one step
+    assert "decode" not in pipe.vae.__dict__ and not pipe.transformer._forward_pre_hooks  # the hooks are gone
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +217,9 @@ def test_greedy_block_by_block_is_generate_s(llama: Any, tiny_llama_dir: Path) -
 
     src, config, weights = llama
     prompts = ["the cat sat", "hello"]
-    got = lm.greedy(weights, "transformers", "LlamaForCausalLM", config, tiny_llama_dir, prompts, 6)
+    rows = lm.greedy(weights, "transformers", "LlamaForCausalLM", config, tiny_llama_dir, prompts, 6)
+    assert [len(r) for r in rows] == [6, 6]
+    got = lm.decode(tiny_llama_dir, rows, 6)
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     model = LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).eval()
     for prompt, text in zip(prompts, got):  # one prompt at a time, no padding: the same tokens
@@ -160,7 +237,7 @@ def test_requantized_weights_are_the_engine_s(llama: Any, tiny_llama_dir: Path) 
     from publisher.streaming.shards import TensorReader, build_index
 
     src, _, _ = llama
-    requant = sources.Requantize("transformers", "LlamaForCausalLM", tiny_llama_dir, recipes.get("int8wo"), [])
+    requant = sources.Requantize("transformers", "LlamaForCausalLM", tiny_llama_dir, recipes.get("int8wo"), [], "")
     with TensorReader(src, build_index(src)) as reader:
         weight = requant.quantized("model.layers.0.mlp.up_proj.weight", reader.read("model.layers.0.mlp.up_proj.weight"))
         norm = requant.quantized("model.norm.weight", reader.read("model.norm.weight"))
@@ -181,8 +258,9 @@ def test_dataset_that_cannot_be_read(hub: Any) -> None:
 
     missing = spec.DatasetSpec("nobody/no-such-text", None, "test")
     got = read_text(missing, 64, None, explicit=False)
-    assert got.text is None and "nobody/no-such-text was not found on this Hub" in got.reason
-    with pytest.raises(SourceError, match=r"--eval-dataset nobody/no-such-text:test: nobody/no-such-text was not found .*"
+    endpoint = os.environ["HF_ENDPOINT"]
+    assert got.text is None and got.reason == f"the evaluation text nobody/no-such-text:test was not found on {endpoint} (or is private)"
+    with pytest.raises(SourceError, match=r"--eval-dataset nobody/no-such-text:test: nobody/no-such-text was not found on .* \(or is private\); "
                                           r"name a readable text dataset"):
         read_text(missing, 64, None, explicit=True)
 

@@ -1,7 +1,7 @@
 """Pipelines: a seeded comparison grid, base and quantized, at the size and steps the run can afford.
 
 Fixed prompts (``--sample-prompt`` first when given), one seed each, the same for both pipelines; one image per
-prompt and pipeline, compared by PSNR and SSIM (``images.py``), saved as one PNG in the repo.
+prompt and pipeline, compared by PSNR and SSIM (``images.py``), saved as one labelled JPEG in the repo.
 
 How the pipelines run:
 
@@ -13,10 +13,9 @@ How the pipelines run:
   weights of a folder whose shards were uploaded and deleted are the base's quantized again as they are read;
 - **GPU**: the whole pipeline on the GPU, or ``enable_model_cpu_offload()`` when it does not fit there.
 
-On a CPU the size and steps are the largest that the time estimate (``estimate``) fits in ``--eval-budget``;
-when even the smallest does not fit, there is no grid and the card says it needs a GPU (``--on-hf-jobs``).
+The size and steps are chosen, and kept within ``--eval-budget``, by ``gridrun.py`` (with ``budget.py``'s timing of
+real calls); when not even one pair of images fits, there is no grid and the card says what it would need.
 """
-
 from __future__ import annotations
 
 import gc
@@ -31,7 +30,7 @@ from publisher.quality.sources import Weights
 log = logging.getLogger(__name__)
 
 PROMPTS = ("a photo of a cat", "a red bicycle leaning against a brick wall", "a bowl of fruit on a wooden table")
-IMAGE_NAME = "quality_grid.png"
+IMAGE_NAME = "quality_grid.jpg"  # labelled, card-sized (images.grid): at most 2 MB
 CPU_SIZES = (1024, 768, 512, 384, 256, 128, 64)
 CPU_STEPS = (28, 8, 4, 2)
 MIN_SIZE = 64  # SSIM's window needs 11 pixels; below 64 a picture says little
@@ -41,59 +40,32 @@ MIN_SIZE = 64  # SSIM's window needs 11 pixels; below 64 a picture says little
 class GridFigures:
     """What the card and --json say about a pipeline's grid."""
 
-    prompts: list[str]
+    prompts: list[str]  # the prompts of the grid (those the budget allowed)
     seeds: list[int]
     image: str | None = None  # file name in the repo
     size: int = 0
     steps: int = 0
     device: str = "cpu"
-    mode: str = ""  # "whole", "offloaded (block by block)", "GPU", "GPU with enable_model_cpu_offload()"
+    mode: str = ""  # "whole pipeline in memory", "offloaded: ...", "GPU"
     psnr: list[float] = field(default_factory=list)
     ssim: list[float] = field(default_factory=list)
     metrics: str = ""
-    estimate_s: float | None = None
-    seconds: float = 0.0
-    budget_s: float = 0.0
+    estimate_s: float | None = None  # what the chosen grid was predicted to take (images and the second load)
+    seconds: float = 0.0  # what the whole evaluation took (loads, timing calls and images)
+    budget_s: float = 0.0  # --eval-budget, in seconds (auto resolved)
+    asked: tuple[int, int] = (0, 0)  # --sample-size and --sample-steps: what a GPU with time to spare runs
+    cut: str = ""  # what the budget cut from what was asked (prompts, size, steps), "" when nothing
+    probes: list[dict[str, float]] = field(default_factory=list)  # the timing calls: size, seconds
     reason: str = ""  # why there is no grid
     quantized_from: str = ""  # where the quantized weights were read
 
 
-@dataclass
-class Cost:
-    """What one generation costs, for the time estimate: parameters per denoiser call and per image (text encoders,
-    VAE), bytes read per call when offloaded, and this machine's measured rates."""
-
-    denoiser_params: int
-    other_params: int
-    read_bytes_per_call: int  # 0 when the pipeline is whole in memory
-    flops: float  # multiply-adds per second measured here, x2
-    read_rate: float  # bytes per second
-
-
-def tokens_at(size: int, text_tokens: int = 512) -> int:
-    """Tokens a DiT denoiser sees at ``size`` px: one per 16x16 patch (VAE x8, patch 2x2), plus the prompt's."""
-    return (size // 16) ** 2 + text_tokens
-
-
-def estimate(cost: Cost, size: int, steps: int, images: int) -> float:
-    """Seconds for ``images`` images: 2 FLOPs per parameter and token for each denoiser call, the text encoders and
-    VAE once per image (counted at the image's token count), plus the offloaded weights read once per call."""
-    tokens = tokens_at(size)
-    per_call = 2 * cost.denoiser_params * tokens / cost.flops + cost.read_bytes_per_call / cost.read_rate
-    per_image = 2 * cost.other_params * tokens / cost.flops
-    return images * (steps * per_call + per_image)
-
-
-def choose(cost: Cost, budget_s: float, images: int, size: int, steps: int) -> tuple[int, int, float] | None:
-    """The largest size (then the most steps) at most ``size``/``steps`` whose estimate fits the budget."""
-    sizes = [s for s in CPU_SIZES if s <= size] or [MIN_SIZE]
-    step_options = sorted({min(s, steps) for s in CPU_STEPS}, reverse=True)
-    for s in sizes:
-        for st in step_options:
-            seconds = estimate(cost, s, st, images)
-            if seconds <= budget_s:
-                return s, st, seconds
-    return None
+def lower_bound(denoiser_params: int, read_bytes: int, read_rate: float, flops: float) -> float:
+    """Seconds that one one-step call at the smallest size takes at least: the offloaded denoiser's weights read once
+    (``read_bytes``, 0 when it is in memory) and 2 FLOPs per denoiser parameter for each of 16 image tokens (64 px at
+    the common 16x reduction of a VAE and a 2x2 patch; text tokens and attention left out, so it stays a bound) at this
+    machine's measured bf16 matmul rate. Used to give up without running anything when even that is out of reach."""
+    return read_bytes / max(read_rate, 1.0) + 2 * denoiser_params * 16 / max(flops, 1.0)
 
 
 def measured_flops() -> float:
@@ -111,15 +83,13 @@ def measured_flops() -> float:
     return 2 * size**3 * n / (time.perf_counter() - started)
 
 
-def generate(pipe: Any, prompts: list[str], seeds: list[int], size: int, steps: int, device: str) -> list[Any]:
+def image(pipe: Any, prompt: str, seed: int, size: int, steps: int, device: str) -> Any:
+    """One image of ``pipe``, seeded (the same generator for both pipelines)."""
     import torch
 
-    images = []
-    for prompt, seed in zip(prompts, seeds):
-        out = pipe(prompt=prompt, num_inference_steps=steps, height=size, width=size,
-                   generator=torch.Generator("cpu" if device == "cpu" else device).manual_seed(seed))
-        images.append(out.images[0])
-    return images
+    out = pipe(prompt=prompt, num_inference_steps=steps, height=size, width=size,
+               generator=torch.Generator("cpu" if device == "cpu" else device).manual_seed(seed))
+    return out.images[0]
 
 
 def quiet_loading() -> None:

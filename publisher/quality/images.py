@@ -1,4 +1,4 @@
-"""Image figures: PSNR and SSIM of a quantized image against the base's, and the comparison grid as one PNG.
+"""Image figures: PSNR and SSIM of a quantized image against the base's, and the comparison grid as one labelled JPEG.
 
 SSIM is Wang et al.'s (2004): an 11x11 Gaussian window with sigma 1.5, K1 = 0.01, K2 = 0.03, on 8-bit values
 (data range 255), the mean over the three channels: what ``skimage.metrics.structural_similarity(a, b,
@@ -44,10 +44,16 @@ def ssim(a: Any, b: Any) -> float:
         raise ValueError(f"images of {tuple(x.shape[-2:])} pixels are smaller than SSIM's {size}x{size} window")
     g = torch.exp(-((torch.arange(size, dtype=torch.float64) - size // 2) ** 2) / (2 * sigma**2))
     g = g / g.sum()
-    window = (g[:, None] * g[None, :])[None, None]
+    def band(n: int) -> Any:  # [n - size + 1, n]: row i holds the kernel at columns i .. i + size - 1
+        m = torch.zeros(n - size + 1, n, dtype=torch.float64)
+        for i in range(n - size + 1):
+            m[i, i:i + size] = g
+        return m
 
-    def blur(t: Any) -> Any:
-        return torch.nn.functional.conv2d(t, window)  # "valid" region only, as skimage crops its borders
+    left, right = band(x.shape[-2]), band(x.shape[-1]).T
+
+    def blur(t: Any) -> Any:  # the 11x11 Gaussian as two 1-D passes, each a matrix product (BLAS: float64 convolution
+        return left @ t @ right  # has no fast CPU kernel); the "valid" region only, as skimage crops its borders
 
     c1, c2 = (0.01 * 255) ** 2, (0.03 * 255) ** 2
     mx, my = blur(x), blur(y)
@@ -56,14 +62,55 @@ def ssim(a: Any, b: Any) -> float:
     return float(s.mean(dim=(1, 2, 3)).mean())
 
 
-def grid(rows: list[tuple[Any, Any]]) -> Any:
-    """One image: a row per prompt, the base's image on the left and the quantized one on the right, no margins (so
-    its size is 2 x width by rows x height)."""
-    from PIL import Image
+CELL_MIN, CELL_MAX = 256, 512  # each image's side in the card's grid: small images enlarged, large ones reduced
+MAX_BYTES = 2_000_000  # the grid's file at most (a card shows it inline; the full images are not kept)
+
+
+def grid(rows: list[tuple[Any, Any]], prompts: list[str], psnr_db: list[float], ssim_values: list[float],
+         recipe: str) -> Any:
+    """One labelled image for the card: column heads (the bf16 base, this repo), a row per prompt with the prompt
+    under it, and each quantized image's PSNR and SSIM under it. Images are shown at 256-512 px (enlarged without
+    smoothing, so a tiny test image stays a grid of pixels, or reduced)."""
+    from PIL import Image, ImageDraw, ImageFont
 
     width, height = rows[0][0].size
-    canvas = Image.new("RGB", (2 * width, len(rows) * height), "white")
+    cell = min(CELL_MAX, max(CELL_MIN, width))
+    scaled_h = round(height * cell / width)
+    font = ImageFont.load_default(size=max(12, cell // 22))
+    line = font.getbbox("Ag")[3] + 6
+    pad = 8
+    head = line + pad
+    row_h = scaled_h + 2 * line + pad
+    canvas = Image.new("RGB", (2 * cell + 3 * pad, head + len(rows) * row_h), "white")
+    draw = ImageDraw.Draw(canvas)
+    for col, title in enumerate(("bf16 base", f"this repo ({recipe})")):
+        draw.text((pad + col * (cell + pad), pad // 2), _fit(draw, title, font, cell), fill="black", font=font)
+    resample = Image.Resampling.NEAREST if cell >= width else Image.Resampling.LANCZOS
     for i, (base, quantized) in enumerate(rows):
-        canvas.paste(base.convert("RGB"), (0, i * height))
-        canvas.paste(quantized.convert("RGB"), (width, i * height))
+        top = head + i * row_h
+        for col, img in enumerate((base, quantized)):
+            canvas.paste(img.convert("RGB").resize((cell, scaled_h), resample), (pad + col * (cell + pad), top))
+        figure = "PSNR inf dB (identical)" if psnr_db[i] == float("inf") else f"PSNR {psnr_db[i]:.2f} dB, SSIM {ssim_values[i]:.4f}"
+        draw.text((2 * pad + cell, top + scaled_h + 2), figure, fill="black", font=font)
+        draw.text((pad, top + scaled_h + 2 + line), _fit(draw, f"{i + 1}. {prompts[i]}", font, 2 * cell + pad),
+                  fill="dimgray", font=font)
     return canvas
+
+
+def _fit(draw: Any, text: str, font: Any, width: int) -> str:
+    """``text`` cut (with an ellipsis) to ``width`` pixels."""
+    if draw.textlength(text, font=font) <= width:
+        return text
+    while text and draw.textlength(text + "...", font=font) > width:
+        text = text[:-1]
+    return text + "..."
+
+
+def save_grid(image: Any, path: Any) -> int:
+    """Save as JPEG within MAX_BYTES (lower quality until it fits); returns the file's size."""
+    for quality in (90, 80, 70, 55, 40):
+        image.save(path, format="JPEG", quality=quality, optimize=True)
+        size = path.stat().st_size
+        if size <= MAX_BYTES:
+            return size
+    raise ValueError(f"the comparison grid is {size} bytes even at JPEG quality 40")  # a bug: 1,000 x 2,500 px is far less

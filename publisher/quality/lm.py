@@ -86,8 +86,9 @@ def nll_after_pass(weights: Weights, library: str, class_name: str, config: dict
 
 
 def greedy(weights: Weights, library: str, class_name: str, config: dict[str, Any], tokenizer_dir: Path,
-           prompts: list[str], new_tokens: int) -> list[str]:
-    """Greedy continuations of ``prompts`` (one batch, left-padded), the new text only."""
+           prompts: list[str], new_tokens: int, max_time: float | None = None) -> list[list[int]]:
+    """The new token ids of greedy continuations of ``prompts`` (one batch, left-padded); fewer than ``new_tokens``
+    when ``max_time`` seconds run out first (transformers' own ``max_time`` criterion, checked after every token)."""
     import torch
     from transformers import AutoTokenizer, GenerationConfig
 
@@ -103,9 +104,17 @@ def greedy(weights: Weights, library: str, class_name: str, config: dict[str, An
             pass  # no generation_config.json: the model config's defaults
         with torch.inference_mode():
             out = model.generate(**batch, max_new_tokens=new_tokens, do_sample=False, num_beams=1,
-                                 pad_token_id=tokenizer.pad_token_id)
+                                 pad_token_id=tokenizer.pad_token_id, max_time=max_time)
     width = batch["input_ids"].shape[1]
-    return [tokenizer.decode(row[width:], skip_special_tokens=True) for row in out]
+    return [row[width:].tolist() for row in out]
+
+
+def decode(tokenizer_dir: Path, rows: list[list[int]], tokens: int) -> list[str]:
+    """The first ``tokens`` new tokens of each row as text."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    return [tokenizer.decode(row[:tokens], skip_special_tokens=True) for row in rows]
 
 
 class _loaded:
@@ -149,6 +158,8 @@ class LmFigures:
     quantized_text: list[str] = field(default_factory=list)
     new_tokens: int = 0
     continuation_reason: str = ""  # why no continuation
+    continuation_limited: str = ""  # why fewer than the asked new tokens
+    budget_s: float = 0.0  # --eval-budget in seconds (auto resolved)
 
     @property
     def recovery(self) -> float | None:

@@ -39,12 +39,14 @@ class Requantize:
     """``cast`` for base tensors: the library's loader dtype for each, and the recipe's quantization for the weights its
     quantizer converts (streaming/meta_model.py, the engine's own library adapter)."""
 
-    def __init__(self, library: str, class_name: str, config_dir: Path, recipe: Recipe, exclude: list[str]) -> None:
+    def __init__(self, library: str, class_name: str, config_dir: Path, recipe: Recipe, exclude: list[str],
+                 component: str) -> None:
         from publisher.recipes import build_config
         from publisher.streaming.meta_model import adapter
 
         self.recipe = recipe
-        self.comp = adapter(library, config_dir, build_config(recipe), list(exclude), class_name)
+        # the config this component got (a per-component --quant gives each its own; "" is a transformers model)
+        self.comp = adapter(library, config_dir, build_config(recipe, component), list(exclude), class_name)
 
     def base(self, name: str, t: Any) -> Any:
         import torch
@@ -76,9 +78,9 @@ class Requantize:
 
 
 def component_weights(library: str, class_name: str, base: ShardSource, config_dir: Path, recipe: Recipe,
-                      exclude: list[str], quantized_files: ShardSource | None) -> tuple[Weights, Weights]:
-    """(base, quantized) weights of one quantized component."""
-    requant = Requantize(library, class_name, config_dir, recipe, exclude)
+                      exclude: list[str], quantized_files: ShardSource | None, component: str) -> tuple[Weights, Weights]:
+    """(base, quantized) weights of the quantized ``component`` ("" for a transformers model)."""
+    requant = Requantize(library, class_name, config_dir, recipe, exclude, component)
     base_w = Weights(base, requant.base, "the base")
     if quantized_files is not None:
         return base_w, saved(quantized_files)

@@ -15,7 +15,14 @@ from publisher.errors import QualityError, UsageError
 
 DEFAULT_DATASET = "Salesforce/wikitext:wikitext-2-raw-v1:test"  # wikitext-2-raw's test split, as the Hub stores it
 DEFAULT_TOKENS = 1024
-DEFAULT_BUDGET = "15m"
+DEFAULT_BUDGET = "auto"
+# --eval-budget auto: AUTO_FLOOR_S plus a second per AUTO_BYTES_PER_S bytes of the weights the evaluation runs (bf16),
+# at most AUTO_CEILING_S. A hard bound either way (the evaluation stops when it is spent); auto scales it with the model
+# so that a model of a few MB is evaluated in seconds and a stock CPU runner never spends more than ten minutes on it
+# (docs/quality.md, "The budget").
+AUTO_FLOOR_S = 15.0
+AUTO_BYTES_PER_S = 20_000_000
+AUTO_CEILING_S = 600.0
 CAUSAL_LM = "causal language model"
 PIPELINE = "pipeline"
 
@@ -85,7 +92,7 @@ class Settings:
     dataset: DatasetSpec
     explicit_dataset: bool  # named with --eval-dataset: a dataset that cannot be read is an error
     tokens: int
-    budget_s: float  # 0: no evaluation
+    budget_s: float | None  # 0: no evaluation; None: auto (``budget_for``)
     bounds: tuple[Bound, ...]
     prompt: str | None  # --sample-prompt: the first prompt of the grid or the continuations
     size: int
@@ -93,10 +100,20 @@ class Settings:
 
     @property
     def enabled(self) -> bool:
-        return self.budget_s > 0
+        return self.budget_s is None or self.budget_s > 0
+
+    def budget_for(self, weight_bytes: int) -> float:
+        """The hard time bound in seconds for an evaluation that runs ``weight_bytes`` of bf16 weights."""
+        if self.budget_s is not None:
+            return self.budget_s
+        return min(AUTO_CEILING_S, AUTO_FLOOR_S + weight_bytes / AUTO_BYTES_PER_S)
+
+    def budget_text(self) -> str:
+        return "auto" if self.budget_s is None else f"{self.budget_s:g} s"
 
     def to_dict(self) -> dict[str, object]:
-        return {"dataset": self.dataset.text(), "tokens": self.tokens, "budget_s": self.budget_s,
+        return {"dataset": self.dataset.text(), "tokens": self.tokens,
+                "budget_s": "auto" if self.budget_s is None else self.budget_s,
                 "min_quality": [b.text() for b in self.bounds]}
 
 
@@ -111,9 +128,9 @@ def seconds(text: str) -> float | None:
 def settings(dataset: str | None, tokens: int, budget: str, bounds: tuple[str, ...], prompt: str | None, size: int,
              steps: int) -> Settings:
     """The CLI's options as ``Settings``; UsageError (exit 2) naming the option for anything malformed."""
-    budget_s = seconds(budget)
-    if budget_s is None:
-        raise UsageError(f"--eval-budget {budget!r} is not a duration such as 15m, 1h or 600 (0: no evaluation)")
+    budget_s = None if budget.strip().lower() == "auto" else seconds(budget)
+    if budget_s is None and budget.strip().lower() != "auto":
+        raise UsageError(f"--eval-budget {budget!r} is not a duration such as 90s, 5m or 600, nor auto (0: no evaluation)")
     try:
         data = DatasetSpec.parse(dataset or DEFAULT_DATASET)
     except ValueError as exc:

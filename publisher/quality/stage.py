@@ -1,12 +1,16 @@
-"""The quality stage of a publish run: what it reads before the download, what it hands the quantization pass, what it
-computes after verification, and the gate that runs before anything is pushed.
+"""The quality stage of a publish run: what it checks when the plan is made, what it reads before the download, what it
+hands the quantization pass, what it computes after verification, and the gate that runs before anything is pushed.
 
-    settings = Settings.of(...)                       # CLI options, parsed
-    text = read_text(settings, plan, token)           # before any weight is downloaded (an explicit dataset fails here)
+    check_measurable(settings, plan, token)          # plan time: a --min-quality bound on a figure that cannot be had
+    text = read_text(settings, plan, token)           # right after the plan (an explicit dataset fails here)
     evaluation = Evaluation(settings, text, plan, base_dir, elsewhere, token, work)   # after the download
     quantize_recipe(..., observer=evaluation.observer)                                # in-pass perplexity
-    figures = evaluation.run(artifacts, base_sources, pass_seconds)                   # after verification
+    figures = evaluation.run(artifacts, base_sources, pass_seconds, recipe)            # after verification
     gate(settings, figures, recipe)                                                   # QualityError: exit 1
+
+Every recipe's evaluation has ``--eval-budget`` seconds (``auto``: by the size of the weights it runs,
+``spec.Settings.budget_for``) and keeps it: the grid checks the time before every denoiser step (``budget.py``), the
+continuation after every token, the perplexity between windows.
 
 Figures: ``lm.LmFigures`` for a causal language model, ``grid.GridFigures`` for a pipeline, None otherwise.
 """
@@ -16,42 +20,80 @@ from __future__ import annotations
 import logging
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from publisher.errors import SourceError
+from publisher.errors import SourceError, UsageError
 from publisher.handoffs.plan import DENOISERS
 from publisher.quality import grid, lm, spec
+from publisher.quality.budget import Deadline
 from publisher.quality.sources import Weights, component_weights, local_shards
 from publisher.quality.spec import Settings
 from publisher.quality.text import MIN_WINDOW, EvalText
 from publisher.verify.streaming import BLOCK_BUDGET
 
 if TYPE_CHECKING:  # types only
+    from collections.abc import Iterator
+
     from publisher.handoffs.artifacts import Artifacts
+    from publisher.handoffs.plan import Plan
     from publisher.recipes import Recipe
 
 log = logging.getLogger(__name__)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".msgpack", ".h5", ".onnx")
+# What AutoTokenizer reads a vocabulary from (tokenizer_config.json alone names a class, not a vocabulary)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model", "tiktoken.model", "tokenizer.tiktoken")
+NO_TOKENIZER = "no tokenizer in the base (the text is tokenized with the base's own tokenizer, and it has none)"
 
 
-def kind_of(plan: Any) -> str | None:
+def kind_of(plan: Plan) -> str | None:
     first = plan.quantized[0] if plan.quantized else None
     return spec.model_kind(plan.kind, first.class_name if first else "")
 
 
-def read_text(settings: Settings, plan: Any, token: str | None) -> EvalText | None:
-    """The evaluation text of a causal LM (None for other models or with the evaluation off)."""
+def has_tokenizer(plan: Plan) -> bool:
+    return any(f.rsplit("/", 1)[-1] in TOKENIZER_FILES for f in plan.source.files if "/" not in f)
+
+
+def check_measurable(settings: Settings, plan: Plan, token: str | None) -> None:
+    """At plan time, before any download: a causal LM without a tokenizer is said in one line (the run goes on without
+    perplexity and continuation); a ``--min-quality`` bound on perplexity that cannot be measured here (no tokenizer,
+    an evaluation text that cannot be read: one request) is a usage error (exit 2)."""
+    if not settings.enabled or kind_of(plan) != spec.CAUSAL_LM:
+        return
+    bounded = [b for b in settings.bounds if b.metric == "ppl-recovery"]
+    if not has_tokenizer(plan):
+        if bounded:
+            raise UsageError(f"--min-quality {bounded[0].text()} cannot be checked: {plan.source.model_id} has no "
+                             "tokenizer, which perplexity needs; add the base's tokenizer files to it, or drop "
+                             "--min-quality")
+        log.warning("%s has no tokenizer: perplexity and the greedy continuation will not be measured (the card says "
+                    "so); add the tokenizer's files to the base for them", plan.source.model_id)
+        return
+    if bounded and not settings.explicit_dataset:
+        from publisher.quality.text import unreadable
+
+        reason = unreadable(settings.dataset, token)
+        if reason:
+            raise UsageError(f"--min-quality {bounded[0].text()} cannot be checked: the evaluation text "
+                             f"{settings.dataset.text()} {reason}; name a readable one with --eval-dataset, or drop "
+                             "--min-quality")
+
+
+def read_text(settings: Settings, plan: Plan, token: str | None) -> EvalText | None:
+    """The evaluation text of a causal LM (None for other models, with the evaluation off, or without a tokenizer)."""
     from publisher.quality.text import read_text as read
 
-    if not settings.enabled or kind_of(plan) != spec.CAUSAL_LM:
+    if not settings.enabled or kind_of(plan) != spec.CAUSAL_LM or not has_tokenizer(plan):
         return None
     return read(settings.dataset, settings.tokens, token, settings.explicit_dataset)
 
 
-def configs_folder(plan: Any, base_dir: Path, elsewhere: frozenset[str], token: str | None, work: Path) -> Path:
+def configs_folder(plan: Plan, base_dir: Path, elsewhere: frozenset[str], token: str | None, work: Path) -> Path:
     """A folder with every non-weight file of the base (configs, tokenizers, scheduler): the download folder, or, when
     some went Hub to Hub without touching the disk (``--low-disk`` push), a copy with those downloaded (small files)."""
     missing = [f for f in plan.base_files if f in elsewhere and not f.endswith(WEIGHT_SUFFIXES)]
@@ -65,7 +107,8 @@ def configs_folder(plan: Any, base_dir: Path, elsewhere: frozenset[str], token: 
             continue
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
-        if rel in elsewhere:
+        if rel in elsewhere:  # only a Hub base has files elsewhere
+            assert plan.source.repo_id is not None
             shutil.copyfile(hf_hub_download(plan.source.repo_id, rel, revision=plan.source.sha, token=token), target)
         elif (base_dir / rel).is_file():
             shutil.copyfile(base_dir / rel, target)
@@ -73,45 +116,50 @@ def configs_folder(plan: Any, base_dir: Path, elsewhere: frozenset[str], token: 
 
 
 class Evaluation:
-    """One run's evaluation (shared by its recipes: the same text, windows and folders)."""
+    """One run's evaluation (shared by its recipes: the same text, windows, folders and budget)."""
 
-    def __init__(self, settings: Settings, text: EvalText | None, plan: Any, base_dir: Path, elsewhere: frozenset[str],
+    def __init__(self, settings: Settings, text: EvalText | None, plan: Plan, base_dir: Path, elsewhere: frozenset[str],
                  token: str | None, work: Path) -> None:
         self.settings, self.text, self.plan, self.base_dir, self.token = settings, text, plan, base_dir, token
         self.kind = kind_of(plan) if settings.enabled else None
         self.elsewhere = elsewhere
         self.configs = configs_folder(plan, base_dir, elsewhere, token, work) if self.kind else base_dir
+        # the weights each evaluation runs: a pipeline's every model, a language model itself (bf16 bytes)
+        runs = plan.components if self.kind == spec.PIPELINE else plan.quantized
+        self.budget_s = settings.budget_for(sum(c.param_bytes for c in runs))
         self.ids: Any = None
         self.models: dict[str, Any] = {}
         self.limited = ""  # why fewer tokens than --eval-tokens are scored
         self.flops = grid.measured_flops() if self.kind else 0.0  # this CPU's bf16 matmul rate: what the budget buys
         self.text_reason = ""
-        if self.kind == spec.CAUSAL_LM and text is not None:
+        if self.kind == spec.CAUSAL_LM:
             self._windows()
 
     def _windows(self) -> None:
         from publisher.io.jsonfile import read_object
         from publisher.quality.text import windows
 
-        assert self.text is not None
-        if self.text.text is None:
-            self.text_reason = f"the dataset {self.text.spec.text()} could not be read: {self.text.reason}"
+        if not has_tokenizer(self.plan):
+            self.text_reason = NO_TOKENIZER
+            return
+        if self.text is None or self.text.text is None:
+            self.text_reason = self.text.reason if self.text is not None else "no evaluation text"
             return
         config = read_object(self.configs / "config.json")
         tokens = self.settings.tokens
         # Both forward passes, 2 FLOPs per parameter and token, may take half the budget; on a CPU without fast bf16
         # matmuls (this project's: about 1.5 GFLOP/s) that is far fewer tokens than a GPU's
         per_token = 2 * 2 * (self.plan.quantized[0].param_bytes // 2) / max(self.flops, 1.0)
-        affordable = int(0.5 * self.settings.budget_s / per_token) if per_token > 0 else tokens
+        affordable = int(0.5 * self.budget_s / per_token) if per_token > 0 else tokens
         if affordable < tokens:
             if affordable < MIN_WINDOW:
                 self.text_reason = (f"scoring even {MIN_WINDOW} tokens would take about {MIN_WINDOW * per_token / 60:.0f} min "
                                     f"on this CPU (bf16 matmuls at {self.flops / 1e9:.1f} GFLOP/s), more than half of "
-                                    f"--eval-budget {self.settings.budget_s / 60:.0f} min; publish on a GPU (--on-hf-jobs "
-                                    "FLAVOR) or raise --eval-budget")
+                                    f"--eval-budget ({self.budget_s:.0f} s); publish on a GPU (--on-hf-jobs FLAVOR) or "
+                                    "raise --eval-budget")
                 return
             self.limited = (f"{affordable} of the {tokens} asked (--eval-tokens): what half of --eval-budget "
-                            f"({self.settings.budget_s / 60:.0f} min) allows on this CPU, whose bf16 matmuls run at "
+                            f"({self.budget_s:.0f} s) allows on this CPU, whose bf16 matmuls run at "
                             f"{self.flops / 1e9:.1f} GFLOP/s")
             tokens = affordable
         try:
@@ -119,7 +167,7 @@ class Evaluation:
         except ValueError as exc:
             if self.settings.explicit_dataset:
                 raise SourceError(f"--eval-dataset {self.text.spec.text()}: {exc}; name a dataset with more text") from None
-            self.text_reason = f"the dataset {self.text.spec.text()} is too short: {exc}"
+            self.text_reason = f"the evaluation text {self.text.spec.text()} is too short: {exc}"
 
     def observer(self, comp: Any, config: dict[str, Any]) -> Any:
         """The in-pass perplexity observer for a streamed causal LM (None otherwise)."""
@@ -128,10 +176,11 @@ class Evaluation:
         return lm.observer(comp.library, comp.class_name, config, self.ids, comp.label)
 
     def run(self, artifacts: Artifacts, base_sources: dict[str, Any], pass_seconds: float, recipe: Recipe) -> Any:
+        deadline = Deadline(self.budget_s)
         if self.kind == spec.CAUSAL_LM:
-            return self._lm(artifacts, base_sources, pass_seconds, recipe)
+            return self._lm(artifacts, base_sources, pass_seconds, recipe, deadline)
         if self.kind == spec.PIPELINE:
-            return self._grid(artifacts, base_sources, pass_seconds, recipe)
+            return self._grid(artifacts, base_sources, pass_seconds, recipe, deadline)
         return None
 
     # ------------------------------------------------------------------ language models
@@ -139,55 +188,91 @@ class Evaluation:
         folder = artifacts.folder / comp.name if comp.name else artifacts.folder
         config_dir = self.configs / comp.name if comp.name else self.configs
         return component_weights(comp.library, comp.class_name, base_sources[comp.name], config_dir, recipe,
-                                 list(self.plan.exclude), local_shards(folder))
+                                 list(self.plan.exclude), local_shards(folder), comp.name)
 
-    def _lm(self, artifacts: Artifacts, base_sources: dict[str, Any], pass_seconds: float, recipe: Recipe) -> lm.LmFigures:
+    def _lm(self, artifacts: Artifacts, base_sources: dict[str, Any], pass_seconds: float, recipe: Recipe,
+            deadline: Deadline) -> lm.LmFigures:
         from publisher.io.jsonfile import read_object
 
         comp = artifacts.components[0]
         config = read_object(self.configs / "config.json")
-        figures = lm.LmFigures(dataset=self.settings.dataset.text())
-        started = time.monotonic()
+        figures = lm.LmFigures(dataset=self.settings.dataset.text(), budget_s=self.budget_s)
+        if self.text_reason == NO_TOKENIZER:
+            figures.reason = figures.continuation_reason = NO_TOKENIZER
+            return figures
         base_w, quant_w = self._weights(comp, artifacts, base_sources, recipe)
         if self.ids is None:
             figures.reason = self.text_reason or "no evaluation text"
         else:
-            figures.windows, figures.window = int(self.ids.shape[0]), int(self.ids.shape[1])
-            figures.limited = self.limited
-            figures.tokens = figures.windows * (figures.window - 1)
-            passed = getattr(comp, "eval_forward", None)
-            if passed is not None and passed.output is not None and passed.base_output is not None:
-                quant_nll, base_nll = passed.output, passed.base_output
-                figures.where = "during the quantization pass (block by block, the tensors the pass held)"
-                figures.seconds["perplexity_in_pass_cpu"] = round(passed.cpu_seconds, 3)
-            else:
-                if passed is not None:
-                    log.info("perplexity after the pass: %s", passed.detail)
-                base_nll = lm.nll_after_pass(base_w, comp.library, comp.class_name, config, self.ids)
-                quant_nll = lm.nll_after_pass(quant_w, comp.library, comp.class_name, config, self.ids)
-                figures.where = "after the quantization pass, block by block"
-                figures.seconds["perplexity_after_pass"] = round(time.monotonic() - started, 3)
-            figures.base_ppl, figures.quantized_ppl = lm.perplexity(base_nll), lm.perplexity(quant_nll)
-            if self.text is not None:
-                figures.seconds["read_dataset"] = round(self.text.seconds, 3)
+            self._perplexity(figures, comp, config, base_w, quant_w, deadline)
         prompts = ([self.settings.prompt] if self.settings.prompt else []) + list(lm.PROMPTS)
         figures.prompts = prompts[:3]
-        spent = time.monotonic() - started
+        self._continuation(figures, comp, config, base_w, quant_w, pass_seconds, deadline)
+        return figures
+
+    def _perplexity(self, figures: lm.LmFigures, comp: Any, config: dict[str, Any], base_w: Weights, quant_w: Weights,
+                    deadline: Deadline) -> None:
+        started = time.monotonic()
+        ids = self.ids
+        figures.limited = self.limited
+        passed = getattr(comp, "eval_forward", None)
+        if passed is not None and passed.output is not None and passed.base_output is not None:
+            quant_nll, base_nll = passed.output, passed.base_output
+            figures.where = "during the quantization pass (block by block, the tensors the pass held)"
+            figures.seconds["perplexity_in_pass_cpu"] = round(passed.cpu_seconds, 3)
+        else:
+            if passed is not None:
+                log.info("perplexity after the pass: %s", passed.detail)
+            # the first window of each model alone, timed; then the windows the rest of half the budget allows
+            base_nll = lm.nll_after_pass(base_w, comp.library, comp.class_name, config, ids[:1])
+            quant_nll = lm.nll_after_pass(quant_w, comp.library, comp.class_name, config, ids[:1])
+            per_window = time.monotonic() - started
+            more = min(int(ids.shape[0]) - 1, int((0.5 * deadline.left()) / max(per_window, 1e-3)))
+            if more < int(ids.shape[0]) - 1:
+                figures.limited = (f"{1 + max(more, 0)} of {int(ids.shape[0])} windows: a window of both models took "
+                                   f"{per_window:.1f} s here, and half of --eval-budget ({self.budget_s:.0f} s) allowed "
+                                   "no more")
+            if more > 0:
+                import torch
+
+                rest = ids[1:1 + more]
+                base_nll = torch.cat([base_nll, lm.nll_after_pass(base_w, comp.library, comp.class_name, config, rest)])
+                quant_nll = torch.cat([quant_nll, lm.nll_after_pass(quant_w, comp.library, comp.class_name, config, rest)])
+            ids = ids[:1 + max(more, 0)]
+            figures.where = "after the quantization pass, block by block"
+            figures.seconds["perplexity_after_pass"] = round(time.monotonic() - started, 3)
+        figures.windows, figures.window = int(ids.shape[0]), int(ids.shape[1])
+        figures.tokens = figures.windows * (figures.window - 1)
+        figures.base_ppl, figures.quantized_ppl = lm.perplexity(base_nll), lm.perplexity(quant_nll)
+        if self.text is not None:
+            figures.seconds["read_dataset"] = round(self.text.seconds, 3)
+
+    def _continuation(self, figures: lm.LmFigures, comp: Any, config: dict[str, Any], base_w: Weights, quant_w: Weights,
+                      pass_seconds: float, deadline: Deadline) -> None:
         per_step = self._step_seconds(comp, pass_seconds) + 2 * 2 * (comp.bytes_before // 2) * len(figures.prompts) / max(self.flops, 1.0)
-        affordable = int((self.settings.budget_s - spent) / per_step) - 1 if per_step > 0 else lm.NEW_TOKENS
+        affordable = int(deadline.left() / per_step) - 1 if per_step > 0 else lm.NEW_TOKENS
         figures.new_tokens = min(lm.NEW_TOKENS, affordable)
         if figures.new_tokens < 4:
             figures.new_tokens = 0
             figures.continuation_reason = (f"a greedy continuation reads the weights once per new token (about "
-                                           f"{per_step:.0f} s a token here, base and quantized), which --eval-budget "
-                                           f"{self.settings.budget_s:.0f} s does not allow for 4 tokens")
-            return figures
+                                           f"{per_step:.0f} s a token here, base and quantized), which the "
+                                           f"{max(deadline.left(), 0):.0f} s left of --eval-budget ({self.budget_s:.0f} s) "
+                                           "do not allow for 4 tokens")
+            return
         began = time.monotonic()
-        for role, weights in (("base", base_w), ("quantized", quant_w)):
-            texts = lm.greedy(weights, comp.library, comp.class_name, config, self.configs, figures.prompts, figures.new_tokens)
-            setattr(figures, f"{role}_text", texts)
+        # each model gets half of what is left, checked after every token; both texts are cut to the shorter one
+        base = lm.greedy(base_w, comp.library, comp.class_name, config, self.configs, figures.prompts,
+                         figures.new_tokens, max_time=max(deadline.left() / 2, 0.1))
+        quant = lm.greedy(quant_w, comp.library, comp.class_name, config, self.configs, figures.prompts,
+                          figures.new_tokens, max_time=max(deadline.left(), 0.1))
+        made = min(min(len(r) for r in base), min(len(r) for r in quant))
+        if made < figures.new_tokens:
+            figures.continuation_limited = (f"{made} of {figures.new_tokens} new tokens: --eval-budget "
+                                            f"({self.budget_s:.0f} s) ran out")
+            figures.new_tokens = made
+        figures.base_text = lm.decode(self.configs, base, made)
+        figures.quantized_text = lm.decode(self.configs, quant, made)
         figures.seconds["continuation"] = round(time.monotonic() - began, 3)
-        return figures
 
     @staticmethod
     def _step_seconds(comp: Any, pass_seconds: float) -> float:
@@ -197,14 +282,16 @@ class Evaluation:
         return max(pass_seconds, 0.0) * (comp.bytes_before + comp.bytes_after) / max(comp.bytes_before, 1)
 
     # ------------------------------------------------------------------ pipelines
-    def _grid(self, artifacts: Artifacts, base_sources: dict[str, Any], pass_seconds: float, recipe: Recipe) -> grid.GridFigures:
+    def _grid(self, artifacts: Artifacts, base_sources: dict[str, Any], pass_seconds: float, recipe: Recipe,
+              deadline: Deadline) -> grid.GridFigures:
         import torch
 
-        prompts = (([self.settings.prompt] if self.settings.prompt else []) + list(grid.PROMPTS))[:3]
-        figures = grid.GridFigures(prompts=prompts, seeds=list(range(len(prompts))), budget_s=self.settings.budget_s,
-                                   metrics="")
+        from publisher.quality.gridrun import GridRun
         from publisher.stages.card_usage import output_kind
 
+        prompts = (([self.settings.prompt] if self.settings.prompt else []) + list(grid.PROMPTS))[:3]
+        figures = grid.GridFigures(prompts=prompts, seeds=list(range(len(prompts))), budget_s=round(self.budget_s, 1),
+                                   asked=(self.settings.size, self.settings.steps))
         if output_kind(self.plan.pipeline_class) != "image":
             figures.reason = f"{self.plan.pipeline_class} makes {output_kind(self.plan.pipeline_class)}, not images"
             return figures
@@ -218,49 +305,55 @@ class Evaluation:
         figures.device = device
         whole = local and (device == "cuda" or sum(sizes.values()) <= 0.8 * psutil.virtual_memory().available)
         figures.quantized_from = "the saved files" if whole else quantized_from
-        size, steps = max(self.settings.size, grid.MIN_SIZE), self.settings.steps
-        if device == "cpu":
-            denoiser = next((n for n in DENOISERS if n in sizes), max(sizes, key=lambda n: sizes[n]))
-            rate = sum(c.bytes_before for c in artifacts.components) / max(pass_seconds, 1e-3)
-            cost = grid.Cost(sizes[denoiser] // 2, (sum(sizes.values()) - sizes[denoiser]) // 2,
-                             0 if whole or sizes[denoiser] <= BLOCK_BUDGET else sizes[denoiser], self.flops, rate)
-            choice = grid.choose(cost, self.settings.budget_s, 2 * len(prompts), size, steps)
-            if choice is None:
-                smallest = grid.estimate(cost, grid.MIN_SIZE, min(steps, 2), 2 * len(prompts))
-                figures.estimate_s = round(smallest, 1)
-                figures.reason = (f"on this CPU even {grid.MIN_SIZE}x{grid.MIN_SIZE} px with {min(steps, 2)} steps would "
-                                  f"take about {smallest / 60:.0f} min, more than --eval-budget "
-                                  f"{self.settings.budget_s / 60:.0f} min; the grid needs a GPU: publish with "
-                                  "--on-hf-jobs FLAVOR (a GPU flavor, `hf-ao-publish recipes` lists them) or on a "
-                                  "machine with one, or raise --eval-budget")
-                return figures
-            size, steps, figures.estimate_s = choice[0], choice[1], round(choice[2], 1)
-        figures.size, figures.steps = size, steps
         figures.mode = ("whole pipeline in memory" if whole and device == "cpu" else "GPU" if device == "cuda"
                         else "offloaded: each component built on the meta device, loaded block by block as it runs")
-        began = time.monotonic()
-        rows: list[list[Any]] = []
-        for role in ("base", "quantized"):
-            if whole:
-                folder = self.base_dir if role == "base" else artifacts.folder
-                pipe = grid.whole(folder, device)
-                images = grid.generate(pipe, prompts, figures.seeds, size, steps, device)
-                del pipe
-            else:
-                with grid.Offloaded(self.configs, {n: (lib, cls, pair[role == "quantized"])
-                                                   for n, (lib, cls, pair) in models.items()}) as pipe:
-                    images = grid.generate(pipe, prompts, figures.seeds, size, steps, device)
-            rows.append(images)
+        denoiser = next((n for n in DENOISERS if n in sizes), max(sizes, key=lambda n: sizes[n]))
+        if device == "cpu":  # hopeless on this CPU: said without running anything
+            rate = sum(c.bytes_before for c in artifacts.components) / max(pass_seconds, 1e-3)
+            offloaded = 0 if whole or sizes[denoiser] <= BLOCK_BUDGET else sizes[denoiser]
+            least = grid.lower_bound(sizes[denoiser] // 2, offloaded, rate, self.flops)
+            if least > 0.25 * self.budget_s:
+                figures.estimate_s = round(least, 1)
+                figures.reason = (f"on this CPU one denoising step of a {grid.MIN_SIZE}x{grid.MIN_SIZE} px image takes at "
+                                  f"least {least:.0f} s, and --eval-budget is {self.budget_s:.0f} s; the grid needs a GPU: "
+                                  "publish with --on-hf-jobs FLAVOR (a GPU flavor, `hf-ao-publish recipes` lists them) "
+                                  "or on a machine with one, or raise --eval-budget")
+                log.warning("no comparison grid: %s", figures.reason)
+                return figures
+        started = time.monotonic()
+        with self._pipeline("base", whole, device, artifacts, models) as pipe:
+            run = GridRun(figures, deadline, denoiser, device, load_s=time.monotonic() - started)
+            run.base(pipe)
+        if run.prompts:
+            with self._pipeline("quantized", whole, device, artifacts, models) as pipe:
+                run.quantized(pipe)
+        pairs = run.pairs()
+        figures.seconds = round(deadline.elapsed(), 3)
+        if not pairs:
+            figures.reason = figures.reason or f"--eval-budget ({self.budget_s:.0f} s) ran out before the first pair of images"
+            figures.prompts, figures.seeds = [], []
+            return figures
         from publisher.quality import images as im
 
-        pairs = list(zip(rows[0], rows[1]))
-        figures.psnr = [im.psnr(a, b) for a, b in pairs]
-        figures.ssim = [im.ssim(a, b) for a, b in pairs]
+        figures.prompts, figures.seeds = figures.prompts[:len(pairs)], figures.seeds[:len(pairs)]
         figures.metrics = im.METRICS_NOTE
-        im.grid(pairs).save(artifacts.folder / grid.IMAGE_NAME)
+        im.save_grid(im.grid(pairs, figures.prompts, figures.psnr, figures.ssim, recipe.name),
+                     artifacts.folder / grid.IMAGE_NAME)
         figures.image = grid.IMAGE_NAME
-        figures.seconds = round(time.monotonic() - began, 3)
         return figures
+
+    @contextmanager
+    def _pipeline(self, role: str, whole: bool, device: str, artifacts: Artifacts, models: dict[str, Any]) -> Iterator[Any]:
+        if whole:
+            pipe = grid.whole(self.base_dir if role == "base" else artifacts.folder, device)
+            try:
+                yield pipe
+            finally:
+                del pipe
+            return
+        with grid.Offloaded(self.configs, {n: (lib, cls, pair[role == "quantized"])
+                                           for n, (lib, cls, pair) in models.items()}) as pipe:
+            yield pipe
 
     def _on_disk(self, artifacts: Artifacts) -> bool:
         """Every weight file of both pipelines is on disk (base and quantized)."""
@@ -286,9 +379,11 @@ class Evaluation:
                 pair = self._weights(quantized[comp.name], artifacts, base_sources, recipe)
                 how = how or pair[1].how
             else:
-                local = local_shards(self.base_dir / comp.name)
-                source = local if local is not None else HubShards(self.plan.source.repo_id, self.plan.source.sha,
-                                                                   comp.name, self.token)
+                source: Any = local_shards(self.base_dir / comp.name)
+                if source is None:  # not on disk: a Hub base's unchanged component, copied Hub to Hub (--low-disk)
+                    repo_id, sha = self.plan.source.repo_id, self.plan.source.sha
+                    assert repo_id is not None and sha is not None
+                    source = HubShards(repo_id, sha, comp.name, self.token)
                 same = Weights(source, grid.loader_cast(comp.library, comp.class_name), "the base")
                 pair = (same, same)
             index = build_index(pair[0].source)
@@ -324,4 +419,3 @@ def to_json(figures: Any) -> dict[str, Any] | None:
         data["kind"] = spec.PIPELINE
         data["psnr"] = [None if p == float("inf") else p for p in figures.psnr]  # JSON has no infinity
     return data
-

@@ -1,9 +1,11 @@
 """The evaluation text of a language model: rows of a Hub dataset, read with ``datasets`` (streamed: only the rows
 needed for ``--eval-tokens``), then the base's own tokenizer cuts them into fixed-length windows.
 
-Read right after the plan, before any weight is downloaded: a dataset the user named (``--eval-dataset``) that
-cannot be read stops the run there (SourceError, exit 1); the default one that cannot be read (offline, gated,
-missing on this Hub) only costs the figure, and the card says why.
+Read right after the plan, before any weight is downloaded: first one request asks the Hub whether the dataset can
+be read (``unreadable``: no retries, ``HF_HUB_OFFLINE`` respected), so an unreachable Hub costs one line and no
+waiting; then ``datasets`` streams the rows. A dataset the user named (``--eval-dataset``) that cannot be read stops
+the run there (SourceError, exit 1); the default one that cannot be read (offline, gated, missing on this Hub) only
+costs the figure, and the card says why in a plain sentence.
 """
 
 from __future__ import annotations
@@ -40,6 +42,14 @@ def read_text(spec: DatasetSpec, tokens: int, token: str | None, explicit: bool)
     from huggingface_hub.errors import HfHubHTTPError
 
     started = time.monotonic()
+    reason = unreadable(spec, token)
+    if reason:
+        if explicit:
+            raise SourceError(f"--eval-dataset {spec.text()}: {spec.repo} {reason}; name a readable text dataset "
+                              "(REPO[:CONFIG][:SPLIT]) or drop --eval-dataset for the default")
+        log.warning("perplexity will not be measured: the evaluation text %s %s (--eval-dataset REPO[:CONFIG][:SPLIT] "
+                    "names another)", spec.text(), reason)
+        return EvalText(spec, None, f"the evaluation text {spec.text()} {reason}", seconds=time.monotonic() - started)
     try:
         text, rows = _rows(spec, tokens * CHARS_PER_TOKEN, token)
     except (OSError, ValueError, KeyError, DatasetsError, HfHubHTTPError) as exc:  # each means: not readable here
@@ -55,6 +65,31 @@ def read_text(spec: DatasetSpec, tokens: int, token: str | None, explicit: bool)
             raise SourceError(f"--eval-dataset {spec.text()}: its split holds no text; name a text dataset")
         return EvalText(spec, None, "its split holds no text", seconds=time.monotonic() - started)
     return EvalText(spec, text, rows=rows, seconds=time.monotonic() - started)
+
+
+def unreadable(spec: DatasetSpec, token: str | None) -> str:
+    """Why the dataset cannot be read here, in words that follow its name ("" when it can): one request for the
+    dataset's page on the Hub, never retried, none at all when ``HF_HUB_OFFLINE`` is set (the rows are streamed from
+    the Hub, which offline mode forbids)."""
+    import httpx2
+    from huggingface_hub import constants
+    from huggingface_hub import errors as hub_errors
+
+    from publisher.io import hub
+
+    if constants.HF_HUB_OFFLINE:
+        return "cannot be read offline (HF_HUB_OFFLINE is set, and the text is streamed from the Hub)"
+    try:
+        hub.client(token).dataset_info(spec.repo, timeout=10)
+    except hub_errors.GatedRepoError:
+        return "is gated and this token has no access"
+    except hub_errors.RepositoryNotFoundError:
+        return f"was not found on {hub.endpoint()} (or is private)"
+    except hub_errors.HfHubHTTPError as exc:
+        return f"could not be read from {hub.endpoint()} (HTTP {hub.status_of(exc) or 'error'})"
+    except (httpx2.TransportError, OSError) as exc:  # refused, no route, DNS, timed out: not reachable from here
+        return f"could not be read: {hub.endpoint()} is not reachable from this machine ({type(exc).__name__})"
+    return ""
 
 
 def _rows(spec: DatasetSpec, chars: int, token: str | None) -> tuple[str, int]:

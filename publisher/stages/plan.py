@@ -23,8 +23,9 @@ from publisher.stages.basecheck import check_base
 
 log = logging.getLogger(__name__)
 
-NO_TARGET = ("no repo id was chosen: there is no --repo-id and no token to ask the Hub whose the default "
-             "<user>/<base>-torchao-<recipe> would be; pass --repo-id NAMESPACE/NAME or set HF_TOKEN")
+NO_TARGET = ("no repo id was chosen: there is no --repo-id, and the Hub was not asked whose the default "
+             "<user>/<base>-torchao-<recipe> would be (no token, or HF_HUB_OFFLINE set); pass --repo-id NAMESPACE/NAME, "
+             "or set HF_TOKEN and reach the Hub")
 _TARGET_RE = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}$")
 
 

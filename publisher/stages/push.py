@@ -28,7 +28,8 @@ from publisher.verify.commit_hashes import CommitFile, check_uploaded, of_file
 
 log = logging.getLogger(__name__)
 
-GITATTRIBUTES = "*.safetensors filter=lfs diff=lfs merge=lfs -text\n*.png filter=lfs diff=lfs merge=lfs -text\n"
+GITATTRIBUTES = ("*.safetensors filter=lfs diff=lfs merge=lfs -text\n*.png filter=lfs diff=lfs merge=lfs -text\n"
+                 "*.jpg filter=lfs diff=lfs merge=lfs -text\n")
 
 
 def write_repo_files(folder: Path, state: dict[str, Any]) -> None:
