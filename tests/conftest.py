@@ -73,6 +73,11 @@ FAST_TRIES = 3  # HF_AO_PUBLISH_RETRIES under the fast_retries fixture
 # forward) instead of the default's reloads in fresh interpreters, at about half the cost. The default stays where the
 # load paths are the subject (docs/development.md, "The tiers").
 IN_PROCESS = ["--verify-mode", "streaming"]
+# The product's defaults (the compatibility matrix: a few environments from PyPI, two reloads each; the quality
+# evaluation: perplexity, continuation, image grid) run in every test that does not pass these. A test that is not
+# about the evaluation or the matrix passes them on its own command line, for speed (docs/development.md, "The
+# tiers"); `verify` has no evaluation: it takes "--compat", "none" alone.
+SKIP_EVAL_AND_MATRIX = ["--eval-budget", "0", "--compat", "none"]
 # The fresh-interpreter reloads of a default verification read the saved folder on this disk, never the Hub: the
 # transfer mode changes nothing in them. Tests marked `transfer` that run them for other reasons (the token never
 # written, the CLI's output) keep them in the Xet session, the users' default, and verify in process in the LFS one,
