@@ -57,13 +57,12 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 # tests/test_makefile.py), so the workers' own OpenMP reads it too; every process the tests start inherits it.
 TORCH_BEFORE_CONFTEST = "torch" in sys.modules
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-# Every publish would otherwise build and run the default compatibility matrix (a few environments from PyPI, two
-# reloads each); the tests that measure it ask for it (tests/test_verify_matrix.py). Built environments are kept
-# across test sessions (keyed by spec and by this environment), outside the throw-away HF_HOME.
-os.environ["HF_AO_PUBLISH_COMPAT"] = "none"
-# Likewise the quality evaluation (perplexity, continuation, image grid: publisher/quality/): off unless a test turns
-# it on with --eval-budget (tests/test_quality_e2e.py, the card tests).
-os.environ["HF_AO_PUBLISH_EVAL_BUDGET"] = "0"
+# The product's defaults run whatever the shell sets: a test that wants the matrix or the evaluation off says so on
+# its own command line (SKIP_EVAL_AND_MATRIX below); tests/test_makefile.py checks that no fixture sets them.
+for _var in ("HF_AO_PUBLISH_COMPAT", "HF_AO_PUBLISH_EVAL_BUDGET"):
+    os.environ.pop(_var, None)
+# Environments built for --verify-env and the compatibility matrix are kept across test sessions (keyed by spec and by
+# this environment), outside the throw-away HF_HOME.
 os.environ.setdefault("HF_AO_PUBLISH_ENVS", str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
                                                  / "hf-ao-publish-tests" / "envs"))
 
@@ -73,10 +72,15 @@ FAST_TRIES = 3  # HF_AO_PUBLISH_RETRIES under the fast_retries fixture
 # forward) instead of the default's reloads in fresh interpreters, at about half the cost. The default stays where the
 # load paths are the subject (docs/development.md, "The tiers").
 IN_PROCESS = ["--verify-mode", "streaming"]
+# The product's defaults (the compatibility matrix: a few environments from PyPI, two reloads each; the quality
+# evaluation: perplexity, continuation, image grid) run in every test that does not pass these. A test that is not
+# about the evaluation or the matrix passes them on its own command line, for speed (docs/development.md, "The
+# tiers"); `verify` has no evaluation: it takes "--compat", "none" alone.
+SKIP_EVAL_AND_MATRIX = ["--eval-budget", "0", "--compat", "none"]
 # The fresh-interpreter reloads of a default verification read the saved folder on this disk, never the Hub: the
 # transfer mode changes nothing in them. Tests marked `transfer` that run them for other reasons (the token never
 # written, the CLI's output) keep them in the Xet session, the users' default, and verify in process in the LFS one,
-# where only the transfers differ. (test_job.py's pipeline publish stays wholly default in both.)
+# where only the transfers differ. (test_job.py's pipeline publish keeps the default verification in both.)
 XET_DEFAULT_VERIFY = [] if TRANSFER == "xet" else IN_PROCESS
 
 

@@ -309,7 +309,8 @@ def test_action_publishes_tiny_flux_and_reruns_as_noop(tmp_path: Path, flux_repo
     from huggingface_hub import HfApi
 
     inputs = {"model": flux_repo, "quant": "int8wo", "repo-id": "alice/action-flux-int8wo", "hf-token": "tok_alice",
-              "extra-args": f"{SMALL} --sample-prompt \"a cat's \\\"portrait\\\"\""}
+              "verify-matrix": "none",
+              "extra-args": f"{SMALL} --eval-budget 0 --sample-prompt \"a cat's \\\"portrait\\\"\""}
     t0 = time.monotonic()
     run = run_action(inputs, tmp_path / "first")
     assert run.returncode == 0, run.log[-4000:]
@@ -333,6 +334,7 @@ def test_action_publishes_tiny_flux_and_reruns_as_noop(tmp_path: Path, flux_repo
     assert {"README.md", "verification.json", "model_index.json", "transformer/diffusion_pytorch_model.safetensors"} <= files
     card = Path(api.hf_hub_download("alice/action-flux-int8wo", "README.md")).read_text()
     assert "tok_alice" not in card and 'a cat\\u0027s \\"portrait\\"' in card  # the prompt, through tojson
+    assert "--compat none" in card and "--eval-budget 0" in card  # verify-matrix and extra-args reached the CLI
 
     summary = run.summary
     assert f"[alice/action-flux-int8wo]({endpoint}/alice/action-flux-int8wo)" in summary
@@ -366,7 +368,8 @@ def test_a_cancelled_run_reaches_the_cli_which_deletes_the_repo_it_created(tmp_p
     try:
         # in-process verification: the subject is the cancel during the push (the publish test above keeps the default)
         run = run_action({"model": flux_repo, "quant": "int8wo", "repo-id": target, "hf-token": "tok_alice",
-                          "extra-args": f"{SMALL} --verify-mode streaming"}, tmp_path,
+                          "verify-matrix": "none", "extra-args": f"{SMALL} --verify-mode streaming --eval-budget 0"},
+                         tmp_path,
                          interrupt=Interrupt("publish", lambda: hub.requests_delayed_now > 0, signal.SIGINT))
     finally:
         hub.clear_faults()

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run_snippet
+from conftest import SKIP_EVAL_AND_MATRIX, run_snippet
 
 from publisher.testing.demo import card_snippets
 from publisher.testing.families import FAMILIES
@@ -78,13 +78,13 @@ def run_snippets(card: str, cwd: Path) -> None:
 def test_family_publishes_verifies_reloads_and_runs(cli: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                      family: str) -> None:
     extra = ["--allow-unquantized"] if family == "gpt2" else []  # GPT-2's Conv1D layers: nothing to quantize
-    check_family(cli, tmp_path, monkeypatch, family, "int8wo", extra)
+    check_family(cli, tmp_path, monkeypatch, family, "int8wo", [*extra, *SKIP_EVAL_AND_MATRIX])
 
 
 @pytest.mark.parametrize(("family", "quant", "extra"), CPU_INT4)
 def test_cpu_int4_recipes_publish_verify_reload_and_run(cli: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                         family: str, quant: str, extra: list[str]) -> None:
-    data = check_family(cli, tmp_path, monkeypatch, family, quant, extra)
+    data = check_family(cli, tmp_path, monkeypatch, family, quant, [*extra, *SKIP_EVAL_AND_MATRIX])
     assert data["components"][0]["tensor_classes"] == {"IntxUnpackedToInt8Tensor": data["components"][0]["quantized_layers"]}
     card = (tmp_path / "out" / "README.md").read_text()
     assert "int4 values stored unpacked, one per int8 byte" in card  # the card is honest about the storage

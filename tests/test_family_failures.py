@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import IN_PROCESS
+from conftest import IN_PROCESS, SKIP_EVAL_AND_MATRIX
 
 SMALL = ["--sample-steps", "2", "--sample-size", "64"]
 
@@ -83,7 +83,7 @@ def test_gpt2_with_no_quantizable_layer_is_refused(cli: Any, tmp_path: Path) -> 
 
     base = build_family("gpt2", tmp_path / "gpt2")
     out = tmp_path / "out"
-    result = cli(str(base), "--quant", "int8wo", "--no-push", "--output-dir", str(out), *SMALL)
+    result = cli(str(base), "--quant", "int8wo", "--no-push", "--output-dir", str(out), *SMALL, *SKIP_EVAL_AND_MATRIX)
     assert result.exit_code == 1
     errors = [line for line in result.stderr.splitlines() if line.startswith("Error:")]
     assert len(errors) == 1, result.stderr
@@ -99,7 +99,7 @@ def test_weights_only_is_said_and_nothing_else_claimed(cli: Any, tiny_flux_dir: 
     say "weights only" and why, and claim no compared outputs or quality figures for it."""
     out = tmp_path / "out"
     result = cli(str(tiny_flux_dir), "--quant", "int8wo", "--components", "transformer,vae", "--no-push",
-                 "--output-dir", str(out), "--json", *SMALL)
+                 "--output-dir", str(out), "--json", *SMALL, *SKIP_EVAL_AND_MATRIX)
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     forward = data["verification"]["forward"]
@@ -121,7 +121,7 @@ def test_local_base_without_push_uses_the_token_users_repo_id(cli: Any, hub: Any
     """With a token, a --no-push run of a local folder shows the repo id a push would use (whoami)."""
     out = tmp_path / "out"
     result = cli(str(tiny_llama_dir), "--quant", "int8wo", "--no-push", "--output-dir", str(out), "--json", *SMALL,
-                 *IN_PROCESS, token="tok_alice")  # the repo id is the subject, not the reloads
+                 *IN_PROCESS, *SKIP_EVAL_AND_MATRIX, token="tok_alice")  # the repo id is the subject, not the reloads
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["repo_id"] == "alice/tiny-llama-torchao-int8wo" and data["repo_id_note"] is None

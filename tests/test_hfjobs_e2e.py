@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 from action_harness import assert_secret_absent, run_action
-from conftest import IN_PROCESS
+from conftest import IN_PROCESS, SKIP_EVAL_AND_MATRIX
 from huggingface_hub import HfApi
 
 from publisher.hfjobs.bootstrap import EXIT_MARKER, RESULT_MARKER
@@ -67,7 +67,7 @@ def test_publish_tiny_flux_on_two_parallel_jobs_and_attach_again(cli: Any, hub: 
     # paths; the default mode's fresh-interpreter reloads are covered end to end by test_action.py's publish.
     # A target of its own: another test file on this worker's loopback Hub may have published the default names.
     result = cli(flux_repo, "--quant", "int8wo,float8wo", "--on-hf-jobs", "cpu-basic", "--json", *SMALL,
-                 *IN_PROCESS, "--repo-id", "alice/tiny-flux-two-jobs-{recipe}", token=TOKEN)
+                 *IN_PROCESS, *SKIP_EVAL_AND_MATRIX, "--repo-id", "alice/tiny-flux-two-jobs-{recipe}", token=TOKEN)
     took = time.monotonic() - started
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
@@ -86,6 +86,7 @@ def test_publish_tiny_flux_on_two_parallel_jobs_and_attach_again(cli: Any, hub: 
         args = json.loads(job.spec["command"][-1])["args"]
         assert args[:3] == ["publish", flux_repo, "--quant"] and "--json" in args and "--revision" in args
         assert args[args.index("--verify-mode") + 1] == "streaming"
+        assert args[args.index("--eval-budget") + 1] == "0" and args[args.index("--compat") + 1] == "none"
         assert entry["pushed"] and entry["verified"] and api.model_info(entry["repo_id"]).sha == entry["commit"]
         assert "verification.json" in api.list_repo_files(entry["repo_id"])
         _assert_token_only_a_secret(hub, job_id, TOKEN)
@@ -178,8 +179,8 @@ def test_ctrl_c_cancels_the_submitted_job(hub: Any, flux_repo: str) -> None:
 @pytest.mark.slow
 def test_the_action_runs_on_hf_jobs(hub: Any, flux_repo: str, tmp_path: Path) -> None:
     run = run_action({"model": flux_repo, "quant": "int8wo", "repo-id": "alice/tiny-flux-action-jobs", "hf-token": TOKEN,
-                      "run-on": "hf-jobs", "hf-jobs-flavor": "cpu-basic",
-                      "extra-args": " ".join([*SMALL, *IN_PROCESS])}, tmp_path)
+                      "run-on": "hf-jobs", "hf-jobs-flavor": "cpu-basic", "verify-matrix": "none",
+                      "extra-args": " ".join([*SMALL, *IN_PROCESS, "--eval-budget", "0"])}, tmp_path)
     assert run.returncode == 0, run.log[-4000:]
     assert run.outputs["verified"] == "true" and run.outputs["repo-id"] == "alice/tiny-flux-action-jobs"
     result = json.loads(run.outputs["result-json"])
@@ -188,6 +189,7 @@ def test_the_action_runs_on_hf_jobs(hub: Any, flux_repo: str, tmp_path: Path) ->
     assert run.outputs["output-dir"] == ""  # nothing was made on the runner
     args = json.loads(hub.jobs.get(job_id).spec["command"][-1])["args"]
     assert "--output-dir" not in args and args[args.index("--verify-mode") + 1] == "streaming"  # extra-args reach the job
+    assert args[args.index("--eval-budget") + 1] == "0" and args[args.index("--compat") + 1] == "none"  # verify-matrix too
     assert_secret_absent(run, TOKEN)
     _assert_token_only_a_secret(hub, job_id, TOKEN)
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FAST_TRIES, IN_PROCESS, TRANSFER, XET_DEFAULT_VERIFY
+from conftest import FAST_TRIES, IN_PROCESS, SKIP_EVAL_AND_MATRIX, TRANSFER, XET_DEFAULT_VERIFY
 
 SMALL = ["--sample-steps", "2", "--sample-size", "64"]
 TRIES = FAST_TRIES
@@ -122,7 +122,7 @@ def _cli_cmd(*args: str) -> list[str]:
 def test_hub_faults_leave_the_target_absent_or_complete_or_unchanged(cli: Any, hub: Any, llama_repo: str,
                                                                        tmp_path: Path) -> None:
     repo, api = "alice/rel-faults", _api()
-    args = [llama_repo, "--quant", "int8wo", "--repo-id", repo, "--json", *SMALL, *IN_PROCESS]
+    args = [llama_repo, "--quant", "int8wo", "--repo-id", repo, "--json", *SMALL, *IN_PROCESS, *SKIP_EVAL_AND_MATRIX]
 
     # 1. Every commit answers 500: exit 1 after the bounded tries; the repo created for the push is gone again.
     hub.set_fault(commit_status=500, count=1000)
@@ -174,7 +174,7 @@ def test_hub_faults_leave_the_target_absent_or_complete_or_unchanged(cli: Any, h
 @pytest.mark.slow
 def test_rerun_is_a_noop_and_a_changed_input_makes_a_described_commit(cli: Any, llama_repo: str) -> None:
     repo, api = "alice/rel-idem", _api()
-    args = [llama_repo, "--quant", "int8wo", "--repo-id", repo, "--json", *SMALL, *IN_PROCESS]
+    args = [llama_repo, "--quant", "int8wo", "--repo-id", repo, "--json", *SMALL, *IN_PROCESS, *SKIP_EVAL_AND_MATRIX]
     first = cli(*args, token="tok_alice")
     assert first.exit_code == 0, first.output
     head = _head(repo)
@@ -210,7 +210,7 @@ def test_create_pr_opens_one_pr_and_a_changed_rerun_updates_it(cli: Any, hub: An
     api.create_repo(repo)
     api.upload_file(path_or_fileobj=b"# existing\n", path_in_repo="README.md", repo_id=repo, commit_message="existing")
     main = _head(repo)
-    args = [llama_repo, "--quant", "int8wo", "--repo-id", repo, "--create-pr", "--json", *SMALL, *IN_PROCESS]
+    args = [llama_repo, "--quant", "int8wo", "--repo-id", repo, "--create-pr", "--json", *SMALL, *IN_PROCESS, *SKIP_EVAL_AND_MATRIX]
 
     first = cli(*args, token="tok_alice")
     assert first.exit_code == 0, first.output
@@ -256,7 +256,7 @@ def test_hub_stopped_mid_commit_then_rerun_completes_and_token_is_never_written(
         env = {**_cli_env(hf_home, secret, url), "HF_AO_PUBLISH_RETRIES": str(TRIES),
                "HF_AO_PUBLISH_RETRY_DELAY": "0.1"}
         repo, out1, out2 = "alice/rel-outage", tmp_path / "out1", tmp_path / "out2"
-        cmd = _cli_cmd("meta/tiny-llama", "--quant", "int8wo", "--repo-id", repo, *SMALL)
+        cmd = _cli_cmd("meta/tiny-llama", "--quant", "int8wo", "--repo-id", repo, *SMALL, *SKIP_EVAL_AND_MATRIX)
         with open(tmp_path / "run1.out", "w+") as so, open(tmp_path / "run1.err", "w+") as se:
             # the first run's subject is the outage at its commit: it verifies in process (the re-run below keeps the
             # default mode, the users' path end to end, in the Xet session: conftest.XET_DEFAULT_VERIFY)
@@ -313,7 +313,7 @@ def test_hub_stopped_mid_commit_then_rerun_completes_and_token_is_never_written(
 def test_sigkill_during_quantization_leaves_nothing_finished_and_rerun_completes(
         cli: Any, llama_repo: str, tmp_path: Path) -> None:
     out = tmp_path / "work" / "out"
-    cmd = _cli_cmd(llama_repo, "--quant", "int8wo", "--no-push", "--output-dir", str(out), *SMALL)
+    cmd = _cli_cmd(llama_repo, "--quant", "int8wo", "--no-push", "--output-dir", str(out), *SMALL, *SKIP_EVAL_AND_MATRIX)
     proc = subprocess.Popen(cmd, env=_cli_env(tmp_path / "hf_home", None), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
     try:
@@ -329,7 +329,8 @@ def test_sigkill_during_quantization_leaves_nothing_finished_and_rerun_completes
     assert _finished_looking(tmp_path / "work") == []
 
     # Same --output-dir again: the interrupted run's unfinished folder is discarded, never reused as finished.
-    result = cli(llama_repo, "--quant", "int8wo", "--no-push", "--output-dir", str(out), "--json", *SMALL, *IN_PROCESS)
+    result = cli(llama_repo, "--quant", "int8wo", "--no-push", "--output-dir", str(out), "--json", *SMALL, *IN_PROCESS,
+                 *SKIP_EVAL_AND_MATRIX)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["verified"] is True
     assert _finished_looking(tmp_path / "work") == [out]
@@ -350,7 +351,7 @@ def test_disk_full_while_writing_weights_is_one_line_and_pushes_nothing(hub: Any
 
     repo, out = f"alice/rel-diskfull-{engine}", tmp_path / "out"
     proc = subprocess.run(_cli_cmd(str(tiny_llama_dir), "--quant", "int8wo", "--repo-id", repo, "--engine", engine,
-                                   "--output-dir", str(out), *SMALL),
+                                   "--output-dir", str(out), *SMALL, *SKIP_EVAL_AND_MATRIX),
                           env=_cli_env(tmp_path / "hf_home", "tok_alice"), capture_output=True, text=True, timeout=300,
                           preexec_fn=small_files_only)
     assert proc.returncode == 1, proc.stderr
@@ -499,7 +500,8 @@ def test_a_rate_limited_api_call_during_a_run_waits_and_the_run_goes_on(cli: Any
                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     hub.set_fault(status=429, match=f"/api/models/{llama_repo}", ratelimit_reset=1, count=1)
     t0 = time.monotonic()
-    result = cli(llama_repo, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "out"), "--json", *IN_PROCESS)
+    result = cli(llama_repo, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "out"), "--json", *IN_PROCESS,
+                 *SKIP_EVAL_AND_MATRIX)
     assert result.exit_code == 0, result.output
     assert hub.faults_fired == {"status": 1} and time.monotonic() - t0 >= 2  # reset (1 s) + 1 s margin
     assert [line for line in result.stderr.splitlines() if "rate limit is used up" in line][0].startswith(

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FAST_TRIES, IN_PROCESS, TRANSFER, distinct_copy, download_fault, seed
+from conftest import FAST_TRIES, IN_PROCESS, SKIP_EVAL_AND_MATRIX, TRANSFER, distinct_copy, download_fault, seed
 
 TRIES = FAST_TRIES
 WEIGHTS = "model.safetensors"
@@ -190,7 +190,7 @@ def test_a_flipped_byte_in_a_download_is_refused_then_a_rerun_publishes(cli: Any
     # same size, same ETag, one byte off; with Xet the run downloads a file again outside the shared store before it
     # gives up (downloads.py), so both downloads are damaged
     kind = download_fault(hub, "flip", f"/{base}/resolve/", at=size // 2, count=2 if TRANSFER == "xet" else 1)
-    result = cli(base, "--quant", "int8wo", "--repo-id", target, *IN_PROCESS, token="tok_alice")
+    result = cli(base, "--quant", "int8wo", "--repo-id", target, *IN_PROCESS, *SKIP_EVAL_AND_MATRIX, token="tok_alice")
     assert result.exit_code == 1, result.output
     line = _error_line(result.stderr)
     assert f"{WEIGHTS} of {base}@{sha[:12]}" in line and "download again" in line and f"but the Hub reports {want}" in line
@@ -200,7 +200,7 @@ def test_a_flipped_byte_in_a_download_is_refused_then_a_rerun_publishes(cli: Any
     assert _cached(base, WEIGHTS) == [] and want not in _blobs(base)  # the snapshot link and its blob are gone
     assert hub.faults_fired == {kind: 2 if TRANSFER == "xet" else 1}
     # the fault is gone: the same command downloads the file afresh and publishes, recording the base's hashes
-    result = cli(base, "--quant", "int8wo", "--repo-id", target, "--json", *IN_PROCESS, token="tok_alice")
+    result = cli(base, "--quant", "int8wo", "--repo-id", target, "--json", *IN_PROCESS, *SKIP_EVAL_AND_MATRIX, token="tok_alice")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["pushed"] and want in _blobs(base)
     state = json.loads(Path(_api().hf_hub_download(target, "hf_ao_publish.json")).read_text())
@@ -250,7 +250,7 @@ def test_truncated_and_dropped_downloads_are_retried_or_fail_in_one_line(cli: An
     sha = seed(base, model, "tok_meta")
     # a short body on every try: retried, then one line (before any weight is read, nothing is written)
     hub.set_fault(truncate_body_at=10, match=f"/{base}/resolve/", count=TRIES)
-    result = cli(base, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "a"))
+    result = cli(base, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "a"), *SKIP_EVAL_AND_MATRIX)
     assert result.exit_code == 1
     line = _error_line(result.stderr)
     assert f"of {base}@" in line and f"the body was cut short on each of {TRIES} tries" in line
@@ -258,7 +258,7 @@ def test_truncated_and_dropped_downloads_are_retried_or_fail_in_one_line(cli: An
     hub.clear_faults()
     if TRANSFER == "xet":  # the weights come through hf_xet: a broken transfer on every try is one line too
         download_fault(hub, "truncate", f"/{base}/resolve/{sha}/{WEIGHTS}", count=TRIES)
-        result = cli(base, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "x"))
+        result = cli(base, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "x"), *SKIP_EVAL_AND_MATRIX)
         assert result.exit_code == 1
         line = _error_line(result.stderr)
         assert f"downloading {WEIGHTS} of {base}@{sha[:12]} through Xet failed on each of {TRIES} tries" in line
@@ -270,7 +270,8 @@ def test_truncated_and_dropped_downloads_are_retried_or_fail_in_one_line(cli: An
         download_fault(hub, "truncate", f"/{base}/resolve/{sha}/{WEIGHTS}")
     else:
         hub.set_fault(drop_body_after_bytes=1000, match=f"/{base}/resolve/{sha}/{WEIGHTS}")  # the run reads at the sha
-    result = cli(base, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "b"), "--json", *IN_PROCESS)
+    result = cli(base, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "b"), "--json", *IN_PROCESS,
+                 *SKIP_EVAL_AND_MATRIX)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["verified"]
     assert hub.faults_fired == {"truncate": 1, "xet_truncate" if TRANSFER == "xet" else "drop_body": 1}
@@ -309,7 +310,7 @@ def test_a_flipped_byte_in_a_range_read_stops_the_run_before_the_commit(cli: Any
     size = (tiny_llama_dir / WEIGHTS).stat().st_size
     want = hashlib.sha256((tiny_llama_dir / WEIGHTS).read_bytes()).hexdigest()
     hub.set_fault(flip_byte_at=size - 5, match=f"/{base}/resolve/")  # the last tensor: read, quantized, uploaded...
-    result = cli(base, "--quant", "int8wo", "--low-disk", "--repo-id", target, token="tok_alice")
+    result = cli(base, "--quant", "int8wo", "--low-disk", "--repo-id", target, *SKIP_EVAL_AND_MATRIX, token="tok_alice")
     assert result.exit_code == 1, result.output
     line = _error_line(result.stderr)
     assert f"{WEIGHTS} of {base}@{sha[:12]}: the bytes read by HTTP range have sha256 " in line
@@ -317,7 +318,7 @@ def test_a_flipped_byte_in_a_range_read_stops_the_run_before_the_commit(cli: Any
     assert "nothing was committed" in line and "download again" in line
     assert hub.faults_fired == {"flip": 1}
     assert not _api().repo_exists(target)  # ...but the repo this run created for the upload is gone again
-    result = cli(base, "--quant", "int8wo", "--low-disk", "--repo-id", target, "--json", token="tok_alice")
+    result = cli(base, "--quant", "int8wo", "--low-disk", "--repo-id", target, "--json", *SKIP_EVAL_AND_MATRIX, token="tok_alice")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["pushed"]
 
@@ -332,7 +333,7 @@ def test_range_reads_resume_short_and_dropped_bodies_and_refuse_an_ignored_range
     weights = f"/{base}/resolve/"
     # a server (or proxy) that answers a Range with the whole file: refused at the first offset read, never misread
     hub.set_fault(ignore_range=True, match=weights, count=50)
-    result = cli(base, "--quant", "int8wo", "--low-disk", "--repo-id", target, token="tok_alice")
+    result = cli(base, "--quant", "int8wo", "--low-disk", "--repo-id", target, *SKIP_EVAL_AND_MATRIX, token="tok_alice")
     assert result.exit_code == 1, result.output
     line = _error_line(result.stderr)
     assert "ignored the HTTP Range header" in line and "--no-low-disk" in line and WEIGHTS in line
@@ -342,7 +343,8 @@ def test_range_reads_resume_short_and_dropped_bodies_and_refuse_an_ignored_range
     hub.set_fault(truncate_body_at=7, match=f"{weights}{sha}/{WEIGHTS}", count=2)
     hub.set_fault(drop_body_after_bytes=100, match=f"{weights}{sha}/{WEIGHTS}", count=2)
     out = tmp_path / "out"
-    result = cli(base, "--quant", "int8wo", "--low-disk", "--no-push", "--output-dir", str(out), "--json", *IN_PROCESS)
+    result = cli(base, "--quant", "int8wo", "--low-disk", "--no-push", "--output-dir", str(out), "--json", *IN_PROCESS,
+                 *SKIP_EVAL_AND_MATRIX)
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["verified"]
     assert hub.faults_fired == {"truncate": 2, "drop_body": 2}
@@ -363,7 +365,7 @@ def published(hub: Any, tiny_flux_dir: Path, tmp_path_factory: pytest.TempPathFa
     os.environ["HF_TOKEN"] = "tok_alice"
     try:
         result = CliRunner().invoke(main, ["bfl/integ-verify", "--quant", "int8wo", "--repo-id", "alice/integ-verify",
-                                           *IN_PROCESS], catch_exceptions=False)
+                                           *IN_PROCESS, *SKIP_EVAL_AND_MATRIX], catch_exceptions=False)
     finally:
         del os.environ["HF_TOKEN"]
     assert result.exit_code == 0, result.output
@@ -378,12 +380,12 @@ def test_verify_target_refuses_a_flipped_byte_then_passes(cli: Any, hub: Any, pu
     shutil.rmtree(Path(os.environ["HF_HOME"]) / "hub" / f"models--{published.replace('/', '--')}", ignore_errors=True)
     # only this test downloads the published weights (with Xet: the first download and the one outside the store)
     download_fault(hub, "flip", f"/{FLUX_WEIGHTS}", at=-1, count=2 if TRANSFER == "xet" else 1)
-    result = cli("verify", published)
+    result = cli("verify", published, "--compat", "none")
     assert result.exit_code == 1, result.output
     line = _error_line(result.stderr)
     assert f"{FLUX_WEIGHTS} of {published}@" in line and "but the Hub reports" in line and "download again" in line
     assert "nothing was verified" in line and _cached(published, FLUX_WEIGHTS) == []
-    result = cli("verify", published, "--json")
+    result = cli("verify", published, "--json", "--compat", "none")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["passed"]
     assert "checked against the Hub's hashes" in result.stderr
@@ -400,7 +402,7 @@ def test_verify_target_whose_recorded_base_hashes_differ_fails_naming_the_file(c
     api.create_branch(published, branch="other-base", exist_ok=True)
     api.create_commit(published, [CommitOperationAdd("hf_ao_publish.json", json.dumps(state).encode())],
                       commit_message="tamper", revision="other-base")
-    result = cli("verify", published, "--revision", "other-base")
+    result = cli("verify", published, "--revision", "other-base", "--compat", "none")
     assert result.exit_code == 1, result.output
     line = _error_line(result.stderr)
     assert f"the base file {FLUX_WEIGHTS} of bfl/integ-verify@" in line and f"{published} records {'0' * 64}" in line

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import IN_PROCESS, XET_DEFAULT_VERIFY
+from conftest import IN_PROCESS, SKIP_EVAL_AND_MATRIX, XET_DEFAULT_VERIFY
 
 from publisher import recipes
 
@@ -28,7 +28,7 @@ def test_publish_flux_pipeline_and_load_it_back(cli: Any, flux_repo: str) -> Non
     from diffusers import DiffusionPipeline
     from huggingface_hub import HfApi, model_info
 
-    result = cli(flux_repo, "--quant", "int8wo", "--json", *SMALL, token="tok_alice")
+    result = cli(flux_repo, "--quant", "int8wo", "--json", *SMALL, *SKIP_EVAL_AND_MATRIX, token="tok_alice")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["repo_id"] == "alice/tiny-flux-torchao-int8wo"
@@ -76,7 +76,7 @@ def test_a_publish_through_the_hub_prints_only_our_own_lines(hub: Any, flux_repo
     env.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)  # as a user runs it: progress bars go to stderr, warnings must not
     for extra, target in ((["--low-disk"], "alice/quiet-low-disk"), ([], "alice/quiet-plain")):
         proc = subprocess.run([sys.executable, "-m", "publisher.cli", flux_repo, "--quant", "int8wo", "--repo-id", target,
-                               *extra, *SMALL, *XET_DEFAULT_VERIFY], env=env, capture_output=True, text=True, timeout=900)
+                               *extra, *SMALL, *XET_DEFAULT_VERIFY, *SKIP_EVAL_AND_MATRIX], env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stderr[-3000:]
         lines = [line for line in proc.stderr.replace("\r", "\n").splitlines() if line.strip()]
         noisy = [line for line in lines if any(mark in line for mark in THIRD_PARTY) and "%|" not in line]
@@ -91,7 +91,8 @@ def test_publish_llama_and_generate(cli: Any, llama_repo: str) -> None:
 
     # the subject is the push to an organisation and plain from_pretrained + generate; the fresh-process reloads of a
     # Llama are tests/test_families.py's and test_verify_full.py's
-    result = cli(llama_repo, "--quant", "int8wo", "--repo-id", "acme/llama-int8", "--json", *IN_PROCESS, token="tok_alice")
+    result = cli(llama_repo, "--quant", "int8wo", "--repo-id", "acme/llama-int8", "--json", *IN_PROCESS, *SKIP_EVAL_AND_MATRIX,
+                 token="tok_alice")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["repo_id"] == "acme/llama-int8" and data["verified"]
@@ -134,7 +135,7 @@ def test_streaming_and_library_engines_publish_the_same_tensors(cli: Any, tiny_l
     for engine in ("streaming", "library"):
         out = tmp_path / engine
         result = cli(str(tiny_llama_dir), "--quant", "int8wo", "--engine", engine, "--no-push", "--output-dir", str(out), "--json",
-                     *IN_PROCESS)
+                     *IN_PROCESS, *SKIP_EVAL_AND_MATRIX)
         assert result.exit_code == 0, result.output
         data = json.loads(result.stdout)
         assert data["components"][0]["engine"] == engine
@@ -151,7 +152,7 @@ def test_streaming_and_library_engines_publish_the_same_tensors(cli: Any, tiny_l
 def test_benchmark_section_on_cpu(cli: Any, tiny_flux_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = cli(str(tiny_flux_dir), "--quant", "int8wo", "--benchmark", "--no-push", "--output-dir", str(out), "--json", *SMALL,
-                 *IN_PROCESS)
+                 *IN_PROCESS, *SKIP_EVAL_AND_MATRIX)
     assert result.exit_code == 0, result.output
     bench = json.loads(result.stdout)["benchmark"]
     assert bench["device"] == "cpu" and bench["rows"][0]["component"] == "transformer"
@@ -169,7 +170,7 @@ def test_a_card_option_or_force_makes_a_new_commit(cli: Any, llama_repo: str) ->
     from huggingface_hub import HfApi
 
     api, repo = HfApi(token="tok_alice"), "alice/refresh-card"
-    args = [llama_repo, "--quant", "int8wo", "--repo-id", repo, "--json", *SMALL, *IN_PROCESS]
+    args = [llama_repo, "--quant", "int8wo", "--repo-id", repo, "--json", *SMALL, *IN_PROCESS, *SKIP_EVAL_AND_MATRIX]
     assert cli(*args, token="tok_alice").exit_code == 0
     same = cli(*args, token="tok_alice")
     assert same.exit_code == 0 and json.loads(same.stdout)["up_to_date"]

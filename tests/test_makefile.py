@@ -119,3 +119,17 @@ def test_the_workers_openmp_threads_sleep_when_idle() -> None:
     child = subprocess.run([sys.executable, "-c", "import os, torch; print(os.environ['OMP_WAIT_POLICY'], torch.get_num_threads())"],
                            capture_output=True, text=True, check=True).stdout.split()
     assert child == ["PASSIVE", str(torch.get_num_threads())]
+
+
+def test_no_fixture_switches_a_product_default_off_for_the_session() -> None:
+    """The compatibility matrix and the quality evaluation run in every test that does not turn them off on its own
+    command line (conftest.SKIP_EVAL_AND_MATRIX): no conftest, fixture or test module sets their variables, which
+    would turn them off for every test at once (tests/conftest.py did, for the whole session)."""
+    import os
+
+    variables = ("HF_AO_PUBLISH_COMPAT", "HF_AO_PUBLISH_EVAL_BUDGET")
+    assert [v for v in variables if v in os.environ] == []  # in a test, with the autouse fixtures active
+    names = "|".join(variables)
+    setting = re.compile(rf"""(environ\[|setdefault\(|setenv\(|putenv\()\s*["']({names})["']""")
+    found = [f"{p.name}: {m.group(0)}" for p in sorted((ROOT / "tests").glob("*.py")) for m in setting.finditer(p.read_text())]
+    assert found == []

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import IN_PROCESS, TRANSFER, seed
+from conftest import IN_PROCESS, SKIP_EVAL_AND_MATRIX, TRANSFER, seed
 
 from publisher import recipes
 
@@ -171,7 +171,8 @@ def test_a_pull_request_whose_files_are_not_the_verified_bytes_is_closed(cli: An
         return CommitFile(got.size, got.sha256, "0" * 40) if op.path_in_repo == "README.md" else got
 
     monkeypatch.setattr(lowdisk_push, "of_operation", off)
-    result = cli(flux_repo, "--quant", "int8wo", "--low-disk", "--repo-id", "alice/lowdisk-wrong-hash", token="tok_alice")
+    result = cli(flux_repo, "--quant", "int8wo", "--low-disk", "--repo-id", "alice/lowdisk-wrong-hash", *SKIP_EVAL_AND_MATRIX,
+                 token="tok_alice")
     assert result.exit_code == 1
     assert "does not hold the verified bytes: 1 of" in result.stderr and "README.md has git blob" in result.stderr
     assert not HfApi(token="tok_alice").repo_exists("alice/lowdisk-wrong-hash")
@@ -204,7 +205,7 @@ def test_an_object_the_target_hub_lacks_streams_from_the_base_with_its_sha256_ch
     size = _base_with_a_virtual_text_encoder(hub, tiny_flux_dir, "bfl/tiny-flux-virtual")
     out = tmp_path / "out"
     result = cli("bfl/tiny-flux-virtual", "--quant", "int8wo", "--low-disk", "--output-dir", str(out), "--json",
-                 "--repo-id", "alice/virtual-copy", token="tok_alice")
+                 "--repo-id", "alice/virtual-copy", *SKIP_EVAL_AND_MATRIX, token="tok_alice")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     copied = {c["path"]: c for c in data["copied_from_base"]}
@@ -228,7 +229,8 @@ def test_base_bytes_that_do_not_match_their_oid_are_never_published(cli: Any, hu
     from huggingface_hub import HfApi
 
     _base_with_a_virtual_text_encoder(hub, tiny_flux_dir, "bfl/tiny-flux-corrupt", wrong_sha=True)
-    result = cli("bfl/tiny-flux-corrupt", "--quant", "int8wo", "--low-disk", "--repo-id", "alice/corrupt-copy", token="tok_alice")
+    result = cli("bfl/tiny-flux-corrupt", "--quant", "int8wo", "--low-disk", "--repo-id", "alice/corrupt-copy", *SKIP_EVAL_AND_MATRIX,
+                 token="tok_alice")
     assert result.exit_code == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("Error: bfl/tiny-flux-corrupt@") and "text_encoder/model.safetensors" in last
@@ -251,7 +253,7 @@ def test_a_byte_flipped_in_one_part_of_a_copied_file_stops_the_copy(cli: Any, hu
     weights = "text_encoder/model.safetensors"
     hub.set_fault(flip_byte_at=600_000, match=weights)  # part 2; only the copy reads that far into the file
     hub.app.seen.clear()
-    result = cli(base, "--quant", "int8wo", "--low-disk", "--repo-id", target, token="tok_alice")
+    result = cli(base, "--quant", "int8wo", "--low-disk", "--repo-id", target, *SKIP_EVAL_AND_MATRIX, token="tok_alice")
     assert result.exit_code == 1, result.output
     last = result.stderr.strip().splitlines()[-1]
     assert last.startswith("Error: ") and weights in last and "stopped before its last bytes" in last
@@ -274,7 +276,7 @@ def test_a_part_sent_again_is_read_and_checked_again(cli: Any, hub: Any, tiny_fl
     base, target = "bfl/copy-retry", "alice/copy-retry"
     _base_with_a_virtual_text_encoder(hub, tiny_flux_dir, base, salt=9)
     hub.set_fault(drop_upload_after_bytes=100_000, match="/_lfs/part/")  # the first part of the text encoder's copy
-    result = cli(base, "--quant", "int8wo", "--low-disk", "--repo-id", target, "--json", token="tok_alice")
+    result = cli(base, "--quant", "int8wo", "--low-disk", "--repo-id", target, "--json", *SKIP_EVAL_AND_MATRIX, token="tok_alice")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["pushed"] and hub.faults_fired == {"drop_upload": 1}
 
@@ -297,7 +299,7 @@ def test_max_shard_size_changes_only_the_shard_boundaries(cli: Any, tiny_flux_di
     for engine in ("streaming", "library"):
         out = tmp_path / engine
         result = cli(str(tiny_flux_dir), "--quant", "int8wo", "--engine", engine, "--no-push", "--max-shard-size", "300KB",
-                     "--output-dir", str(out), *SMALL, *IN_PROCESS)  # shards, not load paths
+                     "--output-dir", str(out), *SMALL, *IN_PROCESS, *SKIP_EVAL_AND_MATRIX)  # shards, not load paths
         assert result.exit_code == 0, result.output
         shards = sorted((out / "transformer").glob("*.safetensors"))
         assert len(shards) > 2 and all(p.stat().st_size <= 300_000 + 65_536 for p in shards)
@@ -313,7 +315,7 @@ def test_max_shard_size_changes_only_the_shard_boundaries(cli: Any, tiny_flux_di
 @pytest.mark.slow
 def test_recheck_published_also_reads_the_commit_back(cli: Any, flux_repo: str) -> None:
     result = cli(flux_repo, "--quant", "int8wo", "--low-disk", "--recheck-published", "--repo-id", "alice/rechecked",
-                 "--json", token="tok_alice")
+                 "--json", *SKIP_EVAL_AND_MATRIX, token="tok_alice")
     assert result.exit_code == 0, result.output
     checks = json.loads(result.stdout)["published_check"]
     assert [r["path"] for r in checks] == ["hashes", "streaming"]

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import IN_PROCESS
+from conftest import IN_PROCESS, SKIP_EVAL_AND_MATRIX
 
 SMALL = ["--sample-steps", "2", "--sample-size", "64"]
 CALLS = ["Int8WeightOnlyConfig(granularity=PerGroup(128))", "Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())"]
@@ -50,7 +50,7 @@ def test_call_syntax_and_json_configs_publish_and_reload(cli: Any, llama_repo: s
     config_file.write_text(json.dumps(config_to_dict(Int8DynamicActivationInt8WeightConfig()), indent=2))
     args = [llama_repo, "--quant", CALLS[0], "--quant", CALLS[1], "--quant", str(config_file),
             "--quant", "int8dq-int4", "--repo-id", "alice/cfg-{recipe}", "--json", *SMALL,
-            *IN_PROCESS]  # reloaded below with from_pretrained; the fresh-process reloads: test_verify_full
+            *IN_PROCESS, *SKIP_EVAL_AND_MATRIX]  # reloaded below with from_pretrained; the fresh-process reloads: test_verify_full
     result = cli(*args, token="tok_alice")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
@@ -92,7 +92,7 @@ def test_a_per_component_mapping_with_a_per_layer_file_publishes_one_repo(cli: A
     table.write_text('{\n  "re:single_transformer_blocks\\\\..*": "float8wo",\n  "proj_out": null\n}\n')
     quant = "transformer=intx4wo,text_encoder_2=int8wo"
     result = cli(flux_repo, "--quant", quant, "--layer-config", f"transformer={table}", "--repo-id", "alice/flux-mixed",
-                 "--json", *SMALL, token="tok_alice")
+                 "--json", *SMALL, *SKIP_EVAL_AND_MATRIX, token="tok_alice")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["pushed"] and data["verified"] and data["recipe"].startswith("transformer-intx4wo-text_encoder_2-int8wo-per-layer-")

@@ -58,6 +58,7 @@ def test_dry_run_prints_the_cli_command_lines_for_an_h100_class_gpu():
         real = c[1:] if c[0] == hidden else c
         assert real[0].endswith("hf-ao-publish") or real[1:3] == ["-m", "publisher.cli"]
         assert {"publish", "--no-push", "--json"} <= set(real)
+        assert _option(real, "--compat") == "none" and _option(real, "--eval-budget") == "0"  # its own opt-outs, typed
         assert ("--benchmark" in real) == (c[0] != hidden)  # the CPU-made run measures nothing
         assert _option(real, "--output-dir").endswith(f"/{_option(real, '--quant')}/"
                                                       f"{'cpu-made' if real is not c else _option(real, '--engine')}")

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import IN_PROCESS, seed
+from conftest import IN_PROCESS, SKIP_EVAL_AND_MATRIX, seed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -160,7 +160,7 @@ def test_sigterm_during_verification_kills_the_workers_and_leaves_the_resume_cac
                                                                                     tmp_path: Path) -> None:
     seed("meta/sig-verify", tiny_llama_dir, "tok_meta")
     target = "alice/sig-verify"
-    run = Run(tmp_path, "meta/sig-verify", "--quant", "int8wo", "--repo-id", target)
+    run = Run(tmp_path, "meta/sig-verify", "--quant", "int8wo", "--repo-id", target, *SKIP_EVAL_AND_MATRIX)
     worker = run.wait_for("a verify worker", run.workers)[0]
     zygotes = run.zygotes()
     assert len(zygotes) == 1 and worker.parent().pid == zygotes[0].pid  # forked, as on every Linux run
@@ -187,7 +187,7 @@ def test_sigint_during_low_disk_quantization_deletes_the_repo_it_created(hub: An
     target = "alice/sig-quant"
     # every range read of the base weights waits: the run sits in its quantization stage
     hub.set_fault(delay_s=1.0, match=f"/meta/sig-quant/resolve/{sha}/model.safetensors", count=10_000)
-    run = Run(tmp_path, "meta/sig-quant", "--quant", "int8wo", "--low-disk", "--repo-id", target)
+    run = Run(tmp_path, "meta/sig-quant", "--quant", "int8wo", "--low-disk", "--repo-id", target, *SKIP_EVAL_AND_MATRIX)
     # the plan stage reads the shard headers first (also delayed); --low-disk then makes the target, to upload
     # each shard as it is written, and only then reads the weights
     run.wait_for("the target repo", lambda: _api().repo_exists(target))
@@ -205,7 +205,8 @@ def test_sigterm_during_download_leaves_no_partial_file(hub: Any, tiny_llama_dir
     sha = seed("meta/sig-download", tiny_llama_dir, "tok_meta")
     hub.set_fault(delay_s=1.0, match=f"/meta/sig-download/resolve/{sha}/model.safetensors", count=10_000)
     out = tmp_path / "out"
-    run = Run(tmp_path, "meta/sig-download", "--quant", "int8wo", "--no-push", "--output-dir", str(out), token=None)
+    run = Run(tmp_path, "meta/sig-download", "--quant", "int8wo", "--no-push", "--output-dir", str(out), *SKIP_EVAL_AND_MATRIX,
+              token=None)
     # the plan stage reads the shard headers first (also delayed): wait for the fetch stage, then for its request to
     # be held (a count of fired delays read after the fetch stage began can miss the one request it makes)
     run.wait_for("the fetch stage", lambda: "downloading " in run.err_path.read_text())
@@ -223,7 +224,7 @@ def test_sigterm_during_the_push_deletes_the_new_repo(hub: Any, tiny_llama_dir: 
     target = "alice/sig-push"
     hub.set_fault(delay_s=1.0, match=f"/api/models/{target}/preupload/", count=10_000)
     # verified in process (the load paths are not this test's subject; the verification test above runs the workers)
-    run = Run(tmp_path, "meta/sig-push", "--quant", "int8wo", "--repo-id", target, *IN_PROCESS)
+    run = Run(tmp_path, "meta/sig-push", "--quant", "int8wo", "--repo-id", target, *IN_PROCESS, *SKIP_EVAL_AND_MATRIX)
     run.wait_for("the upload", lambda: hub.requests_delayed_now > 0)
     assert _api().repo_exists(target)  # created for the commit
     rc, stderr = run.stop(signal.SIGTERM)

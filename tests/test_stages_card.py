@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import IN_PROCESS, run_snippet
+from conftest import IN_PROCESS, SKIP_EVAL_AND_MATRIX, run_snippet
 
 GOLDEN = Path(__file__).parent / "golden"
 SMALL = ["--sample-steps", "2", "--sample-size", "64"]
-EVAL = ["--eval-budget", "10m", "--eval-tokens", "256"]  # the quality evaluation (off in the suite unless asked)
+EVAL = ["--eval-budget", "10m", "--eval-tokens", "256"]  # the quality evaluation, with a budget and text of its own
 
 
 def _snippets(card: str) -> list[str]:
@@ -32,8 +32,9 @@ def _card_of(repo_id: str) -> tuple[Any, str]:
 
 @pytest.fixture(scope="module")
 def published(hub: Any, flux_repo: str, llama_repo: str, wikitext_repo: str) -> dict[str, str]:
-    """The tiny FLUX (transformer and T5 quantized) and Llama, int8wo with the quality evaluation, pushed once: every
-    card test of this file reads these two cards (metadata, golden files, snippets)."""
+    """The tiny FLUX (transformer and T5 quantized) and Llama, int8wo with the quality evaluation (the compatibility
+    matrix is tests/test_verify_matrix.py's), pushed once: every card test of this file reads these two cards
+    (metadata, golden files, snippets)."""
     from click.testing import CliRunner
 
     from publisher.cli import main
@@ -43,7 +44,8 @@ def published(hub: Any, flux_repo: str, llama_repo: str, wikitext_repo: str) -> 
         target = f"alice/card-{name}"
         os.environ["HF_TOKEN"] = "tok_alice"
         try:
-            result = CliRunner().invoke(main, [base, "--quant", "int8wo", "--repo-id", target, *SMALL, *EVAL, *extra],
+            result = CliRunner().invoke(main, [base, "--quant", "int8wo", "--repo-id", target, *SMALL, *EVAL, "--compat", "none",
+                                               *extra],
                                         catch_exceptions=False)
         finally:
             os.environ.pop("HF_TOKEN", None)
@@ -79,7 +81,7 @@ def test_pipeline_card_metadata_and_licence(published: dict[str, str], flux_repo
     assert "`vae` (AutoencoderKL)" in text  # components left as they were
     assert '"_type": "Int8WeightOnlyConfig"' in text and "config = Int8WeightOnlyConfig()" in text
     assert ("hf-ao-publish bfl/tiny-flux --quant int8wo --components transformer,text_encoder_2 --repo-id alice/card-flux "
-            "--sample-steps 2 --sample-size 64 --eval-tokens 256 --eval-budget 10m\n") in text
+            "--compat none --sample-steps 2 --sample-size 64 --eval-tokens 256 --eval-budget 10m\n") in text
     assert "tok_alice" not in text
 
 
@@ -191,7 +193,7 @@ def test_two_recipes_one_download_cross_linked(cli: Any, flux_repo: str, caplog:
 
     caplog.set_level(logging.INFO, logger="publisher")
     result = cli(flux_repo, "--quant", "int8wo,float8wo", "--repo-id", "alice/pair-{recipe}", "--json", *SMALL, *IN_PROCESS,
-                 token="tok_alice")
+                 *SKIP_EVAL_AND_MATRIX, token="tok_alice")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert [r["repo_id"] for r in data["results"]] == ["alice/pair-int8wo", "alice/pair-float8wo"] and data["verified"]
@@ -221,7 +223,7 @@ def test_one_failing_recipe_publishes_no_half_set(cli: Any, flux_repo: str, monk
 
     monkeypatch.setattr(publish, "quantize_recipe", failing)
     prefix = f"alice/half-{keep_going}"
-    args = [flux_repo, "--quant", "int8wo,float8wo", "--repo-id", prefix + "-{recipe}", *SMALL, *IN_PROCESS]
+    args = [flux_repo, "--quant", "int8wo,float8wo", "--repo-id", prefix + "-{recipe}", *SMALL, *IN_PROCESS, *SKIP_EVAL_AND_MATRIX]
     result = cli(*args, *(["--keep-going"] if keep_going else []), token="tok_alice")
     assert result.exit_code == 1
     assert "injected failure" in result.stderr

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import IN_PROCESS
+from conftest import IN_PROCESS, SKIP_EVAL_AND_MATRIX
 
 
 def _interrupted_run(cli: Any, args: list[str], monkeypatch: pytest.MonkeyPatch, cache: Path) -> None:
@@ -35,7 +35,7 @@ def test_interrupted_run_reuses_finished_components(cli: Any, tiny_llama_dir: Pa
     cache = tmp_path / "cache"
     caplog.set_level(logging.INFO, logger="publisher")
     out = tmp_path / "out"
-    args = [str(tiny_llama_dir), "--quant", "int8wo", "--no-push", "--output-dir", str(out), "--json", *IN_PROCESS]
+    args = [str(tiny_llama_dir), "--quant", "int8wo", "--no-push", "--output-dir", str(out), "--json", *IN_PROCESS, *SKIP_EVAL_AND_MATRIX]
     _interrupted_run(cli, args, monkeypatch, cache)
     assert not (out / "README.md").exists()  # nothing passes for finished
     entries = [p for p in cache.iterdir() if not p.name.endswith(".tmp")]
@@ -56,7 +56,8 @@ def test_damaged_cache_entry_is_quantized_again(cli: Any, tiny_llama_dir: Path, 
                                                monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     cache = tmp_path / "cache"
     caplog.set_level(logging.INFO, logger="publisher")
-    args = [str(tiny_llama_dir), "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "out"), *IN_PROCESS]
+    args = [str(tiny_llama_dir), "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "out"), *IN_PROCESS,
+            *SKIP_EVAL_AND_MATRIX]
     _interrupted_run(cli, args, monkeypatch, cache)
     entry = next(cache.iterdir())
     shard = entry / "model.safetensors"
@@ -85,6 +86,7 @@ def test_failed_verification_drops_the_cache_entry(cli: Any, tiny_llama_dir: Pat
         raise VerificationError("injected: a load path failed")
 
     monkeypatch.setattr(publish, "verify", failing)
-    result = cli(str(tiny_llama_dir), "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "out"))
+    result = cli(str(tiny_llama_dir), "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "out"),
+                 *SKIP_EVAL_AND_MATRIX)
     assert result.exit_code == 1 and "injected: a load path failed" in result.stderr
     assert cache.is_dir() and not any(cache.iterdir())

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from conftest import SKIP_EVAL_AND_MATRIX
 
 from publisher import recipes
 
@@ -32,8 +33,9 @@ def test_all_paths_text_encoder_and_llama(cli: Any, tiny_flux_dir: Path, tiny_ll
     """Each CPU recipe on a pipeline (a diffusers and a transformers component) and on a causal LM: every load path
     reproduces the in-memory model bit for bit, and the folder is a standalone repo."""
     tensor_class = recipes.get(recipe).tensor_class
-    flux = _publish_local(cli, tiny_flux_dir, tmp_path / "flux", "--quant", recipe, "--components", "transformer,text_encoder_2")
-    llama = _publish_local(cli, tiny_llama_dir, tmp_path / "llama", "--quant", recipe)
+    flux = _publish_local(cli, tiny_flux_dir, tmp_path / "flux", "--quant", recipe, "--components", "transformer,text_encoder_2",
+                          *SKIP_EVAL_AND_MATRIX)
+    llama = _publish_local(cli, tiny_llama_dir, tmp_path / "llama", "--quant", recipe, *SKIP_EVAL_AND_MATRIX)
     out = tmp_path / "flux"
     assert flux["verified"] and flux["url"] is None and flux["commit"] is None  # --no-push: nothing on the Hub
     assert json.loads((out / "verification.json").read_text())["passed"]
@@ -66,8 +68,8 @@ def verified_folder(tiny_flux_dir: Path, tmp_path_factory: pytest.TempPathFactor
     from publisher.cli import main
 
     out = tmp_path_factory.mktemp("verified") / "out"
-    result = CliRunner().invoke(main, [str(tiny_flux_dir), "--quant", "int8wo", "--no-push", "--output-dir", str(out), *SMALL],
-                                catch_exceptions=False)
+    result = CliRunner().invoke(main, [str(tiny_flux_dir), "--quant", "int8wo", "--no-push", "--output-dir", str(out), *SMALL,
+                                      *SKIP_EVAL_AND_MATRIX], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     return out
 
@@ -84,7 +86,7 @@ def test_verify_command_passes_and_requantizes_the_base(cli: Any, verified_folde
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     if workers == "fresh":
         monkeypatch.setenv("HF_AO_PUBLISH_ZYGOTE", "0")
-    result = cli("verify", str(verified_folder), "--json")
+    result = cli("verify", str(verified_folder), "--json", "--compat", "none")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
     assert report["passed"] and report["recipe"] == "int8wo"
@@ -103,7 +105,7 @@ def test_tampered_tensor_fails_with_its_name(cli: Any, verified_folder: Path, tm
     key = "transformer_blocks.0.ff.net.2._weight_qdata"
     raw[8 + n + header[key]["data_offsets"][0]] ^= 0x01
     shard.write_bytes(bytes(raw))
-    result = cli("verify", str(folder))
+    result = cli("verify", str(folder), "--compat", "none")
     assert result.exit_code == 1
     assert "tensor transformer_blocks.0.ff.net.2.weight differs from the base re-quantized with int8wo" in result.stderr
 
@@ -112,7 +114,7 @@ def test_tampered_tensor_fails_with_its_name(cli: Any, verified_folder: Path, tm
 def test_missing_shard_fails_every_path(cli: Any, verified_folder: Path, tmp_path: Path) -> None:
     folder = _copy(verified_folder, tmp_path)
     (folder / "transformer" / "diffusion_pytorch_model.safetensors").unlink()
-    result = cli("verify", str(folder), "--no-requantize", "--json")
+    result = cli("verify", str(folder), "--no-requantize", "--json", "--compat", "none")
     assert result.exit_code == 1
     report = json.loads(result.stdout)
     assert not report["passed"] and report["results"] and not any(r["ok"] for r in report["results"])
@@ -125,7 +127,8 @@ def test_failed_path_means_nothing_is_pushed(cli: Any, flux_repo: str, tmp_path:
     broken = tmp_path / "broken-python"
     broken.write_text("#!/bin/sh\necho 'ImportError: no torchao here' >&2\nexit 1\n")
     broken.chmod(0o755)
-    result = cli(flux_repo, "--quant", "int8wo", "--repo-id", "alice/never-pushed", "--verify-env", str(broken), *SMALL, token="tok_alice")
+    result = cli(flux_repo, "--quant", "int8wo", "--repo-id", "alice/never-pushed", "--verify-env", str(broken), *SMALL,
+                 *SKIP_EVAL_AND_MATRIX, token="tok_alice")
     assert result.exit_code == 1
     assert "verification of int8wo failed" in result.stderr and "nothing was pushed" in result.stderr
     assert "no torchao here" in result.stderr
@@ -148,7 +151,8 @@ def second_env(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.slow
 def test_verify_env_records_the_other_environment(cli: Any, tiny_flux_dir: Path, tmp_path: Path, second_env: Path) -> None:
-    data = _publish_local(cli, tiny_flux_dir, tmp_path / "out", "--quant", "int8wo", "--verify-env", str(second_env))
+    data = _publish_local(cli, tiny_flux_dir, tmp_path / "out", "--quant", "int8wo", "--verify-env", str(second_env),
+                          *SKIP_EVAL_AND_MATRIX)
     results = data["verification"]["results"]
     other = [r for r in results if r["env"] == str(second_env)]
     assert {r["path"] for r in other} == {"library", "manual"} and all(r["ok"] for r in other)

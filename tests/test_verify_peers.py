@@ -329,7 +329,7 @@ def _verify(cli: Any, *args: str, token: str | None = None) -> tuple[Any, dict[s
 
 @pytest.mark.slow
 def test_a_standalone_diffusers_model_in_pickle_verifies(cli: Any, corpus: dict[str, Path]) -> None:
-    result, data = _verify(cli, str(corpus["flux-model-bin"]))
+    result, data = _verify(cli, str(corpus["flux-model-bin"]), "--compat", "none")
     assert result.exit_code == 0, result.output
     assert [(r["component"], r["path"], r["outcome"]) for r in data["results"]] == [("", "library", "pass"), ("", "manual", "pass")]
     assert all(r["class_found"] == "Int8Tensor" and r["silent"] is False for r in data["results"])
@@ -340,7 +340,7 @@ def test_a_standalone_diffusers_model_in_pickle_verifies(cli: Any, corpus: dict[
 
 @pytest.mark.slow
 def test_a_nan_scale_is_named_as_non_finite(cli: Any, corpus: dict[str, Path]) -> None:
-    result, data = _verify(cli, str(corpus["tf-nan-scale"]))
+    result, data = _verify(cli, str(corpus["tf-nan-scale"]), "--compat", "none")
     assert result.exit_code == 1
     last = result.stderr.strip().splitlines()[-1]
     assert last == (f"Error: verification of {corpus['tf-nan-scale']} failed: model: the stored scale of {LLAMA_LAYER}.weight "
@@ -359,7 +359,7 @@ def test_a_nan_scale_is_named_as_non_finite(cli: Any, corpus: dict[str, Path]) -
 def test_the_release_recipe_equals_its_base_on_every_load_path(cli: Any, corpus: dict[str, Path]) -> None:
     """Per-layer configs, float32, embeddings quantized: the re-quantized base is what every fresh-process load must
     give, bit for bit (each records its tensors after moving the model, as a user's .to() would)."""
-    result, data = _verify(cli, str(corpus["tf-release"]), "--base", str(BASES["llama-untied"]))
+    result, data = _verify(cli, str(corpus["tf-release"]), "--base", str(BASES["llama-untied"]), "--compat", "none")
     assert result.exit_code == 0, result.output
     assert [(r["path"], r["outcome"], r["class_found"]) for r in data["results"]] == [
         ("library", "pass", "IntxUnpackedToInt8Tensor"), ("manual", "pass", "IntxUnpackedToInt8Tensor")]
@@ -375,7 +375,7 @@ def test_a_hub_model_repo_is_compared_with_the_base_its_card_names(cli: Any, hub
     folder = corpus["flux-model"]
     (folder / "README.md").write_text(f"---\nbase_model: {flux_repo}\nlibrary_name: diffusers\n---\n# peer\n")
     seed("bob/tiny-flux-transformer-int8wo", folder, "tok_bob")
-    result, data = _verify(cli, "bob/tiny-flux-transformer-int8wo")
+    result, data = _verify(cli, "bob/tiny-flux-transformer-int8wo", "--compat", "none")
     assert result.exit_code == 0, result.output
     against = next(c for c in data["content"] if c["what"] == "against the base")
     assert against["ok"] and against["detail"].startswith("all ") and "bit-identical" in against["detail"]

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import TRANSFER, seed
+from conftest import SKIP_EVAL_AND_MATRIX, TRANSFER, seed
 
 from publisher import recipes
 
@@ -134,7 +134,7 @@ def _verify_results(data: dict[str, Any]) -> list[dict[str, Any]]:
 def test_cli_streaming_verification(cli: Any, tiny_flux_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "out"
     result = cli(str(tiny_flux_dir), "--quant", "int8wo", "--components", "transformer,text_encoder_2", "--no-push",
-                 "--output-dir", str(out), "--verify-mode", "streaming", "--json", *SMALL)
+                 "--output-dir", str(out), "--verify-mode", "streaming", "--json", *SMALL, *SKIP_EVAL_AND_MATRIX)
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["verification"]["mode"] == "streaming" and data["verified"]
@@ -169,7 +169,7 @@ def test_cli_streaming_verification_failure_pushes_nothing(cli: Any, flux_repo: 
 
     monkeypatch.setattr(stio, "tensor_bytes", corrupting)
     result = cli(flux_repo, "--quant", "int8wo", "--verify-mode", "streaming", "--repo-id", "alice/never-streamed",
-                 token="tok_alice")
+                 *SKIP_EVAL_AND_MATRIX, token="tok_alice")
     assert result.exit_code == 1
     assert "differs from the in-memory quantized tensor" in result.stderr and "nothing was pushed" in result.stderr
     assert not HfApi(token="tok_alice").repo_exists("alice/never-streamed")
@@ -202,7 +202,7 @@ def test_low_disk_publish_reads_by_range_uploads_shards_and_merges_a_checked_pr(
     hub.app.seen.clear()
     out = tmp_path / "out"
     result = cli("bfl/tiny-flux-lowdisk", "--quant", "int8wo", "--low-disk", "--output-dir", str(out), "--json",
-                 *SMALL, token="tok_alice")
+                 *SMALL, *SKIP_EVAL_AND_MATRIX, token="tok_alice")
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     repo = "alice/tiny-flux-lowdisk-torchao-int8wo"
@@ -275,7 +275,7 @@ def test_low_disk_publish_failing_on_the_pull_request_merges_nothing(cli: Any, f
 
     monkeypatch.setattr(quantize, "_in_pass_forward", lambda *args: None)  # the fallback: the forward after the pass
     monkeypatch.setattr(verify_stream, "block_forward", broken)
-    result = cli(flux_repo, "--quant", "int8wo", "--low-disk", "--repo-id", repo, token="tok_alice")
+    result = cli(flux_repo, "--quant", "int8wo", "--low-disk", "--repo-id", repo, *SKIP_EVAL_AND_MATRIX, token="tok_alice")
     assert result.exit_code == 1
     assert "failed on the pull request" in result.stderr and "injected: the forward pass breaks" in result.stderr
     if existing:
@@ -304,7 +304,8 @@ def test_low_disk_publish_with_a_bad_shard_deletes_the_new_repo(cli: Any, flux_r
         return data
 
     monkeypatch.setattr(stio, "tensor_bytes", corrupting)
-    result = cli(flux_repo, "--quant", "int8wo", "--low-disk", "--repo-id", "alice/lowdisk-bad-shard", token="tok_alice")
+    result = cli(flux_repo, "--quant", "int8wo", "--low-disk", "--repo-id", "alice/lowdisk-bad-shard", *SKIP_EVAL_AND_MATRIX,
+                 token="tok_alice")
     assert result.exit_code == 1
     assert "differs from the in-memory quantized tensor after writing; nothing was published" in result.stderr
     assert not HfApi(token="tok_alice").repo_exists("alice/lowdisk-bad-shard")
@@ -331,14 +332,14 @@ def test_low_disk_is_chosen_when_the_download_would_not_fit(cli: Any, flux_repo:
     from publisher.stages import preflight as resources
 
     monkeypatch.setattr(resources, "_fits", lambda est, out, cache: None if est.low_disk else (out, 10**12, 10**9))
-    result = cli(flux_repo, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "out"), *SMALL)
+    result = cli(flux_repo, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "out"), *SMALL, *SKIP_EVAL_AND_MATRIX)
     assert result.exit_code == 0, result.output
     assert "reading the quantized components' weights by HTTP range instead (--low-disk)" in result.stderr
-    result = cli(flux_repo, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "out3"), "--benchmark")
+    result = cli(flux_repo, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "out3"), "--benchmark", *SKIP_EVAL_AND_MATRIX)
     assert result.exit_code == 1 and "--benchmark needs it whole" in result.stderr
     assert not (tmp_path / "out3").exists()
     monkeypatch.setattr(resources, "_fits", lambda est, out, cache: (out, 10**12, 10**9))
-    result = cli(flux_repo, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "out2"))
+    result = cli(flux_repo, "--quant", "int8wo", "--no-push", "--output-dir", str(tmp_path / "out2"), *SKIP_EVAL_AND_MATRIX)
     assert result.exit_code == 1
     assert result.stderr.strip().splitlines()[-1].startswith("Error: not enough disk")
     assert "--low-disk" not in result.stderr  # low-disk was tried (auto) and does not fit either
