@@ -196,6 +196,29 @@ def test_card_without_a_target_loads_the_folder(tmp_path: Path) -> None:
     assert f'folder = Path("{folder}")\n' in manual and "snapshot_download(" not in manual.split("def load_into")[1]
 
 
+def test_a_local_base_is_named_by_its_folder_never_its_path(tmp_path: Path) -> None:
+    """A base given as a local folder: the card and the state file name it by the folder's own name; where it sat on
+    this machine (a home folder, a user name) is in neither."""
+    from dataclasses import replace
+
+    from publisher.handoffs.plan import Source
+    from publisher.state import state_for
+
+    plan, artifacts = uf.lm_publish(tmp_path / "repo")
+    where = tmp_path / "home" / "alice" / "models" / "my-llama"
+    plan = replace(plan, source=Source(str(where), None, where, None, None, sizes=plan.source.sizes,
+                                       card_data=plan.source.card_data))
+    text = _render(plan, artifacts, uf.report_for(artifacts, uf.passing_results(artifacts)), "alice/unit-llama")
+    assert str(tmp_path) not in text
+    assert text.split("\n---\n", 1)[1].lstrip().startswith("# my-llama (torchao int8wo)")
+    assert "quantization of the local model folder `my-llama`, made and verified" in text
+    assert '# AutoModelForCausalLM.from_pretrained("my-llama", quantization_config=quantization_config' in text
+    state = state_for(plan, artifacts.recipe)
+    assert state["base_model"] == "my-llama" and str(tmp_path) not in json.dumps(state)
+    moved = replace(plan, source=replace(plan.source, model_id="/elsewhere/my-llama", local_dir=Path("/elsewhere/my-llama")))
+    assert state_for(moved, artifacts.recipe)["fingerprint"] == state["fingerprint"]  # moved, not changed: up to date
+
+
 def test_a_report_without_a_passing_result_cannot_be_pushed(tmp_path: Path) -> None:
     from publisher.errors import VerificationError
     from publisher.handoffs.report import VerifyReport, require_passed

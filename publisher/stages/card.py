@@ -135,13 +135,13 @@ def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str |
     current = next((r.versions for r in report.results if r.env == "current" and r.versions), {})
     first = artifacts.components[0]
     template = environment().get_template(TEMPLATE_NAME)
-    config = card_config.section(recipe, artifacts, plan.kind, plan.source.repo_id or str(plan.source.local_dir))
+    config = card_config.section(recipe, artifacts, plan.kind, plan.source.name)
     causal = plan.kind == "transformers" and first.class_name.endswith(("ForCausalLM", "LMHeadModel"))
     manual = [r for r in report.results if r.path == "manual" and r.component == first.name and r.env == "current"]
     compat = claims.summarise(report, {c.library for c in artifacts.components})
     text = template.render(
         card_data=data.to_yaml(),
-        title=f"{(plan.source.repo_id or plan.source.local_dir.name).split('/')[-1]} (torchao {recipe.title})",  # type: ignore[union-attr]
+        title=f"{plan.source.name.split('/')[-1]} (torchao {recipe.title})",
         repo_id=target or str(folder or artifacts.folder),
         target_chosen=target is not None,
         usage=usage(plan.pipeline_class, int(inputs.sample["size"]), int(inputs.sample["steps"])) if plan.kind == "pipeline" else None,
@@ -153,7 +153,7 @@ def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str |
             "repo_id": plan.source.repo_id,
             "sha": plan.source.sha,
             "url": plan.source.url(),
-            "local": str(plan.source.local_dir) if plan.source.local_dir else None,
+            "name": plan.source.name,  # a local folder by its name, never its path
         },
         kind=plan.kind,
         pipeline_class=plan.pipeline_class or "",

@@ -195,7 +195,7 @@ def _stream_component(plan: Plan, src: Path, comp: Component, recipe: Recipe, ou
         job = StreamJob(src, dst, library=comp.library, recipe=recipe, exclude=list(plan.exclude),  # type: ignore[arg-type]
                         class_name=comp.class_name, component=comp.name, device=device, max_shard_size=max_shard_size,
                         inputs=remote.inputs(comp, Path(spill)) if remote is not None else None,
-                        progress=log.isEnabledFor(logging.INFO))
+                        progress=log.isEnabledFor(logging.INFO), name_or_path=plan.source.name)
         result = stream_quantize(job, observer=observer, sink=sink)
     if uploader is not None:
         uploader.flush()  # every shard checked, hashed and uploaded before the sizes are counted
@@ -278,6 +278,7 @@ def _quantize_component(plan: Plan, base_dir: Path, comp: Component, recipe: Rec
             qconf = diffusers.TorchAoConfig(config, modules_to_not_convert=exclude)
             with context:
                 model = cls.from_pretrained(src, quantization_config=qconf, torch_dtype=torch.bfloat16, **placement)
+            model.register_to_config(_name_or_path=plan.source.name)  # not the folder read (a cache or local path)
         else:
             import transformers
             from accelerate import init_empty_weights
