@@ -88,6 +88,23 @@ def card_data(plan: Plan, artifacts: Artifacts) -> Any:
     )
 
 
+# Class names read aloud: an initialism letter by letter (NF4Tensor: "en-eff"), a word as a word (Int8Tensor, but
+# UintxTensor: "you-int"); "an" before the vowel sounds
+_INITIALISM = re.compile(r"^[A-Z](?:[A-Z]|\d)")
+_VOWEL_LETTERS = set("AEFHILMNORSX")  # the letters whose names start with a vowel sound
+_YOU = re.compile(r"^u(?:ni|int|s[aeiou]|til|r[aeiou])", re.I)  # words that start with a "you" sound
+
+
+def article(word: str) -> str:
+    """The indefinite article before ``word`` (a class name): "an" for ``Int8Tensor``, ``NF4Tensor``, "a" for
+    ``Float8Tensor``, ``UintxTensor``."""
+    if _INITIALISM.match(word):
+        return "an" if word[0] in _VOWEL_LETTERS else "a"
+    if _YOU.match(word):
+        return "a"
+    return "an" if word[:1].lower() in "aeiou" else "a"
+
+
 def _human(n: int | float | None) -> str:
     if n is None:
         return "n/a"
@@ -159,8 +176,8 @@ def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str |
         pipeline_class=plan.pipeline_class or "",
         recipe=recipe,
         config=config,
-        classes_text=" or ".join(f"a `{c}`" for c in config.classes) + (" (as its config implies)" if len(config.classes) > 1
-                                                                            else "") if config.classes else "a torchao tensor",
+        classes_text=" or ".join(f"{article(c)} `{c}`" for c in config.classes) + (
+            " (as its config implies)" if len(config.classes) > 1 else "") if config.classes else "a torchao tensor",
         quantized=artifacts.components,
         kept=[c for c in plan.kept if c.class_name],
         exclude=list(plan.exclude),
@@ -233,7 +250,7 @@ def write_cards(plan: Plan, done: dict[str, tuple[Artifacts, VerifyReport]], eva
         for name, (artifacts, report) in done.items():
             quality = _variant_quality(evaluations.get(name), report)
             variants.append({
-                "recipe": name, "repo_id": plan.targets[name] or "(none chosen)",
+                "recipe": name, "repo_id": plan.targets[name],  # None: none chosen (--no-push), so no link
                 "url": f"{endpoint}/{plan.targets[name]}" if plan.targets[name] else "",
                 "size": sum(artifacts.files().values()), "runs_on": artifacts.recipe.run.describe(), "quality": quality,
             })
