@@ -420,8 +420,14 @@ def _command_line(ctx: click.Context) -> str:
     """The command that made the repo, rebuilt from the parsed options (defaults left out) for the
     card: reproducible, and the token (or any secret) is never part of it. Values read from an environment
     variable (HF_AO_PUBLISH_COMPAT) were not typed, so they are left out too."""
+    from publisher.stages.source import shown
+
     skip = {"token", "debug", "quiet", "as_json", "output_dir", "hf_jobs_timeout", "attach", "force"}
-    return shlex.join(["hf-ao-publish", *_command_args(ctx, skip)])
+    args = _command_args(ctx, skip)
+    model_id = ctx.params.get("model_id")
+    if model_id and args and args[0] == model_id:
+        args[0] = shown(model_id)  # a local folder by its name unless typed as a path below the working directory
+    return shlex.join(["hf-ao-publish", *args])
 
 
 def _command_args(ctx: click.Context, skip: set[str]) -> list[str]:

@@ -24,7 +24,9 @@ def state_for(plan: Plan, recipe: Recipe) -> dict[str, Any]:
     state = {
         "tool": "hf-ao-publish",
         "tool_version": __version__,
-        "base_model": plan.source.repo_id or str(plan.source.local_dir),
+        # a local base by its folder's name: the same folder moved elsewhere is the same base (its listing,
+        # base_sha, is what tells bases apart), and its path is nobody's business on the Hub
+        "base_model": plan.source.name,
         "base_sha": plan.source.sha or _local_digest(plan),
         "recipe": recipe.name,
         "config": recipe.python,

@@ -424,6 +424,23 @@ def test_publish_model_id(fake_run: list[PublishRequest], tmp_path: Path) -> Non
     assert invoke("publish", "--quant", "int8wo").exit_code == 2
 
 
+def test_publish_model_id_of_a_local_folder_in_the_card_command(fake_run: list[PublishRequest], tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The card's command line names a local base as typed when that is a path below the working directory, else by
+    the folder's own name: never where it sat on this machine."""
+    base = tmp_path / "home" / "alice" / "my-pipeline"
+    (base / "sub").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(tmp_path / "home" / "alice"))
+    monkeypatch.chdir(base.parent)
+    for typed, shown in (("./my-pipeline", "./my-pipeline"), ("my-pipeline/sub", "my-pipeline/sub"),
+                         (str(base), "my-pipeline"), ("../alice/my-pipeline", "my-pipeline"), ("~/my-pipeline", "my-pipeline"),
+                         ("my-pipeline/sub/..", "my-pipeline"), ("some/model", "some/model")):
+        assert invoke(typed, "--quant", "int8wo").exit_code == 0
+        assert fake_run[-1].model == typed and fake_run[-1].command == f"hf-ao-publish {shown} --quant int8wo", typed
+    monkeypatch.chdir(base)
+    assert invoke(".", "--quant", "int8wo").exit_code == 0 and fake_run[-1].command.startswith("hf-ao-publish my-pipeline ")
+
+
 def test_publish_quant(fake_run: list[PublishRequest]) -> None:
     assert publish("--quant", "float8wo,int8dq").exit_code == 0
     assert fake_run[-1].quant == ["int8wo", "float8wo,int8dq"]

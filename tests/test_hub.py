@@ -201,6 +201,66 @@ def test_rerun_is_a_noop_and_a_changed_input_makes_a_described_commit(cli: Any, 
     assert len(api.list_repo_commits(repo)) == n_commits + 1
 
 
+# ---- a local base ---------------------------------------------------------------------------------
+QUIET = ["--eval-budget", "0", "--compat", "none"]  # neither the evaluation nor the matrix is the subject here
+
+
+@pytest.mark.slow
+def test_a_pushed_repo_of_a_local_base_holds_no_path_of_this_machine(cli: Any, tiny_flux_dir: Path, tmp_path: Path) -> None:
+    """Every file of a repo made from a local folder, card, state file, verification.json and configs included, names
+    the base by the folder's name and holds no path of the machine that made it (issue 37: a home folder on the Hub)."""
+    import shutil
+
+    base = tmp_path / "home" / "alice" / "models" / "my-flux"
+    shutil.copytree(tiny_flux_dir, base)
+    repo = "alice/rel-local-flux"
+    result = cli(str(base), "--quant", "int8wo", "--components", "transformer,text_encoder_2", "--repo-id", repo,
+                 *SMALL, *QUIET, token="tok_alice")  # the default verification: its report is pushed too
+    assert result.exit_code == 0, result.output
+    pushed = tmp_path / "pushed"
+    _api().snapshot_download(repo, local_dir=pushed)
+    files = {p.relative_to(pushed).as_posix(): p.read_bytes() for p in pushed.rglob("*")
+             if p.is_file() and ".cache" not in p.relative_to(pushed).parts}
+    assert {"README.md", "hf_ao_publish.json", "verification.json", "transformer/config.json"} <= set(files)
+    for where in {str(tmp_path), str(tmp_path.resolve()), os.environ["HF_HOME"]}:
+        assert [name for name, data in files.items() if where.encode() in data] == [], where
+    card = files["README.md"].decode()
+    assert "# my-flux (torchao int8wo)" in card and "quantization of the local model folder `my-flux`" in card
+    assert "\nhf-ao-publish my-flux --quant int8wo --components transformer,text_encoder_2 --repo-id" in card
+    assert json.loads(files["hf_ao_publish.json"])["base_model"] == "my-flux"
+    assert json.loads(files["transformer/config.json"])["_name_or_path"] == "my-flux"  # as from_pretrained("my-flux")
+
+
+@pytest.mark.slow
+def test_a_moved_local_base_is_up_to_date_and_a_renamed_one_is_republished(cli: Any, tiny_llama_dir: Path, tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The state file names a local base by its folder's name: the same folder moved elsewhere is the same base (no
+    commit); renamed, the card names it otherwise, so it is published again."""
+    import shutil
+
+    repo = "alice/rel-local-moved"
+    shutil.copytree(tiny_llama_dir, tmp_path / "a" / "my-llama")
+    monkeypatch.chdir(tmp_path / "a")
+    args = ["--quant", "int8wo", "--repo-id", repo, "--json", *QUIET, *IN_PROCESS]
+    first = cli("./my-llama", *args, token="tok_alice")
+    assert first.exit_code == 0, first.output
+    head = json.loads(first.stdout)["commit"]
+    card = Path(_api().hf_hub_download(repo, "README.md")).read_text()
+    assert "\nhf-ao-publish ./my-llama --quant int8wo --repo-id alice/rel-local-moved" in card  # as typed: relative
+    (tmp_path / "b" / "c").mkdir(parents=True)
+    shutil.move(tmp_path / "a" / "my-llama", tmp_path / "b" / "c" / "my-llama")
+    moved = cli("../b/c/my-llama", *args, token="tok_alice")
+    assert moved.exit_code == 0, moved.output
+    assert json.loads(moved.stdout)["up_to_date"] and f"{repo} is up to date" in moved.stderr and _head(repo) == head
+    (tmp_path / "b" / "c" / "my-llama").rename(tmp_path / "b" / "c" / "my-llama-v2")
+    renamed = cli(str(tmp_path / "b" / "c" / "my-llama-v2"), *args, token="tok_alice")
+    assert renamed.exit_code == 0, renamed.output
+    assert json.loads(renamed.stdout)["pushed"] and _head(repo) != head
+    commit = _api().list_repo_commits(repo)[0]
+    assert commit.title == "Quantize my-llama-v2@local with torchao int8wo"
+    assert "Changed since the previous publication: base_model." in commit.message
+
+
 # ---- --create-pr ---------------------------------------------------------------------------------
 @pytest.mark.transfer
 @pytest.mark.slow

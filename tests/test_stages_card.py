@@ -106,11 +106,15 @@ def test_every_card_snippet_runs(published: dict[str, str], which: str, tmp_path
     env = dict(os.environ)
     env.pop("HF_TOKEN", None)
     outputs = []
+    harmless = text.split("the libraries may print lines that are harmless for this repo: ", 1)[-1].split("\n", 1)[0]
     for i, code in enumerate(snippets):  # the compile snippet compiles on the CPU: minutes when inductor's cache is cold
         proc = run_snippet(code, tmp_path, env, timeout=900)
         assert proc.returncode == 0, f"snippet {i} failed:\n{code}\n{proc.stderr[-3000:]}"
         outputs.append(proc.stdout)
         assert "deprecated" not in proc.stderr.replace("register_constant() on Enum subclasses is deprecated", ""), proc.stderr
+        # each image processor transformers warns about without torchvision is one the card calls harmless
+        for processor in re.findall(r"`(\w+)` requires torchvision \(not installed\)", proc.stderr):
+            assert f"`{processor} requires torchvision`" in harmless, (processor, harmless)
     # the manual path says what it loaded (the card's own counts: Llama's lm_head stays bf16 by transformers' rules)
     loaded = {"flux": "T5EncoderModel: 7 of 7", "llama": "LlamaForCausalLM: 14 of 15"}[which]  # the first quantized component
     assert proc.stdout == f"loaded {loaded} Linear layers hold Int8Tensor weights\n"
@@ -231,6 +235,24 @@ def test_one_failing_recipe_publishes_no_half_set(cli: Any, flux_repo: str, monk
     assert not HfApi().repo_exists(f"{prefix}-float8wo")
     if keep_going:
         assert f"published {prefix}-int8wo" in result.stderr and "float8wo: FAILED" in result.stderr
+
+
+def test_each_layer_kept_on_purpose_says_whose_decision_it_was(cli: Any, tiny_llama_dir: Path, tmp_path: Path) -> None:
+    """lm_head by transformers' rules, a layer by a null entry in --layer-config, a layer by --exclude: the card names
+    each reason apart (a null entry once read as "kept by the library's rules")."""
+    cards = {}
+    for name, option in (("table", ["--layer-config", '{"model.layers.0.mlp.down_proj": null}']),
+                         ("exclude", ["--exclude", "model.layers.1.mlp.up_proj"])):
+        out = tmp_path / name
+        result = cli(str(tiny_llama_dir), "--quant", "int8wo", *option, "--no-push", "--output-dir", str(out),
+                     "--eval-budget", "0", "--compat", "none", *IN_PROCESS)
+        assert result.exit_code == 0, result.output
+        cards[name] = (out / "README.md").read_text()
+    assert "| 1 embeddings, 1 Linear kept by the library's rules, 1 Linear kept by --layer-config |" in cards["table"]
+    assert "e.g. `lm_head`): kept on purpose: the library's default rules (output heads, tied embeddings).\n" in cards["table"]
+    assert "e.g. `model.layers.0.mlp.down_proj`): kept: --layer-config maps it to null.\n" in cards["table"]
+    assert "1 Linear kept with --exclude |" in cards["exclude"]
+    assert "e.g. `model.layers.1.mlp.up_proj`): kept: --exclude names it.\n" in cards["exclude"]
 
 
 def test_no_snippet_branches_on_the_device_to_the_same_values() -> None:

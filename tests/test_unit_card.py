@@ -69,6 +69,9 @@ def test_lm_card_from_fixture_data(tmp_path: Path) -> None:
     assert text.split("\n---\n", 1)[1].lstrip().startswith("# tiny-llama (torchao int8wo)")
     assert f"[meta/tiny-llama](https://hub.invalid/meta/tiny-llama) at commit `{uf.SHA}`" in text
     assert "| model | `LlamaForCausalLM` | 6 of 7 (Int8Tensor: 6) | 1 embeddings, 1 Linear kept by the library's rules |" in text
+    # the size row says what the percentage is of, and the class names read with their article
+    assert "| size | 787.71 KB of bf16 weights -> **513.74 KB** (65% of the bf16 size); the whole repo: " in text
+    assert "every quantized layer an `Int8Tensor`" in text and "a `Int8Tensor`" not in text
     # the config exactly as stored in config.json, and the Python that builds it
     (stored,) = _snippets(text, "json")
     assert json.loads(stored) == uf.INT8WO_STORED["quant_type"]
@@ -129,6 +132,8 @@ def test_pipeline_card_with_two_quantized_components(tmp_path: Path) -> None:
     hardware = _section(text, "## Hardware requirements")
     assert HARDWARE_ROW.format(where="transformer: 4 layers; text_encoder_2: 2 layers") in hardware
     assert "| weight memory | transformer: 1.12 MB (bf16: 2.11 MB); text_encoder_2: 229.40 KB (bf16: 433.98 KB) |" in hardware
+    # loading a pipeline without torchvision, transformers warns about each image processor it has: both are named
+    assert "`CLIPImageProcessor requires torchvision` and `SiglipImageProcessor requires torchvision`" in text
 
 
 def test_verification_table_shows_each_outcome(tmp_path: Path) -> None:
@@ -194,6 +199,58 @@ def test_card_without_a_target_loads_the_folder(tmp_path: Path) -> None:
     _, use, _, manual = _snippets(text)
     assert f'AutoModelForCausalLM.from_pretrained("{folder}", dtype=torch.bfloat16)' in use
     assert f'folder = Path("{folder}")\n' in manual and "snapshot_download(" not in manual.split("def load_into")[1]
+
+
+def test_a_local_base_is_named_by_its_folder_never_its_path(tmp_path: Path) -> None:
+    """A base given as a local folder: the card and the state file name it by the folder's own name; where it sat on
+    this machine (a home folder, a user name) is in neither."""
+    from dataclasses import replace
+
+    from publisher.handoffs.plan import Source
+    from publisher.state import state_for
+
+    plan, artifacts = uf.lm_publish(tmp_path / "repo")
+    where = tmp_path / "home" / "alice" / "models" / "my-llama"
+    plan = replace(plan, source=Source(str(where), None, where, None, None, sizes=plan.source.sizes,
+                                       card_data=plan.source.card_data))
+    text = _render(plan, artifacts, uf.report_for(artifacts, uf.passing_results(artifacts)), "alice/unit-llama")
+    assert str(tmp_path) not in text
+    assert text.split("\n---\n", 1)[1].lstrip().startswith("# my-llama (torchao int8wo)")
+    assert "quantization of the local model folder `my-llama`, made and verified" in text
+    assert '# AutoModelForCausalLM.from_pretrained("my-llama", quantization_config=quantization_config' in text
+    state = state_for(plan, artifacts.recipe)
+    assert state["base_model"] == "my-llama" and str(tmp_path) not in json.dumps(state)
+    moved = replace(plan, source=replace(plan.source, model_id="/elsewhere/my-llama", local_dir=Path("/elsewhere/my-llama")))
+    assert state_for(moved, artifacts.recipe)["fingerprint"] == state["fingerprint"]  # moved, not changed: up to date
+
+
+@pytest.mark.parametrize("targets", [{"int8wo": None, "float8wo": None},
+                                     {"int8wo": "alice/v-int8wo", "float8wo": "alice/v-float8wo"}])
+def test_sibling_variants_link_only_to_chosen_repos(tmp_path: Path, targets: dict[str, str | None]) -> None:
+    """Two recipes: each card lists the other. Without a repo id (--no-push, no token) there is nothing to link to, so
+    the table says so instead of an empty link."""
+    from dataclasses import replace
+
+    from publisher import recipes
+    from publisher.stages.card import write_cards
+
+    done = {}
+    for name in targets:
+        plan, artifacts = uf.lm_publish(tmp_path / name)
+        artifacts.recipe = recipes.get(name)
+        done[name] = (artifacts, uf.report_for(artifacts, uf.passing_results(artifacts)))
+    plan = replace(plan, recipes=tuple(recipes.get(n) for n in targets), targets=targets)
+    write_cards(plan, done, {}, {}, command="hf-ao-publish meta/tiny-llama", sample={"steps": 28, "size": 1024},
+                endpoint="https://hub.invalid")
+    card = (tmp_path / "int8wo" / "README.md").read_text()
+    rows = [line for line in _section(card, "## Other variants of this base").splitlines() if line.startswith("| ")][1:]
+    assert "]()" not in card
+    if targets["int8wo"] is None:
+        assert rows[0].startswith("| int8wo | this repo | ") and rows[1].startswith("| float8wo | not published (no repo id "
+                                                                                     "was chosen) | ")
+    else:
+        assert rows[0].startswith("| int8wo | [alice/v-int8wo](https://hub.invalid/alice/v-int8wo) (this repo) | ")
+        assert rows[1].startswith("| float8wo | [alice/v-float8wo](https://hub.invalid/alice/v-float8wo) | ")
 
 
 def test_a_report_without_a_passing_result_cannot_be_pushed(tmp_path: Path) -> None:

@@ -95,3 +95,24 @@ def test_nothing_measured_claims_nothing() -> None:
     comp = claims.summarise(report, {"diffusers"})
     assert comp.note == report.compat_note
     assert all(c.minimum == c.current and c.text().endswith("(the only version measured)") for c in comp.claims["library"])
+
+
+def test_a_failed_load_is_one_plain_line_without_the_library_boilerplate() -> None:
+    """The library's pointers to a report the card does not carry are left out; what raised and its first sentence that
+    says something stay."""
+    conversion = _result("x", "library", "fail")
+    conversion.detail = ("RuntimeError: We encountered some issues during automatic conversion of the weights. For details "
+                         "look at the `CONVERSION` entries of the above report!")
+    assert claims.cell(conversion) == "fail: RuntimeError: We encountered some issues during automatic conversion of the weights"
+    mismatch = _result("x", "manual", "fail")
+    mismatch.detail = ("it loaded, but 3 of 5 planned layers are of the class their config implies; then it raised "
+                       "RuntimeError: You set `ignore_mismatched_sizes` to `False`, thus raising an error. For details look "
+                       "at the above report!\n\tYou may consider adding `ignore_mismatched_sizes=True`.")
+    assert claims.cell(mismatch) == ("fail: it loaded, but 3 of 5 planned layers are of the class their config implies; then "
+                                     "it raised RuntimeError: You set `ignore_mismatched_sizes` to `False`, thus raising an "
+                                     "error")
+    plain = _result("x", "library", "fail")
+    plain.detail = "ValueError: boom"
+    assert claims.cell(plain) == "fail: ValueError: boom"
+    silent = _result("x", "library", "silently wrong")
+    assert claims.cell(silent) == "**SILENTLY WRONG**: loads without an error, but 0 of 30 planned layers are Int8Tensor"

@@ -82,10 +82,11 @@ def _copy(folder: Path, tmp_path: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("workers", ["forked", "fresh"])  # HF_AO_PUBLISH_ZYGOTE=0: what every system but Linux runs
-def test_verify_command_passes_and_requantizes_the_base(cli: Any, verified_folder: Path, workers: str,
-                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_verify_command_passes_and_requantizes_the_base(cli: Any, verified_folder: Path, tiny_flux_dir: Path,
+                                                        workers: str, monkeypatch: pytest.MonkeyPatch) -> None:
     if workers == "fresh":
         monkeypatch.setenv("HF_AO_PUBLISH_ZYGOTE", "0")
+    monkeypatch.chdir(tiny_flux_dir.parent)  # the state file names the local base by its folder's name: found here
     result = cli("verify", str(verified_folder), "--json", "--compat", "none")
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
@@ -94,7 +95,7 @@ def test_verify_command_passes_and_requantizes_the_base(cli: Any, verified_folde
 
 
 @pytest.mark.slow
-def test_tampered_tensor_fails_with_its_name(cli: Any, verified_folder: Path, tmp_path: Path) -> None:
+def test_tampered_tensor_fails_with_its_name(cli: Any, verified_folder: Path, tiny_flux_dir: Path, tmp_path: Path) -> None:
     import struct
 
     folder = _copy(verified_folder, tmp_path)
@@ -105,7 +106,7 @@ def test_tampered_tensor_fails_with_its_name(cli: Any, verified_folder: Path, tm
     key = "transformer_blocks.0.ff.net.2._weight_qdata"
     raw[8 + n + header[key]["data_offsets"][0]] ^= 0x01
     shard.write_bytes(bytes(raw))
-    result = cli("verify", str(folder), "--compat", "none")
+    result = cli("verify", str(folder), "--base", str(tiny_flux_dir), "--compat", "none")
     assert result.exit_code == 1
     assert "tensor transformer_blocks.0.ff.net.2.weight differs from the base re-quantized with int8wo" in result.stderr
 

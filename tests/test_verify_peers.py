@@ -135,6 +135,24 @@ def test_a_named_base_that_cannot_be_reached_is_a_reason_and_an_explicit_one_an_
     assert local is not None and local.folder == tmp_path.resolve() and local.origin == "--base"
 
 
+def test_a_local_base_is_found_by_its_folder_name_where_the_state_file_names_it(tmp_path: Path,
+                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """A publish names a local base by its folder's name (never its path): `verify` finds it next to the working
+    directory, says where it is not, and takes it as the base the target was made from (bit for bit)."""
+    state = {"base_model": "my-llama", "base_sha": "local-" + "0" * 40}
+    monkeypatch.chdir(tmp_path)
+    base, why = against_base.find(None, "my-llama", "its hf_ao_publish.json", state, None)
+    assert base is None and why == ("the base my-llama named by its hf_ao_publish.json is a local folder, and there is "
+                                    "none of that name here; give its path with --base")
+    (tmp_path / "models" / "my-llama").mkdir(parents=True)
+    explicit, _ = against_base.find(str(tmp_path / "models" / "my-llama"), "my-llama", "its hf_ao_publish.json", state, None)
+    assert explicit is not None and explicit.named_by("my-llama") and not explicit.named_by("meta/my-llama")
+    assert explicit.named_by(str(tmp_path / "models" / "my-llama"))  # a state file of an earlier release: the path
+    monkeypatch.chdir(tmp_path / "models")
+    found, _ = against_base.find(None, "my-llama", "its hf_ao_publish.json", state, None)
+    assert found is not None and found.folder == tmp_path / "models" / "my-llama" and found.named_by("my-llama")
+
+
 def test_a_class_this_library_does_not_have_is_one_line(corpus: dict[str, Path], tmp_path: Path) -> None:
     import shutil
 

@@ -38,6 +38,15 @@ class Source:
         return sorted(self.sizes)
 
     @property
+    def name(self) -> str:
+        """How everything published names the base (card, state file, configs): the Hub repo id, or a local folder's
+        own name (``my-pipeline``), never its path, which says where it sat on this machine (a home folder, a user
+        name) and nothing about the model."""
+        if self.repo_id:
+            return self.repo_id
+        return self.local_dir.name if self.local_dir is not None else Path(self.model_id).name
+
+    @property
     def display(self) -> str:
         if self.repo_id:
             return f"{self.repo_id}@{self.sha}"

@@ -67,8 +67,9 @@ HARMLESS: tuple[Harmless, ...] = (
         "a pipeline's image processors (FLUX's CLIP and SigLIP ones, for image prompts) are loaded with it; without "
         "torchvision transformers gives the PIL implementation of the same processor. No stage of ours runs an image "
         "processor, and torchvision must match the torch build exactly: not a dependency worth adding for a log line.",
-        card="without torchvision, transformers' `CLIPImageProcessor requires torchvision` (it falls back to the PIL "
-             "processor)", kinds=("pipeline",),
+        card="without torchvision, transformers' `CLIPImageProcessor requires torchvision` and `SiglipImageProcessor "
+             "requires torchvision` (the same for any image processor: it falls back to its PIL version)",
+        kinds=("pipeline",),
     ),
     Harmless(
         "huggingface_hub.hf_api", r"^No files have been modified since last commit\. Skipping to prevent empty commit",

@@ -88,6 +88,23 @@ def card_data(plan: Plan, artifacts: Artifacts) -> Any:
     )
 
 
+# Class names read aloud: an initialism letter by letter (NF4Tensor: "en-eff"), a word as a word (Int8Tensor, but
+# UintxTensor: "you-int"); "an" before the vowel sounds
+_INITIALISM = re.compile(r"^[A-Z](?:[A-Z]|\d)")
+_VOWEL_LETTERS = set("AEFHILMNORSX")  # the letters whose names start with a vowel sound
+_YOU = re.compile(r"^u(?:ni|int|s[aeiou]|til|r[aeiou])", re.I)  # words that start with a "you" sound
+
+
+def article(word: str) -> str:
+    """The indefinite article before ``word`` (a class name): "an" for ``Int8Tensor``, ``NF4Tensor``, "a" for
+    ``Float8Tensor``, ``UintxTensor``."""
+    if _INITIALISM.match(word):
+        return "an" if word[0] in _VOWEL_LETTERS else "a"
+    if _YOU.match(word):
+        return "a"
+    return "an" if word[:1].lower() in "aeiou" else "a"
+
+
 def _human(n: int | float | None) -> str:
     if n is None:
         return "n/a"
@@ -135,13 +152,13 @@ def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str |
     current = next((r.versions for r in report.results if r.env == "current" and r.versions), {})
     first = artifacts.components[0]
     template = environment().get_template(TEMPLATE_NAME)
-    config = card_config.section(recipe, artifacts, plan.kind, plan.source.repo_id or str(plan.source.local_dir))
+    config = card_config.section(recipe, artifacts, plan.kind, plan.source.name)
     causal = plan.kind == "transformers" and first.class_name.endswith(("ForCausalLM", "LMHeadModel"))
     manual = [r for r in report.results if r.path == "manual" and r.component == first.name and r.env == "current"]
     compat = claims.summarise(report, {c.library for c in artifacts.components})
     text = template.render(
         card_data=data.to_yaml(),
-        title=f"{(plan.source.repo_id or plan.source.local_dir.name).split('/')[-1]} (torchao {recipe.title})",  # type: ignore[union-attr]
+        title=f"{plan.source.name.split('/')[-1]} (torchao {recipe.title})",
         repo_id=target or str(folder or artifacts.folder),
         target_chosen=target is not None,
         usage=usage(plan.pipeline_class, int(inputs.sample["size"]), int(inputs.sample["steps"])) if plan.kind == "pipeline" else None,
@@ -153,14 +170,14 @@ def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str |
             "repo_id": plan.source.repo_id,
             "sha": plan.source.sha,
             "url": plan.source.url(),
-            "local": str(plan.source.local_dir) if plan.source.local_dir else None,
+            "name": plan.source.name,  # a local folder by its name, never its path
         },
         kind=plan.kind,
         pipeline_class=plan.pipeline_class or "",
         recipe=recipe,
         config=config,
-        classes_text=" or ".join(f"a `{c}`" for c in config.classes) + (" (as its config implies)" if len(config.classes) > 1
-                                                                            else "") if config.classes else "a torchao tensor",
+        classes_text=" or ".join(f"{article(c)} `{c}`" for c in config.classes) + (
+            " (as its config implies)" if len(config.classes) > 1 else "") if config.classes else "a torchao tensor",
         quantized=artifacts.components,
         kept=[c for c in plan.kept if c.class_name],
         exclude=list(plan.exclude),
@@ -233,7 +250,7 @@ def write_cards(plan: Plan, done: dict[str, tuple[Artifacts, VerifyReport]], eva
         for name, (artifacts, report) in done.items():
             quality = _variant_quality(evaluations.get(name), report)
             variants.append({
-                "recipe": name, "repo_id": plan.targets[name] or "(none chosen)",
+                "recipe": name, "repo_id": plan.targets[name],  # None: none chosen (--no-push), so no link
                 "url": f"{endpoint}/{plan.targets[name]}" if plan.targets[name] else "",
                 "size": sum(artifacts.files().values()), "runs_on": artifacts.recipe.run.describe(), "quality": quality,
             })

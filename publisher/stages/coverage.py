@@ -9,18 +9,23 @@ was left alone, and refuses a component with no quantized layer unless the user 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from publisher.errors import QuantizeError
 from publisher.handoffs.artifacts import KeptKind, LayerReport
 
-_LABEL = {"excluded": "Linear kept by the library's rules", "skipped": "Linear skipped by torchao", "Conv1D": "Conv1D layers",
-          "experts": "expert parameters", "Embedding": "embeddings", "conv": "convolutions", "norm": "norms",
-          "other": "other parameters"}
+_LABEL = {"library": "Linear kept by the library's rules", "exclude": "Linear kept with --exclude",
+          "layer-config": "Linear kept by --layer-config", "skipped": "Linear skipped by torchao",
+          "Conv1D": "Conv1D layers", "experts": "expert parameters", "Embedding": "embeddings", "conv": "convolutions",
+          "norm": "norms", "other": "other parameters"}
+# Why each kind was left alone. The three kinds of Linear kept on purpose say whose decision it was: the library's
+# (transformers keeps output heads and tied embeddings), or the user's (--exclude, a null entry in --layer-config).
 _WHY = {
-    "excluded": ("kept on purpose: the library's default rules (output heads, tied embeddings), --exclude, or a null "
-                 "entry in --layer-config"),
+    "library": "kept on purpose: the library's default rules (output heads, tied embeddings)",
+    "exclude": "kept: --exclude names {them}",
+    "layer-config": "kept: --layer-config maps {them} to null",
     "skipped": "torchao left them as they were (a shape the recipe does not support)",
     "Conv1D": "a Linear stored transposed (GPT-2 family); torchao's recipes quantize nn.Linear only",
     "experts": ("fused MoE expert weights (3D parameters, not nn.Linear). torchao 0.18 can quantize them through "
@@ -47,8 +52,10 @@ def _kind_of(module: Any, torch: Any) -> str:
 
 
 def layer_report(library: str, class_name: str, config_folder: Path, quantized: list[str], skipped: list[str],
-                 excluded: list[str]) -> LayerReport:
-    """The report of one component, from its base config (meta device) and what quantization recorded."""
+                 excluded: list[str], kept_by: Mapping[str, str] | None = None) -> LayerReport:
+    """The report of one component, from its base config (meta device) and what quantization recorded. ``kept_by``:
+    the excluded layers the user kept ("exclude": --exclude, "layer-config": a null entry in --layer-config); the
+    others were kept by the library's own rules."""
     import torch
 
     from publisher.loadpath import meta_model
@@ -74,7 +81,7 @@ def layer_report(library: str, class_name: str, config_folder: Path, quantized: 
         if isinstance(module, torch.nn.Linear):
             linear += 1
             if name in done_excluded:
-                add("excluded", name, nbytes)
+                add((kept_by or {}).get(name, "library"), name, nbytes)
             elif name in done_skipped:
                 add("skipped", name, nbytes)
             continue
@@ -85,7 +92,9 @@ def layer_report(library: str, class_name: str, config_folder: Path, quantized: 
                 nbytes -= p.numel() * 2
         if nbytes:
             add(_kind_of(module, torch), name or type(module).__name__, nbytes)
-    order = ["Conv1D", "experts", "Embedding", "excluded", "skipped", "conv", "norm", "other"]
+    for entry in kinds.values():
+        entry.why = entry.why.format(them="it" if entry.count == 1 else "them")
+    order = ["Conv1D", "experts", "Embedding", "library", "exclude", "layer-config", "skipped", "conv", "norm", "other"]
     return LayerReport(len(done_quantized), linear, sorted(kinds.values(), key=lambda k: order.index(k.kind)), total)
 
 

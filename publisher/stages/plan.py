@@ -71,7 +71,7 @@ def target_ids(source: Source, recipes: list[Recipe], repo_id: str | None, user:
     to ask whose it would be (only possible with --no-push). With several recipes an explicit --repo-id gets
     "-<recipe>" appended unless it contains "{recipe}"."""
     out: dict[str, str | None] = {}
-    base_name = (source.repo_id or str(source.local_dir)).rstrip("/").split("/")[-1]
+    base_name = source.name.split("/")[-1]
     for recipe in recipes:
         if repo_id:
             if "{recipe}" in repo_id:

@@ -248,8 +248,7 @@ def check_writable(repo_id: str, token: str | None, who: dict[str, Any] | None =
 def commit_text(source: Source, recipe: str, previous: dict[str, Any] | None, state: dict[str, Any], *,
                 forced: bool) -> tuple[str, str]:
     """(message, description) of the commit that publishes ``recipe``: the pinned base, and what changed."""
-    base = source.repo_id or (source.local_dir.name if source.local_dir is not None else source.model_id)
-    message = f"Quantize {base}@{(source.sha or 'local')[:12]} with torchao {recipe}"
+    message = f"Quantize {source.name}@{(source.sha or 'local')[:12]} with torchao {recipe}"
     return message, changes(previous, state, forced=forced) + f"\n\nMade with hf-ao-publish {__version__}."
 
 

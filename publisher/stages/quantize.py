@@ -26,7 +26,7 @@ from publisher.recipes import Recipe, build_config
 from publisher.stages.unfinished import make_partial, remove_partial
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
     from publisher.stages.fetch import RemoteWeights
     from publisher.stages.lowdisk_push import ShardUploader
@@ -119,17 +119,33 @@ def _kept_by_table(recipe: Recipe, comp: Component, qc: QuantizedComponent) -> N
     qc.excluded = sorted(set(qc.excluded) | set(kept))
 
 
-def report_layers(artifacts: Artifacts, base_dir: Path, allow_unquantized: bool) -> None:
+def report_layers(artifacts: Artifacts, base_dir: Path, allow_unquantized: bool, exclude: Sequence[str] = ()) -> None:
     """What each component's quantization covered (coverage.py); QuantizeError for a component with no quantized
-    layer unless ``allow_unquantized`` (then the card says so)."""
+    layer unless ``allow_unquantized`` (then the card says so). ``exclude``: the --exclude patterns."""
     from publisher.stages.coverage import layer_report, require_quantized
 
     for c in artifacts.components:
         artifacts.layers[c.name] = layer_report(c.library, c.class_name, base_dir / c.name if c.name else base_dir,
-                                                c.quantized, c.skipped, c.excluded)
+                                                c.quantized, c.skipped, c.excluded,
+                                                _kept_by_user(artifacts.recipe, c, exclude))
         note = require_quantized(c.label, c.class_name, artifacts.recipe.name, artifacts.layers[c.name], allow_unquantized)
         if note:
             artifacts.notes.append(note)
+
+
+def _kept_by_user(recipe: Recipe, qc: QuantizedComponent, exclude: Sequence[str]) -> dict[str, str]:
+    """The excluded Linear layers of ``qc`` the user kept, and how: a null entry in its --layer-config table
+    ("layer-config"), or --exclude ("exclude", matched with the library's own rule). The rest the library kept."""
+    from publisher.configs.layers import resolve
+
+    table = recipe.config_for(qc.name).fqn_to_config if recipe.table_for(qc.name) is not None else None
+    out = {}
+    for name in qc.excluded:
+        if table is not None and resolve(qc.library, table, f"{name}.weight")[0] is None:
+            out[name] = "layer-config"
+        elif exclude and kept_by_library(qc.library, f"{name}.weight", list(exclude)):
+            out[name] = "exclude"
+    return out
 
 
 def _streaming_reason(comp: Component, src: Path, recipe: Recipe, device: str, remote: RemoteWeights | None) -> str | None:
@@ -195,7 +211,7 @@ def _stream_component(plan: Plan, src: Path, comp: Component, recipe: Recipe, ou
         job = StreamJob(src, dst, library=comp.library, recipe=recipe, exclude=list(plan.exclude),  # type: ignore[arg-type]
                         class_name=comp.class_name, component=comp.name, device=device, max_shard_size=max_shard_size,
                         inputs=remote.inputs(comp, Path(spill)) if remote is not None else None,
-                        progress=log.isEnabledFor(logging.INFO))
+                        progress=log.isEnabledFor(logging.INFO), name_or_path=plan.source.name)
         result = stream_quantize(job, observer=observer, sink=sink)
     if uploader is not None:
         uploader.flush()  # every shard checked, hashed and uploaded before the sizes are counted
@@ -278,6 +294,7 @@ def _quantize_component(plan: Plan, base_dir: Path, comp: Component, recipe: Rec
             qconf = diffusers.TorchAoConfig(config, modules_to_not_convert=exclude)
             with context:
                 model = cls.from_pretrained(src, quantization_config=qconf, torch_dtype=torch.bfloat16, **placement)
+            model.register_to_config(_name_or_path=plan.source.name)  # not the folder read (a cache or local path)
         else:
             import transformers
             from accelerate import init_empty_weights

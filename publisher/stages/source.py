@@ -24,6 +24,19 @@ def is_local(model_id: str) -> bool:
     return Path(model_id).expanduser().is_dir()
 
 
+def shown(model_id: str) -> str:
+    """MODEL_ID as the card's command line gives it: a Hub repo id as typed; a local folder as typed when that is a
+    path below the working directory (``./my-pipeline``, ``models/my-pipeline``), else by its own name: an absolute
+    path, ``~`` or ``..`` says where the folder sat on this machine (a home folder, a user name), nothing more."""
+    typed = Path(model_id)
+    local = typed.expanduser()
+    if not local.is_dir():
+        return model_id
+    if local.is_absolute() or model_id.startswith("~") or ".." in typed.parts or typed.name in ("", "."):
+        return local.resolve().name
+    return model_id
+
+
 def resolve(model_id: str, revision: str | None, token: str | None) -> Source:
     """Pin the base model: check it exists, is readable, and resolve the revision to a sha."""
     if is_local(model_id):

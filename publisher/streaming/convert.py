@@ -192,6 +192,8 @@ def stream_quantize(job: StreamJob, *, observer: TensorObserver | None = None,
     sink = sink or FolderSink()
     try:
         comp = _component(job.library, src_dir, recipe, job.exclude, job.class_name, job.component)
+        if job.name_or_path is not None:
+            comp.record_origin(job.name_or_path)
         keys = _checkpoint_keys(src_dir, comp, inputs)
         if keys is None:
             raise ValueError(f"{src_dir} has neither {comp.index_name} nor {comp.weights_name}")

@@ -108,7 +108,9 @@ class StreamJob:
     (``device_map="cuda"`` there, plain CPU loading otherwise; FP8-dynamic recipes on a CPU run inside fp8cpu's
     bypass, as the library path does); ``max_shard_size`` defaults to save_pretrained's default. ``component``: the
     pipeline component this folder is (its config when the recipe has one per component, or a per-layer table).
-    ``inputs``: where the shards come from (default: ``FolderInputs(src_dir)``).
+    ``inputs``: where the shards come from (default: ``FolderInputs(src_dir)``). ``name_or_path``: what the saved
+    config records as the model's origin (diffusers' ``_name_or_path``), as ``from_pretrained(name_or_path)`` would;
+    default ``src_dir``, as ``from_pretrained(src_dir)`` records it.
     """
 
     src_dir: Path
@@ -122,3 +124,4 @@ class StreamJob:
     max_shard_size: int | str | None = None
     inputs: ShardInputs | None = None
     progress: bool = True  # a progress bar on stderr
+    name_or_path: str | None = None

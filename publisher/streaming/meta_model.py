@@ -83,6 +83,10 @@ class LibraryAdapter(ABC):
     def write_configs(self, dst: Path) -> list[Path]:
         """Write the config file(s) save_pretrained writes; returns them in the order written."""
 
+    @abstractmethod
+    def record_origin(self, name_or_path: str) -> None:
+        """Record ``name_or_path`` as the model's origin, as ``from_pretrained(name_or_path)`` would have."""
+
     def save_order(self, keys: list[str]) -> list[str]:
         """The order of the flattened state dict save_pretrained shards."""
         return list(keys)
@@ -211,6 +215,9 @@ class DiffusersAdapter(LibraryAdapter):
         self.model.save_config(dst)
         return [dst / "config.json"]
 
+    def record_origin(self, name_or_path: str) -> None:
+        self.model.register_to_config(_name_or_path=name_or_path)  # saved in config.json
+
 
 def _config_key(library: str, ao_config: object) -> Callable[[str], str]:
     """For an ``FqnToConfig``: the identity of the entry the library applies to a key (configs/layers.py's rule)."""
@@ -299,6 +306,9 @@ class TransformersAdapter(LibraryAdapter):
         from transformers.core_model_loading import dot_natural_key
 
         return sorted(keys, key=dot_natural_key)
+
+    def record_origin(self, name_or_path: str) -> None:
+        self.model.config.name_or_path = name_or_path  # transformers does not save it
 
     def write_configs(self, dst: Path) -> list[Path]:
         # save_pretrained: the dtype of the first float parameter and the class name, then the

@@ -51,6 +51,13 @@ class Base:
     def display(self) -> str:
         return f"{self.name}@{self.sha[:12]}" if self.sha else self.name
 
+    def named_by(self, recorded: Any) -> bool:
+        """Whether a state file's ``base_model`` names this base: a Hub repo by its id, a local folder by its own name
+        (what a publish records: state.py) or, as earlier releases recorded it, by its path."""
+        if self.folder is None:
+            return recorded == self.name
+        return recorded in (self.folder.name, self.name, str(self.folder))
+
 
 def find(explicit: str | None, named: str | None, origin: str, state: dict[str, Any] | None, token: str | None
          ) -> tuple[Base | None, str]:
@@ -62,6 +69,10 @@ def find(explicit: str | None, named: str | None, origin: str, state: dict[str, 
     recorded = state if state and state.get("base_model") == name else None
     if Path(name).expanduser().is_dir():
         return Base(name, origin if not explicit else "--base", Path(name).expanduser().resolve()), ""
+    if not explicit and recorded and str(recorded.get("base_sha", "")).startswith("local-"):
+        # a publish names a local base by its folder's name (state.py), never its path: no Hub repo of that name
+        return None, (f"the base {name} named by {origin} is a local folder, and there is none of that name here; "
+                      "give its path with --base")
     sha = recorded.get("base_sha") if recorded else None
     from huggingface_hub.errors import HfHubHTTPError
     from huggingface_hub.utils import validate_repo_id

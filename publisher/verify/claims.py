@@ -178,13 +178,35 @@ def _claim(rows: list[Row], package: str, path: str, current: dict[str, str]) ->
     return Claim(package, path, here, minimum, passed, not_passed)
 
 
+# A sentence of a library's error that points at output the card does not show ("For details look at the
+# `CONVERSION` entries of the above report!", transformers' load report): nothing a reader of the card can follow.
+_POINTER = re.compile(r"\bfor (?:more )?details\b|\b(?:above|previous) (?:report|logs?|traceback|output|messages?)\b"
+                      r"|\bsee the (?:logs?|traceback)\b", re.I)
+_RAISED = re.compile(r"^(?P<head>.*?\b[A-Z]\w*(?:Error|Exception)): (?P<message>.*)$", re.S)  # "...RuntimeError: msg"
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z`(\[])")
+
+
+def reason(detail: str) -> str:
+    """A failed load's detail as one plain line for the card: what raised (the exception type) and its first sentence
+    that says something, without the library's pointers to logs the reader does not have."""
+    text = " ".join(detail.split())
+    raised = _RAISED.match(text)
+    head, message = (raised.group("head") + ": ", raised.group("message")) if raised else ("", text)
+    sentences = _SENTENCE_END.split(message)
+    meaningful = [s for s in sentences if not _POINTER.search(s)]
+    if raised:  # a library's exception: its first meaningful sentence says what went wrong
+        meaningful = meaningful[:1]
+    kept = " ".join(meaningful) or sentences[0]
+    return head + kept.rstrip(" .!") if raised else kept
+
+
 def cell(result: PathResult | None, width: int = 220) -> str:
     """A markdown table cell for one load: the outcome in words, loud when silently wrong."""
     if result is None:
         return "not run"
     if result.outcome == "pass":
         return "pass" + (" (bit-identical)" if result.forward_checked else " (tensors identical)")
-    detail = result.detail.replace("|", "\\|").replace("\n", " ")
+    detail = reason(result.detail).replace("|", "\\|")
     if len(detail) > width:
         detail = detail[: width - 3] + "..."
     return ("**SILENTLY WRONG**: " if result.outcome == "silently wrong" else "fail: ") + detail

@@ -150,7 +150,7 @@ def _strict(state: dict[str, Any] | None, chosen: against_base.Base, qdevice: st
     """Why the target must equal the base's re-quantization bit for bit (None: it was not made as here)."""
     import importlib.metadata as md
 
-    if not state or state.get("base_model") != chosen.name or not state.get("recipe") or state.get("tool") != "hf-ao-publish":
+    if not state or not chosen.named_by(state.get("base_model")) or not state.get("recipe") or state.get("tool") != "hf-ao-publish":
         return None
     made = state.get("versions") or {}
     here = {n: md.version(n) for n in ("torch", "torchao")}
