@@ -646,7 +646,7 @@ def test_publish_eval_tokens(fake_run: list[PublishRequest]) -> None:
 
 
 def test_publish_eval_budget(fake_run: list[PublishRequest]) -> None:
-    assert publish().exit_code == 0 and fake_run[-1].evaluation.budget_s == 900  # type: ignore[union-attr]  # the default: 15m
+    assert publish().exit_code == 0 and fake_run[-1].evaluation.budget_s is None  # type: ignore[union-attr]  # the default: auto
     assert publish(env={"HF_AO_PUBLISH_EVAL_BUDGET": "0"}).exit_code == 0
     assert fake_run[-1].evaluation.budget_s == 0  # type: ignore[union-attr]  # the variable's value
     assert publish("--eval-budget", "1h").exit_code == 0 and fake_run[-1].evaluation.budget_s == 3600  # type: ignore[union-attr]

@@ -71,6 +71,15 @@ def test_lm_card_from_fixture_data(tmp_path: Path) -> None:
     assert "| model | `LlamaForCausalLM` | 6 of 7 (Int8Tensor: 6) | 1 embeddings, 1 Linear kept by the library's rules |" in text
     # the size row says what the percentage is of, and the class names read with their article
     assert "| size | 787.71 KB of bf16 weights -> **513.74 KB** (65% of the bf16 size); the whole repo: " in text
+    # the repo's files: the weights and everything else apart (a card's comparison image, configs, tokenizers)
+    files = artifacts.files()
+    weights = sum(v for k, v in files.items() if k.endswith(".safetensors"))
+    got = re.search(r"the whole repo: ([\d.]+) (K?B) \(weights of every component ([\d.]+) (K?B); configs, tokenizers, "
+                    r"card: ([\d.]+) (K?B)\) \|", text)
+    assert got is not None, text.split("| size |")[1][:300]
+    total, weight, rest = (float(got[i]) * (1000 if got[i + 1] == "KB" else 1) for i in (1, 3, 5))
+    assert weight == pytest.approx(weights, abs=10) and rest == pytest.approx(sum(files.values()) - weights, abs=10)
+    assert total == pytest.approx(sum(files.values()), abs=10)
     assert "every quantized layer an `Int8Tensor`" in text and "a `Int8Tensor`" not in text
     # the config exactly as stored in config.json, and the Python that builds it
     (stored,) = _snippets(text, "json")

@@ -183,6 +183,7 @@ def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str |
         exclude=list(plan.exclude),
         sizes={c.label: (c.bytes_before, c.bytes_after) for c in artifacts.components},
         total_download=sum(files.values()),
+        weight_bytes=sum(size for name, size in files.items() if name.endswith(".safetensors")),  # every component's
         files=files,
         report=report,
         versions=current,
