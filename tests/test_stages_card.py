@@ -131,7 +131,7 @@ def _normalise(text: str) -> str:
     text = re.sub(r"(relative error \| cosine similarity \|\n\|---\|---\|---\|\n)", r"\1", text)
     text = re.sub(r"--output-dir \S+", "--output-dir <OUT>", text)
     # the whole repo's size counts the card's comparison image, whose JPEG bytes follow the CPU's arithmetic
-    text = re.sub(r"(the whole repo: |Total download: \*\*|card, comparison image: )[\d.]+ [KM]B", r"\1<SIZE>", text)
+    text = re.sub(r"(the whole repo: |Total download: \*\*|card(?:, comparison image)?: )[\d.]+ [KM]B", r"\1<SIZE>", text)
     # the evaluation's figures, times and generated text depend on the CPU's kernels and speed
     text = re.sub(r"\b\d+\.\d+(?=%| dB| s\b| CPU seconds| \(bf16\)| on Salesforce)", "<N>", text)
     text = re.sub(r"SSIM \d\.\d+", "SSIM <N>", text)
