@@ -73,12 +73,26 @@ class _DefaultToPublish(clijson.JsonErrors, click.Group):
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         own = {opt for param in self.get_params(ctx) for opt in (*param.opts, *param.secondary_opts)}
         if args and args[0] not in self.commands and args[0] not in own:
+            close = _mistyped_command(args[0], list(self.commands))
+            if close is not None:
+                raise click.UsageError(f"No such command {args[0]!r}. Did you mean {close!r}?", ctx)
             args = ["publish", *args]
         return super().parse_args(ctx, args)
 
     def format_usage(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         super().format_usage(ctx, formatter)  # the commands' form, then publish's own, which needs no command name
         formatter.write(f"       {ctx.command_path} [publish] MODEL_ID --quant RECIPE [OPTIONS]\n")
+
+
+def _mistyped_command(word: str, commands: list[str]) -> str | None:
+    """The command ``word`` looks like a typo of (`verfy`, `recipe`), unless it can be a MODEL_ID: an option, a path
+    that exists, or a repo id with a namespace (`alice/verfy`) are published as before."""
+    import difflib
+
+    if word.startswith("-") or "/" in word or Path(word).expanduser().exists():
+        return None
+    close = difflib.get_close_matches(word.lower(), commands, n=1, cutoff=0.75)
+    return close[0] if close else None
 
 
 class _Failure(click.ClickException):

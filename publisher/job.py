@@ -62,6 +62,7 @@ def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = 
     matrix.check(req.verify_envs, req.compat)
     if req.repo_id:
         planning.check_target_id(req.repo_id.replace("{recipe}", "x"))
+    source_stage.check_named_folder(req.model)
     if req.push and not token:
         raise TargetError("pushing needs a Hub token with write access; set HF_TOKEN (or pass --token), or use --no-push")
     if req.output_dir is not None:

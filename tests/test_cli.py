@@ -103,6 +103,29 @@ def test_a_model_id_defaults_to_publish() -> None:
     assert "Missing option '--quant'" in result.stderr
 
 
+@pytest.mark.parametrize(("typed", "command"), [("verfy", "verify"), ("recipe", "recipes"), ("Verify", "verify"),
+                                               ("publsh", "publish")])
+def test_a_mistyped_command_names_the_command(typed: str, command: str) -> None:
+    result = invoke(typed, "./out")  # not "Got unexpected extra argument", nor "Missing option '--quant'" (publish's)
+    assert result.exit_code == 2
+    assert result.stderr.splitlines()[-1] == f"Error: No such command '{typed}'. Did you mean '{command}'?"
+    assert invoke(typed).stderr.splitlines()[-1] == f"Error: No such command '{typed}'. Did you mean '{command}'?"
+
+
+def test_a_word_like_a_command_that_can_be_a_model_id_still_publishes(
+        cli: Any, hub: Any, tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    shutil.copytree(tiny_llama_dir, tmp_path / "verfy")
+    monkeypatch.chdir(tmp_path)
+    result = cli("verfy", "--quant", "int8wo", "--no-push", "--output-dir", "out", *QUICK, *IN_PROCESS)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "out\n" and (tmp_path / "out" / "README.md").is_file()
+    result = cli("alice/verfy", "--quant", "int8wo", "--no-push", *QUICK)  # a repo id: read from the Hub
+    assert result.exit_code == 1
+    assert "repo alice/verfy not found" in result.stderr
+
+
 def test_help_imports_no_heavy_library() -> None:
     code = ("import sys\nfrom publisher.cli import main\n"
             "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
@@ -446,7 +469,7 @@ def test_publish_unknown_recipe_is_a_usage_error() -> None:
     # the real job: the recipe is checked before anything is read
     result = invoke("some/model", "--quant", "int3", "--no-push")
     assert result.exit_code == 2
-    assert "unknown recipe 'int3'; choose one of: " + ", ".join(recipe_registry.names()) in result.stderr
+    assert "unknown recipe 'int3' (did you mean int8wo?); choose one of: " + ", ".join(recipe_registry.names()) in result.stderr
 
 
 def test_publish_quant_takes_configs_and_mappings(fake_run: list[PublishRequest]) -> None:

@@ -124,8 +124,15 @@ def test_quant_values_split_on_top_level_commas_only() -> None:
         spec.parse_quant(["transformer=int8wo,float8wo"], recipes.CALLS)
     with pytest.raises(UsageError, match="names component transformer twice"):
         spec.parse_quant(["transformer=int8wo,transformer=float8wo"], recipes.CALLS)
-    with pytest.raises(UsageError, match="unknown recipe 'int3'; choose one of: int8wo, .*did you mean"):
+    with pytest.raises(UsageError, match=r"unknown recipe 'int3' \(did you mean int8wo\?\); choose one of: int8wo, "):
         spec.parse_quant(["int3"], recipes.CALLS)
+    for typed in ("INT8WO", "Int8wo", "int8w0", "in8wo"):  # another case, a zero for an o, a letter left out
+        with pytest.raises(UsageError, match=rf"unknown recipe '{typed}' \(did you mean int8wo\?\)"):
+            spec.parse_quant([typed], recipes.CALLS)
+    with pytest.raises(UsageError, match=r"unknown recipe 'Float8DQ-Tensor' \(did you mean float8dq-tensor\?\)"):
+        spec.parse_quant(["transformer=Float8DQ-Tensor"], recipes.CALLS)
+    with pytest.raises(UsageError, match=r"unknown recipe 'xyz'; choose one of"):  # nothing close: no guess
+        spec.parse_quant(["xyz"], recipes.CALLS)
 
 
 def test_a_json_config_file_in_config_to_dict_form(tmp_path: Path) -> None:

@@ -172,13 +172,22 @@ def precheck_value(text: str, what: str, recipes: Mapping[str, str]) -> tuple[st
 
 
 def unknown(value: str, what: str, recipes: Mapping[str, str]) -> UsageError:
+    """The error for a word that is no recipe; the closest name first (INT8WO, int8w0, in8wo: int8wo)."""
+    close = _closest_recipe(value, recipes)
+    hint = f" (did you mean {close}?)" if close else ""
+    return UsageError(f"{what}: unknown recipe {value!r}{hint}; choose one of: {', '.join(recipes)} (see `hf-ao-publish "
+                      "recipes`), or give a torchao config such as 'Int8WeightOnlyConfig(granularity=PerGroup(128))' or a "
+                      "config_to_dict JSON file")
+
+
+def _closest_recipe(value: str, recipes: Mapping[str, str]) -> str | None:
+    """The recipe name ``value`` is most likely a typo of: the same name in another case, else the closest by
+    difflib (names compared in lower case)."""
     import difflib
 
-    close = difflib.get_close_matches(value, list(recipes), n=1)
-    hint = f"; did you mean {close[0]}?" if close else ""
-    return UsageError(f"{what}: unknown recipe {value!r}; choose one of: {', '.join(recipes)} (see `hf-ao-publish "
-                      "recipes`), or give a torchao config such as 'Int8WeightOnlyConfig(granularity=PerGroup(128))' or a "
-                      f"config_to_dict JSON file{hint}")
+    lower = {name.lower(): name for name in recipes}
+    close = difflib.get_close_matches(value.lower(), list(lower), n=1)
+    return lower[close[0]] if close else None
 
 
 def split_top(text: str) -> list[str]:
