@@ -138,6 +138,17 @@ def test_repo_ids_and_existing_folders_pass_a_file_does_not(tmp_path: Path, monk
 
 
 # ---- our own leftovers -----------------------------------------------------------------------------------------
+def test_a_cleared_folder_is_said_to_be_left_by_a_run_that_did_not_finish(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Interrupted, or stopped by an error (a --min-quality bound, a crash): the line says what is known."""
+    out = tmp_path / "out"
+    unfinished.make_partial(out / "int8wo.partial", "f" * 64, "int8wo")
+    with caplog.at_level("INFO", logger="publisher.stages.unfinished"):
+        unfinished.clear_output_dir(out)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"removing {out / 'int8wo.partial'}, left by an earlier run that did not finish (interrupted or failed; int8wo)"]
+
+
 def test_only_marked_partial_folders_are_cleared(tmp_path: Path) -> None:
     out = tmp_path / "out"
     unfinished.make_partial(out / "int8wo.partial", "f" * 64, "int8wo")

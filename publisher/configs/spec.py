@@ -108,11 +108,16 @@ def from_dict(data: Any, what: str, given: str, origin: str = "") -> ConfigSpec:
     return from_config(config, given, "json", origin)
 
 
-def read_json_file(value: str, what: str) -> tuple[str, str]:
-    """(text, path) of a JSON file argument, through the project's JSON reader rules (size, plain file)."""
+QUANT_TAKES = "--quant takes a recipe name, a config call or a config_to_dict JSON file"
+
+
+def read_json_file(value: str, what: str, takes: str = QUANT_TAKES) -> tuple[str, str]:
+    """(text, path) of a JSON file argument, through the project's JSON reader rules (size, plain file); ``takes``:
+    what the option takes, said when the file is missing."""
     path = Path(value).expanduser()
     if not path.is_file():
-        raise UsageError(f"{what} {value!r}: no such file; give a recipe name, a config call or a JSON file")
+        said = "is a folder, not a file" if path.is_dir() else "no such file"
+        raise UsageError(f"{what} {value!r}: {said}: {path.resolve(strict=False)}; {takes}")
     if path.stat().st_size > MAX_JSON_BYTES:
         raise UsageError(f"{what} {value!r} is over {MAX_JSON_BYTES // 1024} KB; a config file is small")
     try:
