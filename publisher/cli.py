@@ -47,17 +47,21 @@ compat_option = click.option(
 json_option = click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout.")
 debug_option = click.option(
     "--debug", is_flag=True, help="Show tracebacks, and the library warnings hidden as harmless.")
-quiet_option = click.option("--quiet", is_flag=True, help="Only warnings and errors on stderr.")
+quiet_option = click.option("--quiet", is_flag=True,
+                            help="Only warnings and errors on stderr: no progress, no summary line (the result is on stdout).")
+# A run's own lines on stderr (not with --quiet); named, not __name__, which is __main__ under `python -m publisher.cli`
+_say = logging.getLogger("publisher.cli").info
 
 
 def _start(debug: bool, quiet: bool) -> None:
-    """Before a command imports any library: logging (with the library noise filter) and hf_xet's memory bound
-    (read when hf_xet starts its first session). Xet itself is huggingface_hub's default, on every Hub that offers
-    it; only the user's own HF_HUB_DISABLE_XET=1 turns it off."""
+    """Before a command imports any library: logging (with the library noise filter), progress bars (read when the
+    libraries are imported) and hf_xet's memory bound (read when hf_xet starts its first session). Xet itself is
+    huggingface_hub's default, on every Hub that offers it; only the user's own HF_HUB_DISABLE_XET=1 turns it off."""
     from publisher.io import xetupload
-    from publisher.runtime import logs
+    from publisher.runtime import logs, progress
 
     logs.setup(debug=debug, quiet=quiet)
+    progress.setup(quiet=quiet)  # bars only on a terminal: a CI log gets our one line per stage instead
     xetupload.bound_memory()
 
 
@@ -69,12 +73,26 @@ class _DefaultToPublish(clijson.JsonErrors, click.Group):
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         own = {opt for param in self.get_params(ctx) for opt in (*param.opts, *param.secondary_opts)}
         if args and args[0] not in self.commands and args[0] not in own:
+            close = _mistyped_command(args[0], list(self.commands))
+            if close is not None:
+                raise click.UsageError(f"No such command {args[0]!r}. Did you mean {close!r}?", ctx)
             args = ["publish", *args]
         return super().parse_args(ctx, args)
 
     def format_usage(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         super().format_usage(ctx, formatter)  # the commands' form, then publish's own, which needs no command name
         formatter.write(f"       {ctx.command_path} [publish] MODEL_ID --quant RECIPE [OPTIONS]\n")
+
+
+def _mistyped_command(word: str, commands: list[str]) -> str | None:
+    """The command ``word`` looks like a typo of (`verfy`, `recipe`), unless it can be a MODEL_ID: an option, a path
+    that exists, or a repo id with a namespace (`alice/verfy`) are published as before."""
+    import difflib
+
+    if word.startswith("-") or "/" in word or Path(word).expanduser().exists():
+        return None
+    close = difflib.get_close_matches(word.lower(), commands, n=1, cutoff=0.75)
+    return close[0] if close else None
 
 
 class _Failure(click.ClickException):
@@ -130,6 +148,7 @@ def recipes_cmd(as_json: bool) -> None:
 
     Example: hf-ao-publish recipes
     """
+    _start(debug=False, quiet=False)  # torchao and torch warn while the registry's facts import them
     from publisher.hfjobs import hardware
 
     flavors, source = hardware.available()
@@ -318,7 +337,7 @@ def _run_failed_json(as_json: bool, debug: bool, fn: Any, *args: Any) -> Any:
 
         stopped = failure.__context__  # the library error the failure was mapped from
         if as_json and isinstance(stopped, RunFailed) and stopped.results:
-            _print_json(stopped.results, failure)  # what each recipe had come to, for machines
+            clijson.outcomes(stopped.results, failure.message, failure.exit_code)  # what each recipe had come to
         raise
 
 
@@ -385,7 +404,7 @@ def verify_cmd(target: str, revision: str | None, token: str | None, verify_envs
                base: str | None, no_requantize: bool, as_json: bool, debug: bool, quiet: bool) -> None:
     """`hf-ao-publish verify TARGET`; the help text is VERIFY_HELP, which states what the matrix costs."""
     _start(debug, quiet)
-    logging.getLogger("publisher.cli").info("%s", matrix_plan(target, compat, verify_envs))
+    _say(matrix_plan(target, compat, verify_envs))
     import tempfile
 
     from publisher.verify.claims import text_table
@@ -404,7 +423,7 @@ def verify_cmd(target: str, revision: str | None, token: str | None, verify_envs
     measured = f"; other environments: {report.compat_counts()}" if report.compat else ""
     values = ("; values only checked for self-consistency (no base compared)" if report.self_consistency_only
               else f"; values match the base {report.base}" if report.base else "")
-    click.echo(f"{target}: all {len(report.results)} load checks passed{values}{measured}", err=True)
+    _say(f"{target}: all {len(report.results)} load checks passed{values}{measured}")
 
 
 def _check_size(value: str) -> None:
@@ -457,35 +476,22 @@ def _command_args(ctx: click.Context, skip: set[str]) -> list[str]:
     return parts
 
 
-def _print_json(outcomes: list[Any], failure: _Failure | None = None) -> None:
-    """The --json result; a failed run's also carries the error line and the exit code (the one recipe's own error,
-    when it has one)."""
-    payload = outcomes[0].to_json() if len(outcomes) == 1 else {
-        "results": [o.to_json() for o in outcomes], "verified": all(o.verified for o in outcomes),
-    }
-    if failure is not None:
-        payload["error"] = payload.get("error") or failure.message
-        payload["exit_code"] = failure.exit_code
-    clijson.emit(payload)
-
-
 def _report(outcomes: list[Any], as_json: bool, keep_going: bool, force: bool = False) -> None:
     failed = [o for o in outcomes if o.error]
     failure = _Failure(f"{len(failed)} of {len(outcomes)} recipes failed", 1) if failed else None
     if as_json:
-        _print_json(outcomes, failure)
+        clijson.outcomes(outcomes, *((failure.message, failure.exit_code) if failure else ()))
     for o in outcomes:
         if o.error:
             click.echo(f"{o.recipe}: FAILED: {o.error}", err=True)
         elif o.up_to_date:
             why = ("--force: every file is the same as published" if force else
                    "same base sha, recipe, options, card options and versions; --force publishes it again")
-            click.echo(f"{o.repo_id} is up to date: {o.url} (commit {o.commit}); nothing was published ({why})", err=True)
+            _say(f"{o.repo_id} is up to date: {o.url} (commit {o.commit}); nothing was published ({why})")
         elif o.pushed:
-            where = o.pr_url or o.url
-            click.echo(f"published {o.repo_id}: {where} (commit {o.commit})", err=True)
+            _say(f"published {o.repo_id}: {o.pr_url or o.url} (commit {o.commit})")
         else:
-            click.echo(f"{o.recipe}: verified repo folder at {o.folder} (card: {o.folder}/README.md); not pushed", err=True)
+            _say(f"{o.recipe}: verified repo folder at {o.folder} (card: {o.folder}/README.md); not pushed")
         if not as_json and not o.error:
             click.echo(o.pr_url or o.url or str(o.folder))
     if failure is not None:

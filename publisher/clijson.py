@@ -39,6 +39,18 @@ def emit(payload: Any) -> None:
     _current().printed = True
 
 
+def outcomes(results: list[Any], error: str | None = None, exit_code: int | None = None) -> None:
+    """A publish's document: one recipe's result, or every recipe's; a failed run's also carries the error line and
+    the exit code (the one recipe's own error, when it has one)."""
+    payload = results[0].to_json() if len(results) == 1 else {
+        "results": [o.to_json() for o in results], "verified": all(o.verified for o in results),
+    }
+    if error is not None:
+        payload["error"] = payload.get("error") or error
+        payload["exit_code"] = exit_code
+    emit(payload)
+
+
 def error(message: str, exit_code: int) -> None:
     """The error object on stdout with --json, unless the command already printed its document."""
     state = _current()

@@ -62,6 +62,7 @@ def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = 
     matrix.check(req.verify_envs, req.compat)
     if req.repo_id:
         planning.check_target_id(req.repo_id.replace("{recipe}", "x"))
+    source_stage.check_named_folder(req.model)
     from huggingface_hub import constants
 
     offline = constants.HF_HUB_OFFLINE  # an air-gapped run: nothing of ours asks the Hub

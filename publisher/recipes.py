@@ -321,10 +321,20 @@ def refuse_without_gpu(name: str, needs: Needs, capability: tuple[int, int] | No
     cc = capability if capability is not None or not probe else cuda_capability()
     if cc is None:
         cpu = [e.name for e in ENTRIES if not _rule_needs_gpu(e.config)]
-        raise HardwareError(f"{name} needs a {needs.describe()} to quantize, and this machine has none; run it on such a "
-                            f"GPU or pick a CPU recipe ({', '.join(cpu)})")
+        raise HardwareError(f"{name} needs a {needs.describe()} to quantize, and this machine has none; {_on_jobs(needs)}"
+                            f"run it on such a GPU, or pick a CPU recipe ({', '.join(cpu)})")
     if needs.min_cc and cc < needs.min_cc:
-        raise HardwareError(f"{name} needs a {needs.describe()} to quantize; this GPU has {cc[0]}.{cc[1]}")
+        raise HardwareError(f"{name} needs a {needs.describe()} to quantize; this GPU has {cc[0]}.{cc[1]}; "
+                            f"{_on_jobs(needs)}or run it on a GPU that has it")
+
+
+def _on_jobs(needs: Needs) -> str:
+    """The Hugging Face Jobs way out of a missing GPU, with the two smallest flavors that have it ("": none has)."""
+    fitting = [f.name for f in flavor_table.BUILTIN if needs.fits(f)][:2]
+    if not fitting:
+        return ""
+    return (f"add --on-hf-jobs FLAVOR to run it on Hugging Face Jobs ({' or '.join(fitting)}; `hf-ao-publish recipes` "
+            "lists the flavors), ")
 
 
 def _rule_needs_gpu(call: str) -> bool:

@@ -115,6 +115,33 @@ def _no_token(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HF_TOKEN", raising=False)
 
 
+# The CLI run in-process (the cli fixture, CliRunner: stderr is no terminal) turns progress bars off for itself and
+# the processes it starts by setting these (publisher/runtime/progress.py); they end with the test that ran it.
+PROGRESS_VARS = ("HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE")
+
+
+@pytest.fixture(autouse=True)
+def _progress_vars_restored() -> Any:
+    saved = {name: os.environ.get(name) for name in PROGRESS_VARS}
+    yield
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+
+
+# What progress bars leave in a log that is no terminal: carriage returns, escape codes, rates, tqdm's bar edge, and
+# the bars' own texts (huggingface_hub and hf_xet, transformers, diffusers, our streaming engine's).
+BAR_MARKS = ("\r", "\x1b", "it/s", "B/s", "%|", "Processing Files", "New Data Upload", "Validating", "LFS files",
+             "Loading weights", "Writing model shards", "Loading pipeline components", "Fetching", "quantize Flux")
+
+
+def progress_bars(stderr: str) -> list[str]:
+    """The lines of ``stderr`` (split on newlines only, so a bar's redraws stay in its line) a progress bar drew."""
+    return [line for line in stderr.split("\n") if any(mark in line for mark in BAR_MARKS)]
+
+
 @pytest.fixture(autouse=True)
 def _zygotes_on(monkeypatch: pytest.MonkeyPatch) -> None:
     """Load-path workers forked from a zygote, as on every Linux run, unless a test switches it off: the zygote tests

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -21,7 +22,7 @@ from typing import Any
 import click
 import pytest
 from click.testing import CliRunner, Result
-from conftest import IN_PROCESS, SKIP_EVAL_AND_MATRIX
+from conftest import IN_PROCESS, PROGRESS_VARS, SKIP_EVAL_AND_MATRIX, progress_bars
 
 from publisher import __version__
 from publisher import recipes as recipe_registry
@@ -99,6 +100,29 @@ def test_a_model_id_defaults_to_publish() -> None:
     assert result.exit_code == 2
     assert "Usage: hf-ao-publish publish [OPTIONS] MODEL_ID" in result.stderr
     assert "Missing option '--quant'" in result.stderr
+
+
+@pytest.mark.parametrize(("typed", "command"), [("verfy", "verify"), ("recipe", "recipes"), ("Verify", "verify"),
+                                               ("publsh", "publish")])
+def test_a_mistyped_command_names_the_command(typed: str, command: str) -> None:
+    result = invoke(typed, "./out")  # not "Got unexpected extra argument", nor "Missing option '--quant'" (publish's)
+    assert result.exit_code == 2
+    assert result.stderr.splitlines()[-1] == f"Error: No such command '{typed}'. Did you mean '{command}'?"
+    assert invoke(typed).stderr.splitlines()[-1] == f"Error: No such command '{typed}'. Did you mean '{command}'?"
+
+
+def test_a_word_like_a_command_that_can_be_a_model_id_still_publishes(
+        cli: Any, hub: Any, tiny_llama_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import shutil
+
+    shutil.copytree(tiny_llama_dir, tmp_path / "verfy")
+    monkeypatch.chdir(tmp_path)
+    result = cli("verfy", "--quant", "int8wo", "--no-push", "--output-dir", "out", *SKIP_EVAL_AND_MATRIX, *IN_PROCESS)
+    assert result.exit_code == 0, result.output
+    assert result.stdout == "out\n" and (tmp_path / "out" / "README.md").is_file()
+    result = cli("alice/verfy", "--quant", "int8wo", "--no-push", *SKIP_EVAL_AND_MATRIX)  # a repo id: read from the Hub
+    assert result.exit_code == 1
+    assert "repo alice/verfy not found" in result.stderr
 
 
 def test_help_imports_no_heavy_library() -> None:
@@ -374,9 +398,12 @@ def test_verify_debug(fake_verify: dict[str, Any]) -> None:
 def test_verify_quiet(fake_verify: dict[str, Any]) -> None:
     loud = invoke("verify", "alice/x")
     assert "info from the verification" in loud.stderr and "warning from the verification" in loud.stderr
+    assert "alice/x: all " in loud.stderr and "verifying alice/x:" in loud.stderr
     quiet = invoke("verify", "alice/x", "--quiet")
     assert quiet.exit_code == 0
     assert "info from the verification" not in quiet.stderr and "warning from the verification" in quiet.stderr
+    assert quiet.stderr.splitlines() == ["warning from the verification"]  # no plan line, no summary line
+    assert quiet.stdout == loud.stdout  # the report table: data
 
 
 # ---------------------------------------------------------------- publish (job.run replaced by a recorder)
@@ -459,7 +486,7 @@ def test_publish_unknown_recipe_is_a_usage_error() -> None:
     # the real job: the recipe is checked before anything is read
     result = invoke("some/model", "--quant", "int3", "--no-push")
     assert result.exit_code == 2
-    assert "unknown recipe 'int3'; choose one of: " + ", ".join(recipe_registry.names()) in result.stderr
+    assert "unknown recipe 'int3' (did you mean int8wo?); choose one of: " + ", ".join(recipe_registry.names()) in result.stderr
 
 
 def test_publish_quant_takes_configs_and_mappings(fake_run: list[PublishRequest]) -> None:
@@ -747,9 +774,12 @@ def test_publish_debug(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_publish_quiet(fake_run: list[PublishRequest]) -> None:
     loud = publish()
     assert "info from the job" in loud.stderr and "warning from the job" in loud.stderr
+    assert "int8wo: verified repo folder at " in loud.stderr
     quiet = publish("--quiet")
     assert quiet.exit_code == 0
     assert "info from the job" not in quiet.stderr and "warning from the job" in quiet.stderr
+    assert quiet.stderr.splitlines() == ["warning from the job"]  # no summary line: the result is on stdout
+    assert quiet.stdout == loud.stdout
 
 
 def test_publish_records_the_command_without_secrets_or_local_paths(fake_run: list[PublishRequest], tmp_path: Path) -> None:
@@ -794,10 +824,12 @@ def test_publish_on_hf_jobs(fake_remote: list[Any]) -> None:
     assert request.flavor == "l4x1" and request.publish.model == "some/model" and request.publish.quant == ["int8wo"]
     # what every job's command repeats: no token, no recipe/target/revision (set per job), no local-only option
     assert request.options == ("--components", "transformer", "--sample-steps", "2", "--sample-size", "64", "--quiet")
-    assert publish("--on-hf-jobs", "l4x1", "--no-low-disk").exit_code == 0
+    loud = publish("--on-hf-jobs", "l4x1", "--no-low-disk")
+    assert loud.exit_code == 0
     assert fake_remote[-1].options == ("--no-low-disk",)  # an explicit "no" reaches the job too
-    assert result.stdout == "http://hub/alice/m-int8wo\n"
-    assert "published alice/m-int8wo: http://hub/alice/m-int8wo" in result.stderr
+    assert result.stdout == loud.stdout == "http://hub/alice/m-int8wo\n"
+    assert result.stderr == ""  # --quiet: the result on stdout, no summary line
+    assert "published alice/m-int8wo: http://hub/alice/m-int8wo" in loud.stderr
     for extra, flag in ((["--no-push"], "--no-push"), (["--output-dir", "out"], "--output-dir"),
                         (["--verify-env", "/x/python"], "--verify-env")):
         refused = publish("--on-hf-jobs", "l4x1", *extra)
@@ -887,18 +919,52 @@ def test_library_loggers_keep_our_handler_whoever_is_imported_first() -> None:
     assert any(mark in debug.stderr for mark in NOISE_MARKS), debug.stderr
 
 
+@pytest.mark.parametrize("category", [SyntaxWarning, DeprecationWarning])  # Python 3.12 and later; 3.11
+def test_torchaos_invalid_escape_sequence_warning_is_hidden(category: type[Warning]) -> None:
+    """torchao 0.18's quant_api.py has a "\\." in a plain string: Python warns the first time it compiles the file.
+    The filter is by module, set before torchao is imported; the same warning from any other module still shows."""
+    import warnings
+
+    site = "/venv/lib/python3.12/site-packages"
+    ours, other = f"{site}/torchao/quantization/quant_api.py", f"{site}/other/quant_api.py"
+    compiled = SyntaxWarning if sys.version_info >= (3, 12) else DeprecationWarning
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")  # as with -W always: every warning shown unless a filter drops it
+        logs.filter_warnings()
+        for filename in (ours, other):  # raised as the compiler raises it: the module named by its file
+            warnings.warn_explicit("invalid escape sequence '\\.'", category, filename, 1542)
+        warnings.warn_explicit("invalid escape sequence '\\.'", category, "quant_api.py", 1,
+                               module="torchao.quantization.quant_api")  # by module name, at run time
+        for filename in (ours, other):  # and by this Python's compiler itself
+            compile("pattern = '\\.'\n", filename, "exec")
+    assert [(w.category, w.filename) for w in seen] == [(category, other), (compiled, other)]
+
+
+@pytest.mark.slow  # imports torchao (the registry's facts), which warns at import
+def test_recipes_hides_the_library_noise_as_publish_does() -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}  # the built-in flavor table: no Hub asked
+    proc = subprocess.run([sys.executable, "-m", "publisher.cli", "recipes"], env=env, check=False, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "int8wo  int8 weight-only" in proc.stdout
+    assert proc.stderr == ""  # torchao's optional kernels and torch's pytree deprecation: known-harmless, hidden
+
+
 @pytest.mark.slow
 def test_a_successful_publish_prints_no_library_noise(tiny_flux_dir: Path, tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k not in PROGRESS_VARS}  # as a user's CI runs it: a pipe, no setting
+
     def run(out: str, *extra: str) -> subprocess.CompletedProcess[str]:
         cmd = [sys.executable, "-m", "publisher.cli", str(tiny_flux_dir), "--quant", "int8wo", "--no-push",
                "--output-dir", str(tmp_path / out), *SMALL, *SKIP_EVAL_AND_MATRIX, *extra]
-        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=900)
+        proc = subprocess.run(cmd, env=env, check=False, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return proc
 
     clean = run("out")
     assert clean.stdout == f"{tmp_path / 'out'}\n"
     assert not _third_party(clean.stderr), clean.stderr
+    assert not progress_bars(clean.stderr), clean.stderr  # "Loading weights", our "quantize ..." bar: none in a log
     assert "int8wo: verified repo folder at" in clean.stderr
     # the import-time lines are enough to see the filter lifted: no fresh-process reloads needed for that
     debug = run("debug", "--debug", *IN_PROCESS)

@@ -35,7 +35,22 @@ def _repos_of(user_token: str) -> set[str]:
 CASES = [
     # id, args, token, exit code, message fragment
     ("unknown recipe", ["{llama}", "--quant", "int3"], "tok_alice", 2, "unknown recipe 'int3'"),
-    ("gpu recipe on cpu", ["{llama}", "--quant", "int4wo"], "tok_alice", 1, "int4wo needs a CUDA GPU with compute capability >= 8.0"),
+    ("gpu recipe on cpu", ["{llama}", "--quant", "int4wo"], "tok_alice", 1,
+     "int4wo needs a CUDA GPU with compute capability >= 8.0 to quantize, and this machine has none; add --on-hf-jobs "
+     "FLAVOR to run it on Hugging Face Jobs (l4x1 or a10g-small; `hf-ao-publish recipes` lists the flavors), run it on "
+     "such a GPU, or pick a CPU recipe (int8wo, "),
+    ("recipe in capitals", ["{llama}", "--quant", "INT8WO"], "tok_alice", 2, "unknown recipe 'INT8WO' (did you mean int8wo?)"),
+    ("recipe with a zero", ["{llama}", "--quant", "int8w0"], "tok_alice", 2, "unknown recipe 'int8w0' (did you mean int8wo?)"),
+    ("recipe missing a letter", ["{llama}", "--quant", "in8wo"], "tok_alice", 2, "unknown recipe 'in8wo' (did you mean int8wo?)"),
+    ("layer config file missing", ["{llama}", "--quant", "int8wo", "--layer-config", "no-such-layers.json"], "tok_alice", 2,
+     f"--layer-config 'no-such-layers.json': no such file: {Path.cwd() / 'no-such-layers.json'}; --layer-config takes a "
+     "JSON file, or a JSON object inline"),
+    ("mistyped folder", ["./no-such-pipe", "--quant", "int8wo"], "tok_alice", 2,
+     "no such folder: ./no-such-pipe; give an existing folder as MODEL_ID, or a Hub repo id (NAMESPACE/NAME)"),
+    ("mistyped folder, no token", ["./no-such-pipe", "--quant", "int8wo"], None, 2, "no such folder: ./no-such-pipe"),
+    ("mistyped verify target", ["verify", "./no-such-pipe", "--compat", "none"], None, 2,
+     "no such folder: ./no-such-pipe; give an existing folder as TARGET, or a Hub repo id (NAMESPACE/NAME)"),
+    ("mistyped command", ["verfy", "./no-such-pipe"], None, 2, "No such command 'verfy'. Did you mean 'verify'?"),
     ("malformed model id", ["not a repo//x", "--quant", "int8wo"], "tok_alice", 2, "neither an existing local folder nor a Hub repo id"),
     ("repo not found", ["bfl/missing-model", "--quant", "int8wo"], "tok_alice", 1, "bfl/missing-model not found"),
     ("gated without access", ["{gated}", "--quant", "int8wo"], "tok_alice", 1, "is gated"),

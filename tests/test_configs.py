@@ -124,8 +124,15 @@ def test_quant_values_split_on_top_level_commas_only() -> None:
         spec.parse_quant(["transformer=int8wo,float8wo"], recipes.CALLS)
     with pytest.raises(UsageError, match="names component transformer twice"):
         spec.parse_quant(["transformer=int8wo,transformer=float8wo"], recipes.CALLS)
-    with pytest.raises(UsageError, match="unknown recipe 'int3'; choose one of: int8wo, .*did you mean"):
+    with pytest.raises(UsageError, match=r"unknown recipe 'int3' \(did you mean int8wo\?\); choose one of: int8wo, "):
         spec.parse_quant(["int3"], recipes.CALLS)
+    for typed in ("INT8WO", "Int8wo", "int8w0", "in8wo"):  # another case, a zero for an o, a letter left out
+        with pytest.raises(UsageError, match=rf"unknown recipe '{typed}' \(did you mean int8wo\?\)"):
+            spec.parse_quant([typed], recipes.CALLS)
+    with pytest.raises(UsageError, match=r"unknown recipe 'Float8DQ-Tensor' \(did you mean float8dq-tensor\?\)"):
+        spec.parse_quant(["transformer=Float8DQ-Tensor"], recipes.CALLS)
+    with pytest.raises(UsageError, match=r"unknown recipe 'xyz'; choose one of"):  # nothing close: no guess
+        spec.parse_quant(["xyz"], recipes.CALLS)
 
 
 def test_a_json_config_file_in_config_to_dict_form(tmp_path: Path) -> None:
@@ -143,7 +150,8 @@ def test_a_json_config_file_in_config_to_dict_form(tmp_path: Path) -> None:
     (tmp_path / "bad.json").write_text('{"_type": "Int8WeightOnlyConfig"}')
     with pytest.raises(UsageError, match="config_to_dict form"):
         spec.parse_value(str(tmp_path / "bad.json"), "--quant", recipes.CALLS)
-    with pytest.raises(UsageError, match="no such file"):
+    with pytest.raises(UsageError, match=rf"^--quant '{tmp_path}/missing.json': no such file: {tmp_path}/missing.json; "
+                                          "--quant takes a recipe name, a config call or a config_to_dict JSON file$"):
         spec.parse_value(str(tmp_path / "missing.json"), "--quant", recipes.CALLS)
     (tmp_path / "evil.json").write_text('{"_type": "Popen", "_data": {"args": ["true"]}}')
     with pytest.raises(UsageError, match="Failed to find class Popen"):
@@ -185,6 +193,13 @@ def test_gpu_only_and_unpublishable_configs_are_refused_early() -> None:
         recipes.check_can_quantize(int4, probe=False)
     with pytest.raises(HardwareError, match="int4wo needs a CUDA GPU with compute capability >= 8.0"):
         recipe_args.precheck(["int4wo"])  # the device rules alone, before torchao is imported
+    # the way out on Hugging Face Jobs, with the smallest flavors that have such a GPU (`recipes` lists the same)
+    jobs = r"add --on-hf-jobs FLAVOR to run it on Hugging Face Jobs \(l4x1 or a10g-small; `hf-ao-publish recipes` lists"
+    assert recipes.get("int4wo").hf_jobs_text().startswith("quantize, run, benchmark: l4x1 (L4, CC 8.9), a10g-small")
+    with pytest.raises(HardwareError, match=rf"this machine has none; {jobs} the flavors\), run it on such a GPU, or pick"):
+        recipes.check_can_quantize(recipes.get("int4wo"), probe=False)
+    with pytest.raises(HardwareError, match=rf"to quantize; this GPU has 7.5; {jobs} the flavors\), or run it on a GPU"):
+        recipes.check_can_quantize(recipes.get("int4wo"), (7, 5))
     with pytest.raises(UsageError, match="Int4PreshuffledTensor weights, which torchao 0.18 cannot save as safetensors"):
         recipe_args.parse(['Int4WeightOnlyConfig(int4_packing_format="preshuffled")'])
     with pytest.raises(UsageError, match="torchao cannot quantize .* Unsupported int4 packing format: bogus"):
@@ -236,6 +251,18 @@ def test_layer_tables_and_the_libraries_rules() -> None:
                       ('{"a": "FqnToConfig({})"}', "cannot itself be a per-layer table")):
         with pytest.raises(UsageError, match=said):
             layers.parse_layer_arg(bad, recipes.CALLS)
+
+
+def test_a_missing_layer_table_file_is_named_with_what_the_option_takes(tmp_path: Path) -> None:
+    """Not --quant's "give a recipe name, a config call or a JSON file": --layer-config takes neither of the first two."""
+    takes = "--layer-config takes a JSON file, or a JSON object inline"
+    for check in (layers.precheck_layer_arg, layers.parse_layer_arg):
+        with pytest.raises(UsageError, match=rf"^--layer-config '{tmp_path}/layers.json': no such file: "
+                                             rf"{tmp_path}/layers.json; {takes}"):
+            check(str(tmp_path / "layers.json"), recipes.CALLS)
+        with pytest.raises(UsageError, match=rf"^--layer-config transformer= '{tmp_path}': is a folder, not a file: "
+                                             rf"{tmp_path}; {takes}"):
+            check(f"transformer={tmp_path}", recipes.CALLS)
 
 
 def _component(library: str = "diffusers", biased: bool = False) -> Any:

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import IN_PROCESS, SKIP_EVAL_AND_MATRIX, XET_DEFAULT_VERIFY
+from conftest import IN_PROCESS, PROGRESS_VARS, SKIP_EVAL_AND_MATRIX, XET_DEFAULT_VERIFY, progress_bars
 
 from publisher import recipes
 
@@ -57,31 +57,47 @@ def test_publish_flux_pipeline_and_load_it_back(cli: Any, flux_repo: str) -> Non
 
 
 # What a successful run may print besides our own lines: nothing from the libraries. These marks catch the
-# third-party lines seen on the Hub's transfer paths (huggingface_hub's Xet fallback, hf_xet, its progress bars).
+# third-party lines seen on the Hub's transfer paths (huggingface_hub's Xet fallback, hf_xet); progress bars are
+# conftest.progress_bars'.
 THIRD_PARTY = ("Xet Storage", "Falling back", "hf_xet", "huggingface_hub", "Warning", "warning:", "deprecated",
-               "Failed to load", "Traceback")
+               "Failed to load", "Unable to import", "Traceback")
 
 
 @pytest.mark.slow
 @pytest.mark.transfer
 def test_a_publish_through_the_hub_prints_only_our_own_lines(hub: Any, flux_repo: str, tmp_path: Path) -> None:
-    """The real CLI in a fresh process (so hf_xet's own output would show): downloads, a --low-disk push with files
-    copied Hub to Hub, and a plain push, in this session's transfer mode. stderr holds our lines only. (The default
-    verification's reloads, in the Xet session: they read the local folder whatever the transfer mode.)"""
+    """The real CLI in a fresh process (so hf_xet's own output would show), its stderr a pipe as in a CI log:
+    downloads, a --low-disk push with files copied Hub to Hub, a plain push, and a plain push with --quiet, in this
+    session's transfer mode. stderr holds our lines only, one per stage or file, and no progress bar (huggingface_hub's,
+    hf_xet's, transformers', ours); with --quiet, nothing but the URL on stdout. (The default verification's reloads,
+    in the Xet session: they read the local folder whatever the transfer mode.)"""
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "HF_TOKEN": "tok_alice", "HF_HOME": str(tmp_path / "home"), "TMPDIR": str(tmp_path)}
-    env.pop("HF_HUB_DISABLE_PROGRESS_BARS", None)  # as a user runs it: progress bars go to stderr, warnings must not
-    for extra, target in ((["--low-disk"], "alice/quiet-low-disk"), ([], "alice/quiet-plain")):
+    for name in PROGRESS_VARS:  # as a user runs it: the suite's own HF_HUB_DISABLE_PROGRESS_BARS=1 would hide the bars
+        env.pop(name, None)
+    runs = ((["--low-disk"], "alice/quiet-low-disk", XET_DEFAULT_VERIFY), ([], "alice/quiet-plain", XET_DEFAULT_VERIFY),
+            (["--quiet"], "alice/quiet-quiet", IN_PROCESS))  # --quiet's subject is the output: verified in process
+    said: dict[str, list[str]] = {}
+    for extra, target, verify in runs:
         proc = subprocess.run([sys.executable, "-m", "publisher.cli", flux_repo, "--quant", "int8wo", "--repo-id", target,
-                               *extra, *SMALL, *XET_DEFAULT_VERIFY, *SKIP_EVAL_AND_MATRIX], env=env, capture_output=True, text=True, timeout=900)
+                               *extra, *SMALL, *SKIP_EVAL_AND_MATRIX, *verify], env=env, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        lines = [line for line in proc.stderr.replace("\r", "\n").splitlines() if line.strip()]
-        noisy = [line for line in lines if any(mark in line for mark in THIRD_PARTY) and "%|" not in line]
+        assert not progress_bars(proc.stderr), progress_bars(proc.stderr)[:5]
+        lines = said[target] = [line for line in proc.stderr.splitlines() if line.strip()]
+        noisy = [line for line in lines if any(mark in line for mark in THIRD_PARTY)]
         assert not noisy, noisy
-        assert f"published {target}" in proc.stderr
+        assert proc.stdout == f"{hub.url}/{target}\n"
+        if "--quiet" in extra:
+            assert proc.stderr == ""
+        else:
+            assert lines[-1].startswith(f"published {target}: "), lines
+            assert any(line.startswith("quantizing transformer (FluxTransformer2DModel) with int8wo") for line in lines)
+    # the plain push's stage line, where the upload bars were
+    assert any(line.startswith("uploading ") and line.endswith(" to alice/quiet-plain, then committing them")
+               for line in said["alice/quiet-plain"])
 
 
 @pytest.mark.slow

@@ -1,10 +1,11 @@
-"""Local folders we do not own (publisher/io/localfiles.py), the JSON reader (publisher/io/jsonfile.py) and our own
+"""Local folders we do not own (publisher/io/localfiles.py; a mistyped one named as such), the JSON reader (publisher/io/jsonfile.py) and our own
 leftovers (publisher/stages/unfinished.py): the rules the hostile-input suite relies on, one by one (fast)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -12,9 +13,9 @@ from typing import Any
 import pytest
 from conftest import IN_PROCESS, SKIP_EVAL_AND_MATRIX
 
-from publisher.errors import InputError, TargetError
+from publisher.errors import InputError, TargetError, UsageError
 from publisher.io import jsonfile
-from publisher.io.localfiles import allowed_roots, copy_regular, list_folder, open_regular
+from publisher.io.localfiles import allowed_roots, copy_regular, list_folder, named_folder, open_regular
 from publisher.stages import unfinished
 
 
@@ -105,7 +106,49 @@ def test_torch_dtypes_for_every_byte_sized_safetensors_dtype() -> None:
                 torch_dtype(name)
 
 
+# ---- a folder named as MODEL_ID or TARGET ----------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["./out-pipee", "out-pipee/", "out/pipee", "../nowhere/x", "~/no-such-folder-here/x",
+                                  "/no/such/folder"])
+def test_a_name_written_as_a_path_that_does_not_exist_is_no_such_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> None:
+    (tmp_path / "out").mkdir()  # "out/pipee" is a path because out/ exists here
+    (tmp_path / "out-pipe").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UsageError, match=rf"^no such folder: {re.escape(name)}[ ;].*give an existing folder as TARGET"):
+        named_folder(name, "TARGET")
+
+
+def test_no_such_folder_names_the_closest_folder_as_it_was_typed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "out-pipe").mkdir()
+    (tmp_path / "out-pipes.txt").write_text("a file, not a folder")
+    monkeypatch.chdir(tmp_path)
+    for typed, meant in (("./out-pipee", "./out-pipe"), ("out-pipee/", "out-pipe"), (f"{tmp_path}/out-pip", f"{tmp_path}/out-pipe")):
+        with pytest.raises(UsageError, match=rf"^no such folder: {re.escape(typed)} \(did you mean {re.escape(meant)}\?\); "):
+            named_folder(typed, "MODEL_ID")
+
+
+def test_repo_ids_and_existing_folders_pass_a_file_does_not(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "model").mkdir()
+    (tmp_path / "weights.safetensors").write_bytes(b"")
+    monkeypatch.chdir(tmp_path)
+    for name in ("alice/model", "gpt2", "model", "./model", "model/", str(tmp_path / "model")):
+        named_folder(name, "MODEL_ID")  # a repo id (no folder "alice" here), or a folder that exists
+    with pytest.raises(UsageError, match=r"^MODEL_ID weights.safetensors is a file, not a folder; give the folder"):
+        named_folder("weights.safetensors", "MODEL_ID")
+
+
 # ---- our own leftovers -----------------------------------------------------------------------------------------
+def test_a_cleared_folder_is_said_to_be_left_by_a_run_that_did_not_finish(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Interrupted, or stopped by an error (a --min-quality bound, a crash): the line says what is known."""
+    out = tmp_path / "out"
+    unfinished.make_partial(out / "int8wo.partial", "f" * 64, "int8wo")
+    with caplog.at_level("INFO", logger="publisher.stages.unfinished"):
+        unfinished.clear_output_dir(out)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"removing {out / 'int8wo.partial'}, left by an earlier run that did not finish (interrupted or failed; int8wo)"]
+
+
 def test_only_marked_partial_folders_are_cleared(tmp_path: Path) -> None:
     out = tmp_path / "out"
     unfinished.make_partial(out / "int8wo.partial", "f" * 64, "int8wo")

@@ -46,6 +46,10 @@ class LayerTable:
         return f"{self.component}={body}" if self.component is not None else body
 
 
+LAYER_CONFIG_TAKES = ('--layer-config takes a JSON file, or a JSON object inline (\'{"re:.*proj_out": null}\'), '
+                      "each mapping a layer to a config")
+
+
 def _load(value: str) -> tuple[str | None, dict[str, Any], str, str, str]:
     """(component, the JSON object, its text, the file, how to name it) of one --layer-config value; keys checked."""
     what = "--layer-config"
@@ -58,7 +62,7 @@ def _load(value: str) -> tuple[str | None, dict[str, Any], str, str, str]:
     if text.startswith(("{", "[")):  # inline JSON (a list is refused below, with the form it must have)
         body, origin = text, ""
     else:
-        body, origin = specs.read_json_file(text, what)
+        body, origin = specs.read_json_file(text, what, LAYER_CONFIG_TAKES)
     try:
         data = json.loads(body, object_pairs_hook=_no_duplicates)
     except json.JSONDecodeError as exc:

@@ -108,11 +108,16 @@ def from_dict(data: Any, what: str, given: str, origin: str = "") -> ConfigSpec:
     return from_config(config, given, "json", origin)
 
 
-def read_json_file(value: str, what: str) -> tuple[str, str]:
-    """(text, path) of a JSON file argument, through the project's JSON reader rules (size, plain file)."""
+QUANT_TAKES = "--quant takes a recipe name, a config call or a config_to_dict JSON file"
+
+
+def read_json_file(value: str, what: str, takes: str = QUANT_TAKES) -> tuple[str, str]:
+    """(text, path) of a JSON file argument, through the project's JSON reader rules (size, plain file); ``takes``:
+    what the option takes, said when the file is missing."""
     path = Path(value).expanduser()
     if not path.is_file():
-        raise UsageError(f"{what} {value!r}: no such file; give a recipe name, a config call or a JSON file")
+        said = "is a folder, not a file" if path.is_dir() else "no such file"
+        raise UsageError(f"{what} {value!r}: {said}: {path.resolve(strict=False)}; {takes}")
     if path.stat().st_size > MAX_JSON_BYTES:
         raise UsageError(f"{what} {value!r} is over {MAX_JSON_BYTES // 1024} KB; a config file is small")
     try:
@@ -172,13 +177,22 @@ def precheck_value(text: str, what: str, recipes: Mapping[str, str]) -> tuple[st
 
 
 def unknown(value: str, what: str, recipes: Mapping[str, str]) -> UsageError:
+    """The error for a word that is no recipe; the closest name first (INT8WO, int8w0, in8wo: int8wo)."""
+    close = _closest_recipe(value, recipes)
+    hint = f" (did you mean {close}?)" if close else ""
+    return UsageError(f"{what}: unknown recipe {value!r}{hint}; choose one of: {', '.join(recipes)} (see `hf-ao-publish "
+                      "recipes`), or give a torchao config such as 'Int8WeightOnlyConfig(granularity=PerGroup(128))' or a "
+                      "config_to_dict JSON file")
+
+
+def _closest_recipe(value: str, recipes: Mapping[str, str]) -> str | None:
+    """The recipe name ``value`` is most likely a typo of: the same name in another case, else the closest by
+    difflib (names compared in lower case)."""
     import difflib
 
-    close = difflib.get_close_matches(value, list(recipes), n=1)
-    hint = f"; did you mean {close[0]}?" if close else ""
-    return UsageError(f"{what}: unknown recipe {value!r}; choose one of: {', '.join(recipes)} (see `hf-ao-publish "
-                      "recipes`), or give a torchao config such as 'Int8WeightOnlyConfig(granularity=PerGroup(128))' or a "
-                      f"config_to_dict JSON file{hint}")
+    lower = {name.lower(): name for name in recipes}
+    close = difflib.get_close_matches(value.lower(), list(lower), n=1)
+    return lower[close[0]] if close else None
 
 
 def split_top(text: str) -> list[str]:

@@ -12,6 +12,8 @@ Rules (docs/reliability.md, "Hostile input"):
   block forever. Every open is ``O_NONBLOCK | O_NOFOLLOW`` on the resolved path and checked with ``fstat``, so a
   file swapped for a FIFO or a link after the listing is refused too.
 - Copies never create links: the output gets a plain file with the target's bytes.
+
+``named_folder`` tells a mistyped folder from a Hub repo id where a command takes either (MODEL_ID, TARGET).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import stat
 from pathlib import Path
 from typing import BinaryIO
 
-from publisher.errors import InputError
+from publisher.errors import InputError, UsageError
 
 SKIPPED_DIRS = (".git", ".cache")  # never part of a model: git's store, huggingface_hub's local-dir metadata
 _SHOWN = 3  # names quoted in one error line
@@ -161,3 +163,47 @@ def copy_regular(src: Path, dst: Path, roots: tuple[Path, ...] | None = None) ->
 def plain_name(name: str) -> bool:
     """A single, ordinary path segment (a component folder name): no separator, not ".", "..", empty or hidden."""
     return bool(name) and "/" not in name and "\\" not in name and "\0" not in name and not name.startswith(".")
+
+
+_SEPARATORS = tuple(dict.fromkeys(("/", os.sep, os.altsep or "/")))
+_PATH_STARTS = ("~", *(f"{dots}{sep}" for dots in ("", ".", "..") for sep in _SEPARATORS))
+
+
+def looks_like_path(name: str) -> bool:
+    """``name`` is written as a path, not a repo id: it starts with ./ ../ / or ~, ends with a separator, or has a
+    separator after a first part that exists here (``out/model`` beside a folder ``out``)."""
+    if name.startswith(_PATH_STARTS) or name.endswith(_SEPARATORS):
+        return True
+    first = next((name.split(sep, 1)[0] for sep in _SEPARATORS if sep in name), None)
+    return first is not None and Path(first).expanduser().exists()
+
+
+def named_folder(name: str, what: str) -> None:
+    """``UsageError`` when ``name`` (``what``: MODEL_ID, TARGET) is a file, or written as a path to a folder that does
+    not exist: a mistyped folder would otherwise be read as a repo id and fail as one."""
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return
+    if path.exists():
+        raise UsageError(f"{what} {name} is a file, not a folder; give the folder that holds the model (or a Hub repo "
+                         "id, NAMESPACE/NAME)")
+    if looks_like_path(name):
+        close = _close_folder(path, name)
+        raise UsageError(f"no such folder: {name}{f' (did you mean {close}?)' if close else ''}; give an existing "
+                         f"folder as {what}, or a Hub repo id (NAMESPACE/NAME)")
+
+
+def _close_folder(path: Path, name: str) -> str | None:
+    """The folder beside ``path`` whose name is closest to its own, written as the user wrote ``name``."""
+    import difflib
+    from itertools import islice
+
+    try:
+        folders = [p.name for p in islice(path.parent.iterdir(), 10_000) if p.is_dir()]
+    except OSError:  # the parent is missing or unreadable: nothing to suggest
+        return None
+    close = difflib.get_close_matches(path.name, folders, n=1)
+    if not close:
+        return None
+    given = name.rstrip("".join(_SEPARATORS))
+    return given[: len(given) - len(path.name)] + close[0]

@@ -7,9 +7,10 @@ of those top loggers our one handler and keeps the library from adding its own, 
 is imported before or after (the stages import them lazily, and several warn while being imported).
 
 The handler drops the records listed in ``HARMLESS`` unless ``--debug``; everything else a library
-logs at WARNING or above is shown, prefixed with the logger's name. Not covered: ``warnings.warn``
-(left to Python's own display) and torch's torch.compile sub-loggers (``torch._dynamo``,
-``torch._inductor`` ...), which keep their own handlers; we do not compile.
+logs at WARNING or above is shown, prefixed with the logger's name. Python warnings (``warnings.warn``) keep
+Python's own display, except the known-harmless ones ``filter_warnings`` hides. Not covered: torch's torch.compile
+sub-loggers (``torch._dynamo``, ``torch._inductor`` ...), which keep their own handlers; we do not compile. Progress
+bars: runtime/progress.py.
 """
 
 from __future__ import annotations
@@ -149,10 +150,8 @@ def setup(*, debug: bool = False, quiet: bool = False) -> None:
     Ours at INFO (DEBUG with ``debug``, WARNING with ``quiet``); the libraries at their own level
     (WARNING by default). Call before the stages import torch: torchao and diffusers warn at import."""
     handler = _Stderr(show_harmless=debug)
-    if not debug:  # torchao 0.18 warns at every FqnToConfig with "_default", which per-layer repos need (card says so)
-        import warnings
-
-        warnings.filterwarnings("ignore", message=r"Config Deprecation: _default is deprecated", category=UserWarning)
+    if not debug:
+        filter_warnings()
     ours = logging.getLogger("publisher")
     ours.handlers[:] = [handler]
     ours.setLevel(logging.DEBUG if debug else logging.WARNING if quiet else logging.INFO)
@@ -161,3 +160,21 @@ def setup(*, debug: bool = False, quiet: bool = False) -> None:
         if type(lib) is logging.Logger:
             lib.__class__ = _LibraryLogger  # see _LibraryLogger: the library's own handlers are refused from now on
         lib.handlers[:] = [handler]
+
+
+# What a module's warnings are matched on: its name for a warning raised at run time (torchao.quantization.quant_api),
+# its file without ".py" for one raised while Python compiles it (.../site-packages/torchao/quantization/quant_api).
+TORCHAO_MODULE = r"(.*[\\/])?torchao([\\/.]|$)"
+
+
+def filter_warnings() -> None:
+    """The libraries' known-harmless Python warnings (``warnings.warn``, not logging), hidden unless --debug. Set before
+    torchao is imported: the escape-sequence warning is raised while its source is compiled."""
+    import warnings
+
+    # torchao 0.18 warns at every FqnToConfig with "_default", which per-layer repos need (the card says so)
+    warnings.filterwarnings("ignore", message=r"Config Deprecation: _default is deprecated", category=UserWarning)
+    # torchao 0.18's quant_api.py has a docstring with "\." that is not a raw string: a SyntaxWarning under Python 3.12+,
+    # a DeprecationWarning before (shown with -W default), printed the first time the file is compiled to bytecode
+    for category in (SyntaxWarning, DeprecationWarning):
+        warnings.filterwarnings("ignore", message=r"invalid escape sequence", category=category, module=TORCHAO_MODULE)

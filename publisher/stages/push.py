@@ -155,6 +155,8 @@ def push(
     try:
         additions, ops = commit_operations(api, repo_id, folder, head)
         ours = {op.path_in_repo: of_file(Path(op.path_or_fileobj)) for op in additions}  # the verified files' bytes
+        log.info("uploading %d files (%.1f MB) to %s, then committing them", len(additions),
+                 sum(f.size for f in ours.values()) / 1e6, repo_id)
         # LFS uploads first, on their own: a retried commit then re-sends only the commit, not the weights.
         hub.call(api.preupload_lfs_files, repo_id, additions=additions, revision=revision,
                    create_pr=create_pr and not pr, free_memory=False, what=f"uploading the weights to {repo_id}")

@@ -23,6 +23,7 @@ from publisher.handoffs.plan import Component, Plan
 from publisher.handoffs.report import ForwardInputs
 from publisher.io.jsonfile import read_object
 from publisher.recipes import Recipe, build_config
+from publisher.runtime import progress
 from publisher.stages.unfinished import make_partial, remove_partial
 
 if TYPE_CHECKING:
@@ -211,7 +212,7 @@ def _stream_component(plan: Plan, src: Path, comp: Component, recipe: Recipe, ou
         job = StreamJob(src, dst, library=comp.library, recipe=recipe, exclude=list(plan.exclude),  # type: ignore[arg-type]
                         class_name=comp.class_name, component=comp.name, device=device, max_shard_size=max_shard_size,
                         inputs=remote.inputs(comp, Path(spill)) if remote is not None else None,
-                        progress=log.isEnabledFor(logging.INFO), name_or_path=plan.source.name)
+                        progress=progress.shown(), name_or_path=plan.source.name)
         result = stream_quantize(job, observer=observer, sink=sink)
     if uploader is not None:
         uploader.flush()  # every shard checked, hashed and uploaded before the sizes are counted

@@ -37,6 +37,14 @@ def shown(model_id: str) -> str:
     return model_id
 
 
+def check_named_folder(model_id: str) -> None:
+    """A MODEL_ID written as a path to a folder that does not exist (or a file) is a usage error that says so, before
+    a token or the Hub is asked anything; otherwise it would be taken for a repo id and fail as one."""
+    from publisher.io.localfiles import named_folder
+
+    named_folder(model_id, "MODEL_ID")
+
+
 def resolve(model_id: str, revision: str | None, token: str | None) -> Source:
     """Pin the base model: check it exists, is readable, and resolve the revision to a sha."""
     if is_local(model_id):
@@ -55,6 +63,7 @@ def resolve(model_id: str, revision: str | None, token: str | None) -> Source:
     from huggingface_hub import constants
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
+    check_named_folder(model_id)
     try:
         validate_repo_id(model_id)
     except HFValidationError:

@@ -93,7 +93,8 @@ def clear_output_dir(path: Path) -> None:
                if partial is not None else "")
         raise TargetError(f"--output-dir {path} is not empty{why}; choose an empty or new folder")
     for p in entries:
-        log.info("removing %s, left unfinished by an interrupted run (%s)", p, (marker_of(p) or {}).get("recipe"))
+        log.info("removing %s, left by an earlier run that did not finish (interrupted or failed; %s)", p,
+                 (marker_of(p) or {}).get("recipe"))
         shutil.rmtree(p)
 
 
@@ -226,7 +227,7 @@ class ComponentCache:
                 return None
         for name in data["files"]:
             _link_or_copy(entry / name, dest / name)
-        log.info("reusing the quantized %s from an interrupted run (%s)", component or "model", entry)
+        log.info("reusing the quantized %s from an earlier run that did not finish (%s)", component or "model", entry)
         return data["summary"]
 
     def stored(self, components: list[str]) -> list[str]:

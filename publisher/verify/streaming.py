@@ -26,6 +26,7 @@ from typing import Any
 
 from publisher import loadpath
 from publisher.handoffs.report import Expected, PathResult
+from publisher.runtime import progress
 from publisher.streaming.engine import trim_memory
 from publisher.streaming.shards import CheckpointIndex, ShardSource, TensorReader, build_index
 
@@ -285,13 +286,14 @@ def block_forward(source: ShardSource, library: str, class_name: str, config: di
 
 
 def _bar(total: int, desc: str, unit: str) -> Any:
-    """huggingface_hub's tqdm (honours HF_HUB_DISABLE_PROGRESS_BARS), shown when progress is logged."""
+    """huggingface_hub's tqdm (honours HF_HUB_DISABLE_PROGRESS_BARS), shown where the command shows bars (a terminal,
+    not --quiet: runtime/progress.py)."""
     import sys
 
     from huggingface_hub.utils import tqdm
 
     scale = {"unit_scale": True, "unit_divisor": 1024} if unit == "B" else {}
-    return tqdm(total=total, desc=desc, unit=unit, disable=not log.isEnabledFor(logging.INFO), file=sys.stderr, **scale)
+    return tqdm(total=total, desc=desc, unit=unit, disable=not progress.shown(), file=sys.stderr, **scale)
 
 
 def load_config(source: ShardSource) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from publisher import recipes as recipe_registry
 from publisher.errors import UsageError
 from publisher.handoffs.report import PATHS, PLAIN_CLASSES, ContentCheck, Expected, ForwardInputs, PathResult, VerifyReport
 from publisher.handoffs.state import STATE_FILE
+from publisher.io.localfiles import named_folder
 from publisher.loadpath import load_call
 from publisher.verify import against_base, capture, declared, layout, matrix, stored
 from publisher.verify import hashes as hashes_check
@@ -45,6 +46,7 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), compat
     matrix.check(envs, compat)
     if base and not requantize:
         raise UsageError("--base and --no-requantize contradict each other; give one")
+    named_folder(target, "TARGET")  # a mistyped folder is said to be one, not taken for a repo id
     where, where_rev = target, revision  # where the load paths read: a Hub target's checked local copy
     if not Path(target).is_dir():
         local, sha, hashes = hashes_check.fetch_target_configs(target, revision, token, STATE_FILE)
