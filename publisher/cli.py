@@ -190,9 +190,9 @@ def recipes_cmd(as_json: bool) -> None:
 @click.option("--sample-prompt", default=None,
               help="Prompt of the card's usage snippet, and the first of the quality grid (pipelines) or continuations (LMs).")
 @click.option("--sample-steps", type=click.IntRange(1, 200), default=28, show_default=True,
-              help="Denoising steps in the card's snippet; the grid's on a GPU (on a CPU: at most what --eval-budget allows).")
+              help="Denoising steps in the card's snippet, and the most the quality grid runs (within --eval-budget).")
 @click.option("--sample-size", type=click.IntRange(16, 4096), default=1024, show_default=True,
-              help="Image size in the card's snippet; the grid's on a GPU (on a CPU: at most what --eval-budget allows).")
+              help="Image size in the card's snippet, and the largest the quality grid runs (within --eval-budget).")
 @click.option("--eval-dataset", default=None, metavar="REPO[:CONFIG][:SPLIT]",
               help=f"Text dataset on the Hub for the perplexity of a language model (default: {quality_spec.DEFAULT_DATASET}; "
                    "the default that cannot be read only costs the figure, a named one that cannot be read is an error).")
@@ -200,9 +200,7 @@ def recipes_cmd(as_json: bool) -> None:
               metavar="N", help="Tokens of the evaluation text scored for perplexity (base and quantized).")
 @click.option("--eval-budget", default=quality_spec.DEFAULT_BUDGET, show_default=True, metavar="DURATION",
               envvar="HF_AO_PUBLISH_EVAL_BUDGET", show_envvar=True,
-              help="Time each recipe's quality evaluation may take, a hard bound (e.g. 90s, 5m, 600): it decides the grid's "
-                   "size and steps, the continuation's length and the perplexity windows, and stops them when spent. auto: "
-                   "15 s plus 1 s per 20 MB of the weights evaluated, at most 10 min. 0 turns the evaluation off.")
+              help=quality_spec.BUDGET_HELP)
 @click.option("--min-quality", "min_quality", multiple=True, metavar="METRIC=VALUE",
               help=f"Fail (exit 1, nothing pushed) when a quality figure is below VALUE: {', '.join(quality_spec.METRICS)} "
                    "(e.g. ppl-recovery=95 for a language model, psnr=25 for a pipeline). Repeatable.")

@@ -94,7 +94,8 @@ def fast_retries(monkeypatch: pytest.MonkeyPatch, hub: Any) -> Any:
     hub.clear_faults()
 
 
-TOKENS = {"tok_alice": "alice", "tok_bob": "bob", "tok_bfl": "bfl", "tok_meta": "meta", "tok_sf": "Salesforce"}
+TOKENS = {"tok_alice": "alice", "tok_bob": "bob", "tok_bfl": "bfl", "tok_meta": "meta", "tok_sf": "Salesforce",
+          "tok_docs": "docs"}  # docs: the user the docs commands publish as (tests/test_docs_commands.py)
 ORGS = {"acme": ["alice"]}
 
 

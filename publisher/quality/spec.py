@@ -23,6 +23,10 @@ DEFAULT_BUDGET = "auto"
 AUTO_FLOOR_S = 15.0
 AUTO_BYTES_PER_S = 20_000_000
 AUTO_CEILING_S = 600.0
+BUDGET_HELP = ("Time each recipe's quality evaluation may take, a hard bound (e.g. 90s, 5m, 600): it decides the grid's "
+               "size and steps, the continuation's length and the perplexity windows, and stops them when spent. auto: "
+               f"{AUTO_FLOOR_S:.0f} s plus 1 s per {AUTO_BYTES_PER_S // 1_000_000} MB of the weights evaluated, at most "
+               f"{AUTO_CEILING_S / 60:.0f} min. 0 turns the evaluation off.")
 CAUSAL_LM = "causal language model"
 PIPELINE = "pipeline"
 
