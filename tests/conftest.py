@@ -65,6 +65,13 @@ for _var in ("HF_AO_PUBLISH_COMPAT", "HF_AO_PUBLISH_EVAL_BUDGET"):
 # this environment), outside the throw-away HF_HOME.
 os.environ.setdefault("HF_AO_PUBLISH_ENVS", str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
                                                  / "hf-ao-publish-tests" / "envs"))
+# What the matrix's loads found is kept for a later run with the same files in the same environment (verify/memo.py):
+# a test session starts with none, so the first publish of each repo measures for real; the LFS pass of `make test`
+# (the second session) reads what the Xet pass measured, as a user's re-run would.
+MEASURED = Path(os.environ["HF_AO_PUBLISH_ENVS"]).parent / "measured"
+os.environ["HF_AO_PUBLISH_MEASURED"] = str(MEASURED)
+if TRANSFER == "xet" and not os.environ.get("PYTEST_XDIST_WORKER"):  # once, in the controller, before any worker
+    shutil.rmtree(MEASURED, ignore_errors=True)
 
 FAST_TRIES = 3  # HF_AO_PUBLISH_RETRIES under the fast_retries fixture
 # For publishes whose subject is not the load paths (pushes, re-runs, Hub faults, integrity, resume, signals, quality

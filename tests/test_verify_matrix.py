@@ -131,3 +131,30 @@ def test_verify_target_with_a_spec_environment(cli: Any, published: tuple[dict[s
     assert result.stderr.splitlines()[-1].startswith(
         f"Error: verification of {folder} failed: transformer via the library path ({DROPPED}): it loaded, but 0 of 30 "
         "planned layers are of the class their config implies")
+
+
+@pytest.mark.slow
+def test_a_load_measured_before_is_read_not_measured_again(published: tuple[dict[str, Any], str, Path], cli: Any,
+                                                           tmp_path: Path) -> None:
+    """The same files, inputs and environment: the matrix reads what an earlier run measured (verify/memo.py) and
+    gives the same results; one byte of the component's files changed, it measures again, and keeps that."""
+    import shutil
+
+    folder = tmp_path / "copy"
+    shutil.copytree(published[2], folder)
+
+    def verify() -> tuple[str, list[dict[str, Any]]]:
+        result = cli("verify", str(folder), "--compat", FAILING, "--no-requantize", "--json")
+        assert result.exit_code == 0, result.output
+        return result.stderr, json.loads(result.stdout)["compat"]
+
+    read = "(2 of the loads were measured by an earlier run: the same files, inputs and environment)"
+    measured = {(r["path"], r["outcome"], r["detail"]) for r in published[0]["verification"]["compat"] if r["env"] == FAILING}
+    said, got = verify()  # the publish measured these files with FAILING, on the same inputs
+    assert read in said and {(r["path"], r["outcome"], r["detail"]) for r in got} == measured
+    config = folder / "transformer" / "config.json"
+    config.write_text(config.read_text() + "\n")  # the same config, other bytes: another question
+    said, again = verify()
+    assert "measured by an earlier run" not in said and again == got
+    said, kept = verify()
+    assert read in said and kept == got

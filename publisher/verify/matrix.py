@@ -148,17 +148,21 @@ def measure(report: VerifyReport, where: str, revision: str | None, work: Path, 
 
     started = time.monotonic()
     log.info("compatibility matrix: %d environments x %d components x %d load paths", len(matrix), len(report.expected), len(PATHS))
+    before = 0  # loads an earlier run measured (verify/memo.py)
     for env in matrix:  # one interpreter per path loads every component in turn (verify/workers.py)
         found: dict[tuple[int, int], PathResult] = {}
         for j, path in enumerate(PATHS):
             datas = run_workers(report.expected, path, env.python, where, revision, work, token, torch.get_num_threads(),
-                                tag="compat", device=device)
+                                tag="compat", device=device, kept=True)
+            before += sum(1 for d in datas if d.get("measured_before"))
             for k, (exp, data) in enumerate(zip(report.expected, datas)):
                 found[k, j] = compare(exp, data, path, env.record.name, env.python, report.tensor_class or None)
         for key in sorted(found):  # component by component, as the verification's own results
             report.compat.append(found[key])
             _log(found[key])
-    log.info("compatibility matrix measured in %.0f s", time.monotonic() - started)
+    log.info("compatibility matrix measured in %.0f s%s", time.monotonic() - started,
+             f" ({before} of the loads were measured by an earlier run: the same files, inputs and environment)"
+             if before else "")
 
 
 def _log(r: PathResult) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 from publisher import loadpath
 from publisher.handoffs.report import Expected
 from publisher.runtime import zygotes
+from publisher.verify import memo
 
 log = logging.getLogger(__name__)
 
@@ -36,12 +37,15 @@ WORKER_TIMEOUT_S = 3600  # per component: a worker that loads n components has n
 
 
 def run_workers(exps: Sequence[Expected], path: str, python: str, where: str, revision: str | None, work: Path,
-                token: str | None, threads: int, tag: str = "", device: str = "cpu") -> list[dict[str, Any]]:
+                token: str | None, threads: int, tag: str = "", device: str = "cpu",
+                kept: bool = False) -> list[dict[str, Any]]:
     """Load each of ``exps`` along ``path`` with ``python`` (one interpreter for all, components rerun alone if it
-    stops early); returns each component's worker result, or an error record, in the order of ``exps``."""
+    stops early); returns each component's worker result, or an error record, in the order of ``exps``. ``kept``: a
+    result an earlier run measured for the same question is read instead of measured again (verify/memo.py; the
+    compatibility matrix only)."""
     if not exps:
         return []
-    results, failure, started = _spawn(exps, path, python, where, revision, work, token, threads, tag, device)
+    results, failure, started = _spawn(exps, path, python, where, revision, work, token, threads, tag, device, kept)
     if failure is not None and (len(exps) == 1 or not started):
         return [failure if r is None or len(exps) == 1 else r for r in results]
     if failure is not None:
@@ -51,12 +55,13 @@ def run_workers(exps: Sequence[Expected], path: str, python: str, where: str, re
         log.warning("the %s-path interpreter (%s) stopped early (%s); %s again, each in an interpreter of its own",
                     path, python, failure["error"], ", ".join(exps[i].component or "model" for i in redo))
         for i in redo:
-            results[i] = run_workers([exps[i]], path, python, where, revision, work, token, threads, tag, device)[0]
+            results[i] = run_workers([exps[i]], path, python, where, revision, work, token, threads, tag, device, kept)[0]
     return [r if r is not None else {"ok": False, "error": "no result"} for r in results]
 
 
 def _spawn(exps: Sequence[Expected], path: str, python: str, where: str, revision: str | None, work: Path,
-           token: str | None, threads: int, tag: str, device: str) -> tuple[list[dict[str, Any] | None], dict[str, Any] | None, bool]:
+           token: str | None, threads: int, tag: str, device: str,
+           kept: bool) -> tuple[list[dict[str, Any] | None], dict[str, Any] | None, bool]:
     """One interpreter for ``exps``: the results it wrote (None where it wrote none), the failure record when it did
     not end cleanly (else None), and whether it started at all."""
     work.mkdir(parents=True, exist_ok=True)
@@ -78,8 +83,16 @@ def _spawn(exps: Sequence[Expected], path: str, python: str, where: str, revisio
             "device": device,
             "dtype": exp.dtype,
         })
+    keys = [memo.key(r, python, WORKER) if kept else None for r in requests]
+    for r, k in zip(requests, keys):
+        found = memo.read(k, r) if k else None
+        if found is not None:  # as if this interpreter had written it
+            Path(r["result"]).write_text(json.dumps(found))
+    todo = [r for r in requests if not Path(r["result"]).exists()]
+    if not todo:
+        return [json.loads(Path(r["result"]).read_text()) for r in requests], None, True
     req_file = work / f"request-{batch}.json"
-    req_file.write_text(json.dumps({"requests": requests}))
+    req_file.write_text(json.dumps({"requests": todo}))
     env = dict(os.environ)
     if token:
         env["HF_TOKEN"] = token  # through the environment, never the command line
@@ -99,4 +112,7 @@ def _spawn(exps: Sequence[Expected], path: str, python: str, where: str, revisio
     results = [json.loads(Path(r["result"]).read_text()) if Path(r["result"]).exists() else None for r in requests]
     if failure is None and any(r is None for r in results):
         failure = {"ok": False, "error": f"interpreter {python} ended without a result"}
+    for r, k, data in zip(requests, keys, results):
+        if k and data is not None and failure is None and r in todo:  # a clean run's results only
+            memo.write(k, data)
     return results, failure, True
