@@ -11,6 +11,7 @@ import ast
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -352,6 +353,31 @@ def test_action_publishes_tiny_flux_and_reruns_as_noop(tmp_path: Path, flux_repo
     assert api.list_repo_commits("alice/action-flux-int8wo")[0].commit_id == out["commit-sha"]
     assert_secret_absent(again, "tok_alice")
     print(f"publish {first:.1f}s, re-run {time.monotonic() - t0 - first:.1f}s")
+
+
+QUANT_VALUES = {  # a quant line -> the tensor class each quantized component gets
+    "call": ("IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32))",
+             {"transformer": "IntxUnpackedToInt8Tensor"}),
+    "mapping": ("transformer=float8wo,text_encoder_2=int8wo", {"transformer": "Float8Tensor", "text_encoder_2": "Int8Tensor"}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(QUANT_VALUES))
+def test_a_quant_line_reaches_the_cli_whole(tmp_path: Path, flux_repo: str, case: str) -> None:
+    """A config call and a component mapping in `quant` are each one --quant, as on the command line (before, the input
+    was split on commas and spaces: "'(' was never closed", "every --quant of one run must quantize the same
+    components")."""
+    given, classes = QUANT_VALUES[case]
+    run = run_action({"model": flux_repo, "quant": f"\n  {given}  \n", "push": "false", "verify-matrix": "none",
+                      "extra-args": "--eval-budget 0 --verify-mode streaming"}, tmp_path)
+    assert run.returncode == 0, run.log[-4000:]
+    data = json.loads(run.outputs["result-json"])
+    assert data["verified"] and not data["pushed"]
+    assert {c["name"]: list(c["tensor_classes"]) for c in data["components"]} == {n: [k] for n, k in classes.items()}
+    record = json.loads((Path(run.outputs["output-dir"]) / "hf_ao_publish.json").read_text())
+    assert record["quant"]["given"] == given
+    assert "+ " + shlex.join(["hf-ao-publish", "publish", flux_repo, f"--quant={given}", "--no-push"]) in run.stdout
 
 
 @pytest.mark.slow
