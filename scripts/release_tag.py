@@ -48,7 +48,9 @@ def release_date(changelog: str, version: str) -> datetime.date | None:
 
 
 def tag_exists(root: Path, tag: str) -> bool:
-    found = subprocess.run(["git", "-C", str(root), "tag", "--list", tag], capture_output=True, text=True, check=True)
+    found = subprocess.run(["git", "-C", str(root), "tag", "--list", tag], capture_output=True, text=True)
+    if found.returncode != 0:
+        raise ReleaseError(f"{root} is not a git checkout ({found.stderr.strip()}); run it in the repository")
     return found.stdout.strip() == tag
 
 

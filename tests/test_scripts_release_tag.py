@@ -77,11 +77,21 @@ def test_a_date_that_is_not_a_date_fails(tmp_path: Path) -> None:
     assert proc.stderr == "Error: CHANGELOG.md: the 0.2.0 section's date '2026-13-04' is not YYYY-MM-DD\n"
 
 
+def test_outside_a_git_checkout_it_says_so(tmp_path: Path) -> None:
+    repo = _repo(tmp_path)
+    shutil.rmtree(repo / ".git")
+    proc = _run(repo)
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert proc.stderr.startswith(f"Error: {repo} is not a git checkout (") and "run it in the repository" in proc.stderr
+
+
 def test_this_checkout() -> None:
     """What the workflow decides for this checkout: the version's tag when its section is dated and the checkout has no
     such tag yet (a clone without tags, as the test machines' worktrees are, has none), else nothing."""
     from publisher import __version__
 
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout (an unpacked sdist): the workflow runs the script in one")
     proc = subprocess.run([sys.executable, "-I", str(SCRIPT), str(ROOT)], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     dated = f"\n## {__version__} - " in (ROOT / "CHANGELOG.md").read_text()
