@@ -23,6 +23,7 @@ from typing import Any
 
 import pytest
 from action_harness import EXPR, ROOT, Interrupt, assert_secret_absent, load_action, run_action
+from workflow_harness import run_actionlint
 
 yaml = pytest.importorskip("yaml")
 
@@ -202,18 +203,13 @@ def test_workflows_structure() -> None:
     assert self_test["jobs"]["action"]["env"]["HF_ENDPOINT"] == "http://127.0.0.1:8765"
 
 
-ACTIONLINT_MODULES = ROOT / ".ci" / ".node" / "node_modules"
-
-
 def test_actionlint_workflows() -> None:
     """actionlint's WebAssembly build from npm (`make setup` installs it into .ci/.node; it works offline)."""
-    node = shutil.which("node")
-    if node is None or not (ACTIONLINT_MODULES / "actionlint").is_dir():
+    proc = run_actionlint(WORKFLOWS)
+    if proc is None:
         if os.environ.get("CI"):
             pytest.fail("actionlint is not installed in CI: `make setup` should have put it into .ci/.node")
         pytest.skip("node or the npm package actionlint is missing (make setup installs it)")
-    proc = subprocess.run([node, str(ROOT / "scripts" / "actionlint.cjs"), *map(str, WORKFLOWS)], cwd=ROOT,
-                          env={**os.environ, "NODE_PATH": str(ACTIONLINT_MODULES)}, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"0 problem(s) in {len(WORKFLOWS)} file(s)" in proc.stdout
 
