@@ -2,8 +2,9 @@
 
 action.yml hands every input to the scripts through `env:` (never `${{ inputs.* }}` inside a script), and
 the argv built here is run without a shell, so a value such as `$(touch x)` stays a plain string that the
-CLI rejects. Inputs are always strings on the runner: booleans are 'true' / 'false', lists are separated
-by commas, spaces or newlines.
+CLI rejects. Inputs are always strings on the runner: booleans are 'true' / 'false'; quant holds one --quant value
+per line, each passed whole (a config call has commas and spaces of its own); the other lists are separated by commas,
+spaces or newlines.
 """
 
 from __future__ import annotations
@@ -43,6 +44,21 @@ def parse_bool(name: str, value: str | None, default: bool) -> bool:
 def split_list(value: str | None) -> list[str]:
     """'a,b', 'a b' or one per line -> ['a', 'b'] (YAML block scalars give one item per line)."""
     return [part for part in re.split(r"[\s,]+", value or "") if part]
+
+
+def parse_quant(value: str | None) -> list[str]:
+    """quant: one ``--quant`` value per line, each passed to the CLI whole: the CLI splits a value on its top-level
+    commas itself (``int8wo,float8wo`` is two recipes; ``IntxWeightOnlyConfig(weight_dtype=torch.int4,
+    granularity=PerGroup(32))`` one config; ``transformer=float8wo,text_encoder_2=int8wo`` one mapping). Spaces inside
+    a line are the value's own; a line of bare names separated by spaces (``int8wo int8dq``) is refused with the fix,
+    unless it names a file in the workspace (a config_to_dict JSON file)."""
+    lines = [line.strip() for line in (value or "").splitlines() if line.strip(" \t,")]  # blank: nothing to pass
+    for line in lines:
+        words = line.split()
+        if len(words) > 1 and all(re.fullmatch(r"[\w.-]+", word) for word in words) and not Path(line).is_file():
+            raise ActionInputError(f"input quant: {line!r} is several names on one line; give one --quant value per line "
+                                   f"(or join recipes with commas: {','.join(words)})")
+    return lines
 
 
 def parse_matrix(value: str | None) -> list[str]:
@@ -101,12 +117,12 @@ def build_request(env: Mapping[str, str]) -> Request:
         raise ActionInputError("input model is required (a Hub repo id such as black-forest-labs/FLUX.1-dev)")
     if model.startswith("-"):  # click would read it as an option
         raise ActionInputError(f"input model must be a repo id or a folder, not an option: {model!r}")
-    recipes = split_list(env.get("HFAO_QUANT"))
-    if not recipes:
+    quants = parse_quant(env.get("HFAO_QUANT"))
+    if not quants:
         raise ActionInputError("input quant is required (one or several recipes, e.g. 'int8wo' or 'int8wo,float8wo')")
     # --name=value everywhere: a value that starts with '-' cannot be taken for an option.
     args = ["publish", model]
-    args += [f"--quant={recipe}" for recipe in recipes]
+    args += [f"--quant={quant}" for quant in quants]
     components = split_list(env.get("HFAO_COMPONENTS"))
     if components:
         args.append(f"--components={','.join(components)}")

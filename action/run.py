@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from action import result
-from action.inputs import ActionInputError, build_request, secret_values, split_list
+from action.inputs import ActionInputError, build_request, parse_quant, secret_values
 from action.summary import build_summary
 from action.workflow import (
     TITLE,
@@ -190,7 +190,7 @@ def run(env: Mapping[str, str]) -> int:
     argv = cli + req.args + ["--json", *([] if req.remote else [f"--output-dir={out_dir}"])]
     show = "+ " + shlex.join(["hf-ao-publish", *argv[len(cli):]])
     try:
-        with group(f"{TITLE} {' '.join(split_list(env.get('HFAO_QUANT')))}"):
+        with group(f"{TITLE} {'; '.join(parse_quant(env.get('HFAO_QUANT')))}"):
             cli_run = run_cli(argv, child_env(env, req.token), secrets, show=show)
     except StepFailed as exc:
         return fail_early(env, model, str(exc), secrets, exc.code)

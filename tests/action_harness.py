@@ -173,8 +173,10 @@ def _run_step(argv: list[str], cwd: Path, env: dict[str, str], interrupt: Interr
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
-def run_action(inputs: dict[str, str], tmp: Path, env: dict[str, str] | None = None,
-               interrupt: Interrupt | None = None) -> ActionRun:
+def run_action(inputs: dict[str, str], tmp: Path, env: dict[str, str | None] | None = None,
+               interrupt: Interrupt | None = None, workspace: Path | None = None) -> ActionRun:
+    """Run action.yml's steps with these inputs; ``env`` adds to (None: removes from) this process's environment, as a
+    job's `env:` does; ``workspace`` is the job's workspace (default: a new folder in ``tmp``)."""
     action = load_action()
     declared = action["inputs"]
     unknown = set(inputs) - set(declared)
@@ -188,7 +190,7 @@ def run_action(inputs: dict[str, str], tmp: Path, env: dict[str, str] | None = N
             values[name] = str(spec.get("default", ""))
 
     tmp.mkdir(parents=True, exist_ok=True)
-    workspace = tmp / "workspace"
+    workspace = workspace or tmp / "workspace"
     runner_temp = tmp / "runner_temp"
     workspace.mkdir(exist_ok=True)
     runner_temp.mkdir(exist_ok=True)
@@ -202,7 +204,11 @@ def run_action(inputs: dict[str, str], tmp: Path, env: dict[str, str] | None = N
         "HF_AO_PUBLISH_SKIP_INSTALL": "1", "GITHUB_ENV": str(env_file), "GITHUB_PATH": str(path_file),
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
     })
-    base.update(env or {})
+    for key, value in (env or {}).items():
+        if value is None:
+            base.pop(key, None)
+        else:
+            base[key] = value
 
     ctx: dict[str, Any] = {"inputs": values, "steps": {}, "env": base}
     out, err, summary = [], [], []

@@ -103,7 +103,7 @@ def fast_retries(monkeypatch: pytest.MonkeyPatch, hub: Any) -> Any:
 
 TOKENS = {"tok_alice": "alice", "tok_bob": "bob", "tok_bfl": "bfl", "tok_meta": "meta", "tok_sf": "Salesforce",
           "tok_docs": "docs"}  # docs: the user the docs commands publish as (tests/test_docs_commands.py)
-ORGS = {"acme": ["alice"]}
+ORGS = {"acme": ["alice"], "my-org": ["alice"]}  # my-org: the target of a docs/action.md example
 
 
 @pytest.fixture(scope="session")
@@ -322,8 +322,9 @@ SPREAD = {"test_families", "test_job", "test_hub", "test_cli", "test_publish_con
 # Every file of more than a few seconds is named: test_zygotes (some 30 s on one worker), which came last by name,
 # left the other worker idle for half a minute at the end of the run. test_verify_matrix as on a fresh clone (its
 # environments built from PyPI: 30 s more than from the cache).
-COST_ORDER = ["test_families", "test_stages_card", "test_verify_full", "test_hfjobs_e2e", "test_job", "test_hub",
-              "test_cli", "test_signals", "test_quality_e2e", "test_verify_matrix", "test_action",
+# test_docs_action: every docs/action.md workflow in one test, with the product's defaults (minutes: first).
+COST_ORDER = ["test_docs_action", "test_families", "test_stages_card", "test_verify_full", "test_hfjobs_e2e", "test_job",
+              "test_hub", "test_cli", "test_signals", "test_quality_e2e", "test_verify_matrix", "test_action",
               "test_scripts_gpu_check", "test_zygotes", "test_verify_streaming", "test_one_pass", "test_streaming_convert",
               "test_verify_peers", "test_testing_tiny", "test_integrity", "test_hostile_input", "test_hf_extension",
               "test_testing_hubserver", "test_publish_configs", "test_cli_bad_input", "test_action_run",

@@ -11,6 +11,7 @@ import ast
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -22,6 +23,7 @@ from typing import Any
 
 import pytest
 from action_harness import EXPR, ROOT, Interrupt, assert_secret_absent, load_action, run_action
+from workflow_harness import run_actionlint
 
 yaml = pytest.importorskip("yaml")
 
@@ -176,11 +178,16 @@ def _workflows() -> list[tuple[Path, dict[str, Any]]]:
 
 def test_workflows_structure() -> None:
     names = {p.name for p in WORKFLOWS}
-    assert "self-test.yml" in names
+    assert {"self-test.yml", "release.yml"} <= names
     for path, wf in _workflows():
         on = wf.get("on", wf.get(True))  # YAML 1.1 reads a bare `on` key as True
         assert on, f"{path.name}: no triggers"
-        assert wf.get("permissions") == {"contents": "read"}, f"{path.name}: least-privilege token"
+        # least privilege: only the release workflow pushes (a tag), and it runs no third-party action
+        if path.name == "release.yml":
+            assert wf.get("permissions") == {"contents": "write"}, path.name
+            assert {s["uses"] for job in wf["jobs"].values() for s in job["steps"] if "uses" in s} == {"actions/checkout@v4"}
+        else:
+            assert wf.get("permissions") == {"contents": "read"}, f"{path.name}: least-privilege token"
         for job_name, job in wf["jobs"].items():
             assert job.get("runs-on") and job.get("timeout-minutes"), f"{path.name}:{job_name}"
             for step in job["steps"]:
@@ -196,18 +203,13 @@ def test_workflows_structure() -> None:
     assert self_test["jobs"]["action"]["env"]["HF_ENDPOINT"] == "http://127.0.0.1:8765"
 
 
-ACTIONLINT_MODULES = ROOT / ".ci" / ".node" / "node_modules"
-
-
 def test_actionlint_workflows() -> None:
     """actionlint's WebAssembly build from npm (`make setup` installs it into .ci/.node; it works offline)."""
-    node = shutil.which("node")
-    if node is None or not (ACTIONLINT_MODULES / "actionlint").is_dir():
+    proc = run_actionlint(WORKFLOWS)
+    if proc is None:
         if os.environ.get("CI"):
             pytest.fail("actionlint is not installed in CI: `make setup` should have put it into .ci/.node")
         pytest.skip("node or the npm package actionlint is missing (make setup installs it)")
-    proc = subprocess.run([node, str(ROOT / "scripts" / "actionlint.cjs"), *map(str, WORKFLOWS)], cwd=ROOT,
-                          env={**os.environ, "NODE_PATH": str(ACTIONLINT_MODULES)}, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert f"0 problem(s) in {len(WORKFLOWS)} file(s)" in proc.stdout
 
@@ -354,6 +356,31 @@ def test_action_publishes_tiny_flux_and_reruns_as_noop(tmp_path: Path, flux_repo
     assert api.list_repo_commits("alice/action-flux-int8wo")[0].commit_id == out["commit-sha"]
     assert_secret_absent(again, "tok_alice")
     print(f"publish {first:.1f}s, re-run {time.monotonic() - t0 - first:.1f}s")
+
+
+QUANT_VALUES = {  # a quant line -> the tensor class each quantized component gets
+    "call": ("IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32))",
+             {"transformer": "IntxUnpackedToInt8Tensor"}),
+    "mapping": ("transformer=float8wo,text_encoder_2=int8wo", {"transformer": "Float8Tensor", "text_encoder_2": "Int8Tensor"}),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(QUANT_VALUES))
+def test_a_quant_line_reaches_the_cli_whole(tmp_path: Path, flux_repo: str, case: str) -> None:
+    """A config call and a component mapping in `quant` are each one --quant, as on the command line (before, the input
+    was split on commas and spaces: "'(' was never closed", "every --quant of one run must quantize the same
+    components")."""
+    given, classes = QUANT_VALUES[case]
+    run = run_action({"model": flux_repo, "quant": f"\n  {given}  \n", "push": "false", "verify-matrix": "none",
+                      "extra-args": "--eval-budget 0 --verify-mode streaming"}, tmp_path)
+    assert run.returncode == 0, run.log[-4000:]
+    data = json.loads(run.outputs["result-json"])
+    assert data["verified"] and not data["pushed"]
+    assert {c["name"]: list(c["tensor_classes"]) for c in data["components"]} == {n: [k] for n, k in classes.items()}
+    record = json.loads((Path(run.outputs["output-dir"]) / "hf_ao_publish.json").read_text())
+    assert record["quant"]["given"] == given
+    assert "+ " + shlex.join(["hf-ao-publish", "publish", flux_repo, f"--quant={given}", "--no-push"]) in run.stdout
 
 
 @pytest.mark.slow

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +12,7 @@ from action.inputs import (
     build_request,
     parse_bool,
     parse_matrix,
+    parse_quant,
     secret_values,
     split_list,
 )
@@ -44,7 +46,7 @@ def test_request_argv() -> None:
     req = build_request(_env(QUANT="int8wo, int8dq\nfloat8wo", COMPONENTS="transformer text_encoder_2",
                              EXCLUDE="a.b\nc", REPO_ID="acme/x-{recipe}", REVISION=" main ", PRIVATE="True",
                              CREATE_PR="false", EXTRA_ARGS=f"{SMALL} --sample-prompt \"a cat's 'x'\" $(id)"))
-    assert req.args == ["publish", "bfl/tiny-flux", "--quant=int8wo", "--quant=int8dq", "--quant=float8wo",
+    assert req.args == ["publish", "bfl/tiny-flux", "--quant=int8wo, int8dq", "--quant=float8wo",
                         "--components=transformer,text_encoder_2", "--exclude=a.b", "--exclude=c",
                         "--repo-id=acme/x-{recipe}", "--revision=main", "--private",
                         "--sample-steps", "2", "--sample-size", "64", "--sample-prompt", "a cat's 'x'", "$(id)"]
@@ -52,6 +54,42 @@ def test_request_argv() -> None:
     assert not build_request(_env(PUSH="false", TOKEN="")).push
     assert not build_request(_env(EXTRA_ARGS="--no-push", TOKEN="")).push
     assert build_request({**_env(TOKEN=""), "HF_TOKEN": "tok_env"}).token == "tok_env"
+
+
+CALL = "IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32))"
+MAPPING = "transformer=float8wo,text_encoder_2=int8wo"
+
+
+def test_quant_is_one_cli_value_per_line() -> None:
+    """Each line reaches the CLI whole as one --quant (the CLI splits top-level commas itself), so a config call's and
+    a mapping's commas and spaces stay; before, the input was split on every comma and space."""
+    req = build_request(_env(QUANT=f"  {CALL}  \n\n{MAPPING}\nint8wo,float8wo\n"))
+    assert req.args == ["publish", "bfl/tiny-flux", f"--quant={CALL}", f"--quant={MAPPING}", "--quant=int8wo,float8wo"]
+    assert build_request(_env(QUANT=MAPPING)).args[2:] == [f"--quant={MAPPING}"]
+    assert build_request(_env(QUANT='{"_type": "Int8WeightOnlyConfig", "_data": {}}')).args[2:] == [
+        '--quant={"_type": "Int8WeightOnlyConfig", "_data": {}}']
+    assert parse_quant(None) == [] and parse_quant(" \n ") == []
+
+
+def test_quant_refuses_names_separated_by_spaces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """'int8wo int8dq' on one line is two names where the CLI takes one value: refused before the install, with the fix;
+    a file of that name in the workspace (a config_to_dict JSON) is a value."""
+    with pytest.raises(ActionInputError, match=re.escape("input quant: 'int8wo int8dq' is several names on one line; "
+                                                         "give one --quant value per line (or join recipes with commas: "
+                                                         "int8wo,int8dq)")) as info:
+        build_request(_env(QUANT="int8wo int8dq"))
+    assert info.value.code == 2
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my config.json").write_text("{}")
+    assert build_request(_env(QUANT="my config.json")).args[2:] == ["--quant=my config.json"]
+
+
+def test_components_exclude_and_matrix_stay_lists() -> None:
+    """The other list inputs keep their separators (commas, spaces, newlines): only quant is one value per line."""
+    req = build_request(_env(COMPONENTS="transformer,\ntext_encoder_2", EXCLUDE="x_embedder, proj_out\nnorm_out.linear",
+                             VERIFY_MATRIX="none"))
+    assert req.args[3:] == ["--components=transformer,text_encoder_2", "--exclude=x_embedder", "--exclude=proj_out",
+                            "--exclude=norm_out.linear", "--compat=none"]
 
 
 def test_request_flags() -> None:

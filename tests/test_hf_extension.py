@@ -24,6 +24,8 @@ from publisher import __version__
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 NAME = "ao-publish"  # `hf ao-publish`: repository hf-ao-publish, console script hf-ao-publish
+# the GitHub owner `hf extensions install OWNER/hf-ao-publish` names (docs/hf-jobs.md): pyproject.toml's Repository
+OWNER = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["urls"]["Repository"].split("/")[-2]
 
 
 def test_the_project_follows_the_extension_convention() -> None:
@@ -50,7 +52,7 @@ def test_hf_dispatches_to_our_console_script(tmp_path: Path) -> None:
     folder = tmp_path / ".local" / "share" / "hf" / "extensions" / f"hf-{NAME}"
     folder.mkdir(parents=True)
     (folder / "manifest.json").write_text(json.dumps({
-        "owner": "OWNER", "repo": f"hf-{NAME}", "repo_id": f"OWNER/hf-{NAME}", "short_name": NAME,
+        "owner": OWNER, "repo": f"hf-{NAME}", "repo_id": f"{OWNER}/hf-{NAME}", "short_name": NAME,
         "executable_path": str(script), "type": "python", "installed_at": "2026-01-01T00:00:00+00:00",
         "description": "Quantize a Hugging Face model with torchao and publish it", "commit_sha": None,
     }))
@@ -62,4 +64,4 @@ def test_hf_dispatches_to_our_console_script(tmp_path: Path) -> None:
     missing = _hf(tmp_path, NAME, "publish")  # our exit code and message come back through hf
     assert missing.returncode == 2 and "Missing argument 'MODEL_ID'" in missing.stderr
     listing = _hf(tmp_path, "--help")
-    assert listing.returncode == 0 and NAME in listing.stdout and "[extension OWNER/hf-ao-publish]" in listing.stdout
+    assert listing.returncode == 0 and NAME in listing.stdout and f"[extension {OWNER}/hf-ao-publish]" in listing.stdout
