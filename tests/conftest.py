@@ -316,14 +316,15 @@ def pytest_runtest_teardown(item: Any, nextitem: Any) -> None:
 # whichever worker is free (before, the 25 family publishes sat on one worker). xdist's own `loadgroup` marks do not
 # take effect with pytest 9 (the group suffix it writes into a test's node id is not read back), hence a scheduler.
 SPREAD = {"test_families", "test_job", "test_hub", "test_cli", "test_publish_configs", "test_family_failures",
-          "test_hfjobs_e2e", "test_action", "test_one_pass", "test_signals", "test_quality_e2e", "test_local_inputs"}
+          "test_hfjobs_e2e", "test_action", "test_one_pass", "test_signals", "test_quality_e2e", "test_local_inputs",
+          "test_docs_commands", "test_quality_defaults"}
 # Files in the order their work is handed out, the costliest first (seconds on 2 cores, `--durations` of a full run), so
 # that no long test starts last and leaves the other worker idle; files not named here follow, in their usual order.
 # Every file of more than a few seconds is named: test_zygotes (some 30 s on one worker), which came last by name,
 # left the other worker idle for half a minute at the end of the run. test_verify_matrix as on a fresh clone (its
 # environments built from PyPI: 30 s more than from the cache).
 # test_docs_action: every docs/action.md workflow in one test, with the product's defaults (minutes: first).
-COST_ORDER = ["test_docs_action", "test_families", "test_stages_card", "test_verify_full", "test_hfjobs_e2e", "test_job",
+COST_ORDER = ["test_docs_action", "test_docs_commands", "test_families", "test_quality_defaults", "test_stages_card", "test_verify_full", "test_hfjobs_e2e", "test_job",
               "test_hub", "test_cli", "test_signals", "test_quality_e2e", "test_verify_matrix", "test_action",
               "test_scripts_gpu_check", "test_zygotes", "test_verify_streaming", "test_one_pass", "test_streaming_convert",
               "test_verify_peers", "test_testing_tiny", "test_integrity", "test_hostile_input", "test_hf_extension",
