@@ -26,8 +26,8 @@ def test_options_parse_and_name_what_is_wrong() -> None:
     assert s.budget_for(40_000_000_000) == 900  # a duration given is the bound, whatever the model
     auto = spec.settings(None, 512, spec.DEFAULT_BUDGET, (), None, 64, 2)
     assert spec.DEFAULT_BUDGET == "auto" and auto.budget_s is None and auto.enabled and auto.to_dict()["budget_s"] == "auto"
-    assert auto.budget_for(5_000_000) == pytest.approx(10.25)  # a tiny model: seconds
-    assert auto.budget_for(2_500_000_000) == pytest.approx(135)  # Llama-3.2-1B's bf16 weights: about two minutes
+    assert auto.budget_for(5_000_000) == pytest.approx(5.25)  # a tiny model: seconds
+    assert auto.budget_for(2_500_000_000) == pytest.approx(130)  # Llama-3.2-1B's bf16 weights: about two minutes
     assert auto.budget_for(34_000_000_000) == 600  # FLUX.1-dev: at most ten minutes
     assert spec.settings(None, 512, "AUTO", (), None, 64, 2).budget_s is None
     assert not spec.settings(None, 512, "0", (), None, 64, 2).enabled

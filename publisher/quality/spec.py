@@ -20,7 +20,7 @@ DEFAULT_BUDGET = "auto"
 # at most AUTO_CEILING_S. A hard bound either way (the evaluation stops when it is spent); auto scales it with the model
 # so that a model of a few MB is evaluated in seconds and a stock CPU runner never spends more than ten minutes on it
 # (docs/quality.md, "The budget").
-AUTO_FLOOR_S = 10.0
+AUTO_FLOOR_S = 5.0
 AUTO_BYTES_PER_S = 20_000_000
 AUTO_CEILING_S = 600.0
 BUDGET_HELP = ("Time each recipe's quality evaluation may take, a hard bound (e.g. 90s, 5m, 600): it decides the grid's "
