@@ -175,7 +175,7 @@ def _my_pipeline(cli: Any) -> None:
     card = Path("out/README.md").read_text()
     _defaults_ran(card, pipeline=True)
     assert str(Path.cwd()) not in card  # the local base by its name (issue 37)
-    result = _run(cli, _by("hf-ao-publish verify ./out --base ./my-pipeline"))
+    result = _run(cli, _by("hf-ao-publish verify ./out --base ./my-pipeline --compat none"))
     assert "all" in result.stderr and "load checks passed; values match the base" in result.stderr
 
 
@@ -283,7 +283,7 @@ CASES: dict[str, Any] = {
     "hf-ao-publish verify alice/FLUX.1-dev-torchao-int8wo": "verify-published",
     "hf-ao-publish meta-llama/Llama-3.2-1B --quant int8wo,float8wo --private": "llama-two",
     "hf-ao-publish ./my-pipeline --quant int8dq --components transformer,text_encoder_2 --no-push --output-dir out": "my-pipeline",
-    "hf-ao-publish verify ./out --base ./my-pipeline": "my-pipeline",
+    "hf-ao-publish verify ./out --base ./my-pipeline --compat none": "my-pipeline",
     "hf-ao-publish meta-llama/Llama-3.2-1B --quant 'Int8WeightOnlyConfig(granularity=PerGroup(128))'": "config-call",
     "hf-ao-publish black-forest-labs/FLUX.1-dev --quant transformer=float8wo,text_encoder_2=int8wo": "per-component",
     "hf-ao-publish black-forest-labs/FLUX.1-dev --quant intx4wo --layer-config layers.json": "per-layer",
