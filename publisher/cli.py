@@ -320,7 +320,8 @@ def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | 
     if on_hf_jobs is not None:
         from publisher.hfjobs import remote
 
-        jobs = remote.JobsRequest(req, on_hf_jobs, hf_jobs_timeout, tuple(_command_args(ctx, _NOT_FOR_JOBS)))
+        options = tuple(_command_args(ctx, _NOT_FOR_JOBS, from_environment=True))  # a job has none of our variables
+        jobs = remote.JobsRequest(req, on_hf_jobs, hf_jobs_timeout, options)
         _report(_run_failed_json(as_json, debug, remote.publish, jobs), as_json, keep_going, force)
         return
     _report(_run_failed_json(as_json, debug, run, req), as_json, keep_going, force)
@@ -434,9 +435,8 @@ def _check_size(value: str) -> None:
 
 
 def _command_line(ctx: click.Context) -> str:
-    """The command that made the repo, rebuilt from the parsed options (defaults left out) for the
-    card: reproducible, and the token (or any secret) is never part of it. Values read from an environment
-    variable (HF_AO_PUBLISH_COMPAT) were not typed, so they are left out too."""
+    """The card's command that made the repo, from the parsed options: reproducible, never a secret; defaults and
+    values read from a variable (HF_AO_PUBLISH_COMPAT), which were not typed, left out."""
     from publisher.stages.source import shown
 
     skip = {"token", "debug", "quiet", "as_json", "output_dir", "hf_jobs_timeout", "attach", "force"}
@@ -447,8 +447,8 @@ def _command_line(ctx: click.Context) -> str:
     return shlex.join(["hf-ao-publish", *args])
 
 
-def _command_args(ctx: click.Context, skip: set[str]) -> list[str]:
-    """The parsed arguments and options, defaults and ``skip`` left out, as an argv list."""
+def _command_args(ctx: click.Context, skip: set[str], *, from_environment: bool = False) -> list[str]:
+    """The parsed arguments and options, defaults, ``skip`` and (unless asked) values from variables left out."""
     parts: list[str] = []
     for param in ctx.command.params:
         name = param.name or ""
@@ -460,7 +460,7 @@ def _command_args(ctx: click.Context, skip: set[str]) -> list[str]:
             continue
         if value in (None, False, ()):
             continue
-        if ctx.get_parameter_source(name) == click.core.ParameterSource.ENVIRONMENT:
+        if ctx.get_parameter_source(name) == click.core.ParameterSource.ENVIRONMENT and not from_environment:
             continue
         if isinstance(param, click.Argument):
             parts.append(str(value))

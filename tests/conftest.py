@@ -323,8 +323,11 @@ SPREAD = {"test_families", "test_job", "test_hub", "test_cli", "test_publish_con
 # Every file of more than a few seconds is named: test_zygotes (some 30 s on one worker), which came last by name,
 # left the other worker idle for half a minute at the end of the run. test_verify_matrix as on a fresh clone (its
 # environments built from PyPI: 30 s more than from the cache).
-# test_docs_action: every docs/action.md workflow in one test, with the product's defaults (minutes: first).
-COST_ORDER = ["test_docs_action", "test_docs_commands", "test_families", "test_quality_defaults", "test_stages_card", "test_verify_full", "test_hfjobs_e2e", "test_job",
+# The docs' commands first (minutes of publishes with the product's defaults, spread test by test); the Action's
+# workflows (docs/action.md, one test of a few minutes) after them, so that their publishes of the same bases and
+# recipes read the compatibility loads the commands measured (verify/memo.py) instead of measuring them again.
+COST_ORDER = ["test_docs_commands", "test_families", "test_stages_card", "test_docs_action", "test_quality_defaults",
+              "test_verify_full", "test_hfjobs_e2e", "test_job",
               "test_hub", "test_cli", "test_signals", "test_quality_e2e", "test_verify_matrix", "test_action",
               "test_scripts_gpu_check", "test_zygotes", "test_verify_streaming", "test_one_pass", "test_streaming_convert",
               "test_verify_peers", "test_testing_tiny", "test_integrity", "test_hostile_input", "test_hf_extension",

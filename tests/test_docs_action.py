@@ -171,7 +171,7 @@ def _check_what_each_published(runs: list[tuple[DocWorkflow, WorkflowRun]]) -> N
         data = json.loads(out["result-json"])
         if step.inputs.get("push") == "false":
             assert out["commit-sha"] == "" and not data["pushed"], (doc.name, out)
-            _ran_the_defaults(data, budget=60)  # the example's --eval-budget 1m
+            _ran_the_defaults(data, budget=30)  # the example's --eval-budget 30s
             continue
         repo = out["repo-id"]
         assert repo and re.fullmatch(r"[0-9a-f]{40}", out["commit-sha"]), (doc.name, out)
@@ -202,4 +202,4 @@ def _check_what_each_published(runs: list[tuple[DocWorkflow, WorkflowRun]]) -> N
     folder = Path(dry.steps[1].outputs["output-dir"])  # what the upload's path names
     assert (folder / "README.md").is_file() and (folder / "verification.json").is_file()
     assert "not pushed" in dry.steps[1].log
-    assert json.loads(dry.steps[1].outputs["result-json"])["evaluation"]["budget_s"] == 60  # the example's cap
+    assert json.loads(dry.steps[1].outputs["result-json"])["evaluation"]["budget_s"] == 30  # the example's cap

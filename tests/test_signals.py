@@ -232,3 +232,19 @@ def test_sigterm_during_the_push_deletes_the_new_repo(hub: Any, tiny_llama_dir: 
     assert "the quantized model in the resume cache" in _the_line(stderr, "SIGTERM")
     assert not _api().repo_exists(target)
     assert list(run.tmp.iterdir()) == []
+
+
+@pytest.mark.slow
+def test_sigterm_during_the_quality_grid_ends_the_run_within_seconds(hub: Any, tiny_flux_dir: Path, tmp_path: Path) -> None:
+    """The evaluation stops like every other stage (issue 38): a SIGTERM while the grid runs (it says so as it goes)
+    ends the run within 10 s, with the one line and nothing half-written."""
+    out = tmp_path / "out"
+    run = Run(tmp_path, str(tiny_flux_dir), "--quant", "int8wo", "--no-push", "--output-dir", str(out), "--compat", "none",
+              "--eval-budget", "10m", *IN_PROCESS)
+    run.wait_for("the grid's first line", lambda: "grid: timed the base pipeline" in run.err_path.read_text())
+    started = time.monotonic()
+    rc, stderr = run.stop(signal.SIGTERM)
+    assert rc == 143 and time.monotonic() - started < 10, stderr
+    _the_line(stderr, "SIGTERM")
+    assert not out.exists() or not any(out.iterdir())  # no folder that passes for a repo
+    assert list(run.tmp.iterdir()) == []

@@ -14,6 +14,9 @@ from publisher.io.integrity import FileHash
 from publisher.recipes import Recipe
 
 DENOISERS = ("transformer", "unet", "prior", "decoder")
+# What AutoTokenizer reads a vocabulary from (tokenizer_config.json alone names a class, not a vocabulary)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
+                   "sentencepiece.bpe.model", "tiktoken.model", "tokenizer.tiktoken")
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,11 @@ class Source:
         if self.repo_id:
             return self.repo_id
         return self.local_dir.name if self.local_dir is not None else Path(self.model_id).name
+
+    @property
+    def has_tokenizer(self) -> bool:
+        """A tokenizer at the root (a transformers model's), which the card's snippets and the evaluation need."""
+        return any(f in self.sizes for f in TOKENIZER_FILES)
 
     @property
     def display(self) -> str:

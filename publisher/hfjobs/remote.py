@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from huggingface_hub import HfApi
 
     from publisher.handoffs.plan import Plan
+    from publisher.recipes import Recipe
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +93,14 @@ def _submit(api: HfApi, spec: Mapping[str, object], recipe: str, flavor: Flavor,
     return hub.call(start, what=f"starting the {recipe} job on {flavor.name}", check=already)
 
 
+def job_args(request: JobsRequest, recipe: Recipe, target: str, sha: str | None) -> list[str]:
+    """The command line of the job that publishes ``recipe``: the same request as this machine's, with the recipe's
+    configs inline (no local file), the target and base commit checked here, every other option as given here (those
+    read from an environment variable too: the job has none of this machine's)."""
+    return ["publish", request.publish.model, *recipe.job_args(), "--repo-id", target,
+            *(["--revision", sha] if sha else []), *request.options, "--json"]
+
+
 def publish(request: JobsRequest) -> list[RemoteOutcome]:
     """Check everything here, ship the code, start one job per recipe and follow them to their end."""
     req = request.publish
@@ -130,9 +139,8 @@ def _start_and_follow(follower: Follower, plan: Plan, request: JobsRequest, flav
             target = plan.targets[recipe.name]
             if target is None:  # a Job always pushes, so its token chose a target at plan time
                 raise TargetError(f"{recipe.name}: no target repo id was chosen; pass --repo-id NAMESPACE/NAME")
-            args = ["publish", req.model, *recipe.job_args(), "--repo-id", target,
-                    *(["--revision", plan.source.sha] if plan.source.sha else []), *request.options, "--json"]
-            spec = {"endpoint": hub.endpoint(), "args": args, "torch": torch_for(flavor),
+            spec = {"endpoint": hub.endpoint(), "args": job_args(request, recipe, target, plan.source.sha),
+                    "torch": torch_for(flavor),
                     "wheel": {"path": shipped.path, "sha256": shipped.sha256}}
             job_id, url, stage = _submit(api, spec, recipe.name, flavor, request.timeout, namespace, token)
             outcomes.append(RemoteOutcome(recipe.name, target, job_id, url, flavor.name, stage))

@@ -44,19 +44,12 @@ if TYPE_CHECKING:  # types only
 log = logging.getLogger(__name__)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".msgpack", ".h5", ".onnx")
-# What AutoTokenizer reads a vocabulary from (tokenizer_config.json alone names a class, not a vocabulary)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
-                   "sentencepiece.bpe.model", "tiktoken.model", "tokenizer.tiktoken")
 NO_TOKENIZER = "no tokenizer in the base (the text is tokenized with the base's own tokenizer, and it has none)"
 
 
 def kind_of(plan: Plan) -> str | None:
     first = plan.quantized[0] if plan.quantized else None
     return spec.model_kind(plan.kind, first.class_name if first else "")
-
-
-def has_tokenizer(plan: Plan) -> bool:
-    return any(f.rsplit("/", 1)[-1] in TOKENIZER_FILES for f in plan.source.files if "/" not in f)
 
 
 def check_measurable(settings: Settings, plan: Plan, token: str | None) -> None:
@@ -66,7 +59,7 @@ def check_measurable(settings: Settings, plan: Plan, token: str | None) -> None:
     if not settings.enabled or kind_of(plan) != spec.CAUSAL_LM:
         return
     bounded = [b for b in settings.bounds if b.metric == "ppl-recovery"]
-    if not has_tokenizer(plan):
+    if not plan.source.has_tokenizer:
         if bounded:
             raise UsageError(f"--min-quality {bounded[0].text()} cannot be checked: {plan.source.model_id} has no "
                              "tokenizer, which perplexity needs; add the base's tokenizer files to it, or drop "
@@ -88,7 +81,7 @@ def read_text(settings: Settings, plan: Plan, token: str | None) -> EvalText | N
     """The evaluation text of a causal LM (None for other models, with the evaluation off, or without a tokenizer)."""
     from publisher.quality.text import read_text as read
 
-    if not settings.enabled or kind_of(plan) != spec.CAUSAL_LM or not has_tokenizer(plan):
+    if not settings.enabled or kind_of(plan) != spec.CAUSAL_LM or not plan.source.has_tokenizer:
         return None
     return read(settings.dataset, settings.tokens, token, settings.explicit_dataset)
 
@@ -139,7 +132,7 @@ class Evaluation:
         from publisher.io.jsonfile import read_object
         from publisher.quality.text import windows
 
-        if not has_tokenizer(self.plan):
+        if not self.plan.source.has_tokenizer:
             self.text_reason = NO_TOKENIZER
             return
         if self.text is None or self.text.text is None:

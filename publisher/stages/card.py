@@ -192,6 +192,7 @@ def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str |
         licence_files=licence_files(plan),
         auto_class="AutoModelForCausalLM" if causal else "AutoModel",
         causal=causal,
+        tokenizer=plan.kind == "pipeline" or plan.source.has_tokenizer,  # else the snippets feed token ids
         inputs=inputs,
         tool_version=__version__,
         compat=compat,
