@@ -77,8 +77,12 @@ def _what_reaches_the_job(req: PublishRequest) -> tuple[Any, ...]:
     out: a file here is inline in a Job) and the evaluation's settings."""
     from publisher.stages.plan import parse_recipes
 
-    recipes = [(r.name, {k: v for k, v in r.quant_json().items() if k != "given"}, r.python)
-               for r in parse_recipes(req.quant, req.layer_config)]
+    def configs(value: Any) -> Any:  # how a config was given (a file here, inline in a Job) left out
+        if isinstance(value, dict):
+            return {k: configs(v) for k, v in value.items() if k not in ("given", "source", "file", "origin")}
+        return [configs(v) for v in value] if isinstance(value, list) else value
+
+    recipes = [(r.name, configs(r.quant_json()), r.python) for r in parse_recipes(req.quant, req.layer_config)]
     return req.model, recipes, req.evaluation, req.compat
 
 

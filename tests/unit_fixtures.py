@@ -61,12 +61,12 @@ def lm_publish(folder: Path, target: str | None = "alice/unit-llama") -> tuple[P
     write_component(folder)
     (folder / "tokenizer.json").write_text("{}\n")
     source = Source("meta/tiny-llama", "meta/tiny-llama", None, None, SHA,
-                    sizes={"config.json": 600, "model.safetensors": 787_712, "LICENSE": 11_000},
+                    sizes={"config.json": 600, "model.safetensors": 787_712, "LICENSE": 11_000, "tokenizer.json": 3},
                     card_data={"license": "apache-2.0", "tags": ["llama", "tiny"]}, endpoint="https://hub.invalid")
     component = Component("", "transformers", "LlamaForCausalLM", True, linear_names=(*LM_LAYERS, "lm_head"),
                           param_bytes=787_712, weight_files=("model.safetensors",), default_skips=("lm_head",))
     plan = Plan(source=source, kind="transformers", pipeline_class=None, components=(component,), recipes=(recipe,),
-                exclude=(), targets={"int8wo": target}, base_files=("config.json", "model.safetensors", "LICENSE"),
+                exclude=(), targets={"int8wo": target}, base_files=("config.json", "model.safetensors", "LICENSE", "tokenizer.json"),
                 library_name="transformers", pipeline_tag="text-generation")
     comp = _quantized("", "transformers", "LlamaForCausalLM", LM_LAYERS, 787_712, 513_740)
     kept = [KeptKind("embedding", "embeddings", 1, 98_304, "lookup tables, not matmuls; the recipes do not apply",

@@ -42,7 +42,8 @@ class LayerTable:
 
     def inline(self) -> str:
         """``COMPONENT={...}``: the table as one --layer-config value that needs no file (an HF Jobs command line)."""
-        body = json.dumps({k: (s.call or json.loads(s.canonical)) if s else None for k, s in self.entries})
+        # a recipe stays its name (as in job_args: the job's state and card say it as given here)
+        body = json.dumps({k: (s.recipe or s.call or json.loads(s.canonical)) if s else None for k, s in self.entries})
         return f"{self.component}={body}" if self.component is not None else body
 
 
