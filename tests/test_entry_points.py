@@ -65,10 +65,10 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
     return seen
 
 
-def _invoke(args: list[str]) -> None:
+def _invoke(args: list[str], env: dict[str, str] | None = None) -> None:
     from publisher.cli import main
 
-    result = CliRunner().invoke(main, args, catch_exceptions=False)
+    result = CliRunner().invoke(main, args, env=env, catch_exceptions=False)
     assert result.exit_code == 0, (args, result.output)
 
 
@@ -100,28 +100,28 @@ def test_the_same_request_reaches_the_job_from_every_entry_point(form: str, reco
         file.write_text(json.dumps(LAYERS))
     cli_args, inputs = FORMS[form]
     cli_args = [str(file) if a == "FILE" else a for a in cli_args]
-    monkeypatch.setenv("HF_AO_PUBLISH_EVAL_BUDGET", "90s")  # an option from the environment must reach a Job too
+    budget = {"HF_AO_PUBLISH_EVAL_BUDGET": "90s"}  # an option from the environment (this invocation's) reaches a Job too
 
-    _invoke([MODEL, *cli_args])
+    _invoke([MODEL, *cli_args], budget)
     local = _what_reaches_the_job(recorded["runs"][-1])
     assert local[2] is not None and local[2].budget_s == 90 and local[2].enabled  # the evaluation is on
 
     env = {f"HFAO_{k.upper().replace('-', '_')}": v.replace("FILE", str(file)) for k, v in inputs.items()}
     action = build_request({"HFAO_MODEL": MODEL, "HFAO_TOKEN": "tok_alice", **env})
-    _invoke(action.args)
+    _invoke(action.args, budget)  # the runner's environment: a workflow's env: sets it for the action's steps
     assert _what_reaches_the_job(recorded["runs"][-1]) == local, "the Action"
 
-    _invoke([MODEL, *cli_args, "--on-hf-jobs", "cpu-basic"])
+    _invoke([MODEL, *cli_args, "--on-hf-jobs", "cpu-basic"], budget)
     jobs = recorded["jobs"][-1]
     assert _what_reaches_the_job(jobs.publish) == local, "the --on-hf-jobs request"
-    monkeypatch.delenv("HF_AO_PUBLISH_EVAL_BUDGET")  # the job's machine has none of ours
     from publisher.stages.plan import parse_recipes
+
 
     reached = []
     for recipe in parse_recipes(jobs.publish.quant, jobs.publish.layer_config):  # one job per recipe
         argv = remote.job_args(jobs, recipe, f"alice/x-{recipe.name}", "0" * 40)
         assert not any(a == str(file) for a in argv)  # no local file named: a job cannot read it
-        _invoke(argv)
+        _invoke(argv)  # the job's machine has none of our variables
         job = _what_reaches_the_job(recorded["runs"][-1])
         assert job[2:] == local[2:] and job[0] == MODEL, "the job's own command line"
         reached += job[1]

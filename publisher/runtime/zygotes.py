@@ -12,8 +12,8 @@ any script (a card snippet's first line is ``import torch``), ``LIBRARIES`` for 
 imports before it reads a checkpoint: transformers' and diffusers' model base classes, with whatever those import
 in the interpreter's versions). A zygote serves one interpreter, one such list and one environment: it is reused
 only while every variable its imports could read is what it was when it started (``NOT_READ_BY_TORCH`` and
-``NOT_READ_BY_LIBRARIES`` list those that may differ: the token, our own, ...); at most ``MAX_ZYGOTES`` live at
-once (the least recently used is closed). Where there is no zygote the script runs in a fresh interpreter: not on
+``NOT_READ_BY_LIBRARIES`` list those that may differ: the token, our own, ...); at most ``max_zygotes()`` live at
+once (the least recently used is closed: 8, or fewer where memory is short). Where there is no zygote the script runs in a fresh interpreter: not on
 Linux (fork after torch's import is what PyTorch's own data loaders do on Linux; macOS's system libraries refuse
 it), with ``HF_AO_PUBLISH_ZYGOTE=0``, for a caller that asks so (a load on a GPU: CUDA cannot be used across a
 fork, so it is initialized in the new process only), or when the interpreter cannot run one (a stand-in script, an
@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 
 SERVER = Path(zygote.__file__).resolve()
 SWITCH = "HF_AO_PUBLISH_ZYGOTE"
-MAX_ZYGOTES = 3
+ZYGOTE_BYTES = 360 * 1024 * 1024  # one that imported torch and the libraries' base classes (measured: 353 MB unique)
 READY_TIMEOUT_S = 600  # importing torch from a cold disk on a slow machine
 TORCH = tuple(zygote.PRELOAD)  # torch and torch._dynamo: the first import of every script we run
 # ... and what every load path imports before it reads a checkpoint: the libraries' model base classes (in the versions
@@ -190,9 +190,19 @@ def _zygote(python: str, env: Mapping[str, str], preload: tuple[str, ...]) -> Zy
             _without.add(key)
             return None
         _zygotes[key] = z
-        while len(_zygotes) > MAX_ZYGOTES:
+        while len(_zygotes) > max_zygotes():
             _zygotes.popitem(last=False)[1].close()
         return z
+
+
+def max_zygotes() -> int:
+    """How many zygotes may live at once: enough for this interpreter and every environment of the default
+    compatibility matrix (up to 6) and the card snippets' (8), so that a run measuring several recipes, or a process
+    running several publishes, starts each once; fewer where they would take more than a sixth of the memory
+    available (each holds about ZYGOTE_BYTES), never under 3."""
+    import psutil
+
+    return max(3, min(8, int(psutil.virtual_memory().available / 6 // ZYGOTE_BYTES)))
 
 
 def _forget(z: Zygote) -> None:
