@@ -23,10 +23,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from publisher.handoffs.artifacts import MARKER
 from publisher.verify.envs import RECORD, envs_root
 
-# A repo's own report files change with every run and are read by no load path
-NOT_READ = frozenset({"README.md", "verification.json", "hf_ao_publish.json", ".gitattributes", "quality_grid.jpg"})
+# A repo's own report files and the unfinished folder's marker change with every run and are read by no load path
+NOT_READ = frozenset({"README.md", "verification.json", "hf_ao_publish.json", ".gitattributes", "quality_grid.jpg", MARKER})
 
 
 def _sha256(path: Path) -> str:
