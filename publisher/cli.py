@@ -40,7 +40,7 @@ verify_env_option = click.option(
 
 MATRIX_COST = compat.cost_text()
 compat_option = click.option(
-    "--compat", "compat", multiple=True, metavar="ENV", envvar="HF_AO_PUBLISH_COMPAT", show_envvar=True,
+    "--compat", "compat", multiple=True, metavar="ENV", envvar=compat.VARIABLE, show_envvar=True,
     help="Environments measured for the Compatibility table (pass, fail or silently wrong; they never stop a "
          "publish): default (the recipe's matrix, docs/compatibility.md), none (skips it), or a version spec. "
          f"Repeatable; default: default ({MATRIX_COST}).")
@@ -199,7 +199,7 @@ def recipes_cmd(as_json: bool) -> None:
 @click.option("--eval-tokens", type=click.IntRange(16, 1_000_000), default=quality_spec.DEFAULT_TOKENS, show_default=True,
               metavar="N", help="Tokens of the evaluation text scored for perplexity (base and quantized).")
 @click.option("--eval-budget", default=quality_spec.DEFAULT_BUDGET, show_default=True, metavar="DURATION",
-              envvar="HF_AO_PUBLISH_EVAL_BUDGET", show_envvar=True,
+              envvar=quality_spec.BUDGET_VARIABLE, show_envvar=True,
               help=quality_spec.BUDGET_HELP)
 @click.option("--min-quality", "min_quality", multiple=True, metavar="METRIC=VALUE",
               help=f"Fail (exit 1, nothing pushed) when a quality figure is below VALUE: {', '.join(quality_spec.METRICS)} "

@@ -23,6 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 INT8 = ("Int8Tensor",)  # the torchao class whose weights torchao 0.15 loads unquantized
+VARIABLE = "HF_AO_PUBLISH_COMPAT"  # --compat from the environment
 
 
 @dataclass(frozen=True)

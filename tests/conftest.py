@@ -56,10 +56,14 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 # without it, 42 s (82 s of CPU) with it. Set before torch is imported anywhere (TORCH_BEFORE_CONFTEST, checked by
 # tests/test_makefile.py), so the workers' own OpenMP reads it too; every process the tests start inherits it.
 TORCH_BEFORE_CONFTEST = "torch" in sys.modules
+from publisher import compat  # noqa: E402  (no torch: the variables' names, as the CLI reads them)
+from publisher.quality import spec as quality_spec  # noqa: E402
+
+DEFAULTS_VARIABLES = (compat.VARIABLE, quality_spec.BUDGET_VARIABLE)  # --compat and --eval-budget from the environment
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The product's defaults run whatever the shell sets: a test that wants the matrix or the evaluation off says so on
 # its own command line (SKIP_EVAL_AND_MATRIX below); tests/test_makefile.py checks that no fixture sets them.
-for _var in ("HF_AO_PUBLISH_COMPAT", "HF_AO_PUBLISH_EVAL_BUDGET"):
+for _var in DEFAULTS_VARIABLES:
     os.environ.pop(_var, None)
 # Environments built for --verify-env and the compatibility matrix are kept across test sessions (keyed by spec and by
 # this environment), outside the throw-away HF_HOME.

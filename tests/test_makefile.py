@@ -127,7 +127,9 @@ def test_no_fixture_switches_a_product_default_off_for_the_session() -> None:
     would turn them off for every test at once (tests/conftest.py did, for the whole session)."""
     import os
 
-    variables = ("HF_AO_PUBLISH_COMPAT", "HF_AO_PUBLISH_EVAL_BUDGET")
+    from conftest import DEFAULTS_VARIABLES as variables
+
+    assert variables == ("HF_AO_PUBLISH_COMPAT", "HF_AO_PUBLISH_EVAL_BUDGET")  # what the CLI reads (publish --help)
     assert [v for v in variables if v in os.environ] == []  # in a test, with the autouse fixtures active
     names = "|".join(variables)
     setting = re.compile(rf"""(environ\[|setdefault\(|setenv\(|putenv\()\s*["']({names})["']""")

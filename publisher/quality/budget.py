@@ -112,8 +112,8 @@ class Timer:
                 self.current.decodes.append((pixels, time.perf_counter() - started))
                 return out
 
+            self._handles.append(_Restore(vae, "decode"))  # before the override: what the instance had is kept
             vae.decode = timed_decode  # an instance attribute: the class's method is untouched
-            self._handles.append(_Restore(vae, "decode"))
         return self
 
     @property
@@ -140,11 +140,18 @@ class Timer:
 
 
 class _Restore:
+    """Puts an instance attribute back as it was (absent, or the one a library's hooks had set)."""
+
     def __init__(self, obj: Any, name: str) -> None:
         self.obj, self.name = obj, name
+        self.had = name in obj.__dict__
+        self.old = obj.__dict__.get(name)
 
     def remove(self) -> None:
-        self.obj.__dict__.pop(self.name, None)
+        if self.had:
+            self.obj.__dict__[self.name] = self.old
+        else:
+            self.obj.__dict__.pop(self.name, None)
 
 
 def _fit(points: Sequence[tuple[int, float]]) -> tuple[float, float]:

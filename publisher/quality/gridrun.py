@@ -88,6 +88,9 @@ class GridRun:
     def _chosen(self, choice: budget.Choice) -> None:
         f = self.figures
         f.size, f.steps, f.estimate_s, self.prompts = choice.size, choice.steps, round(choice.estimate_s, 1), choice.prompts
+        if choice.prompts < len(f.prompts):
+            f.cut = (f"{choice.prompts} of {len(f.prompts)} prompts: no more pairs fit --eval-budget even at "
+                     f"{choice.size} px and {choice.steps} steps")
         log.info("grid: %d prompt%s at %d px, %d steps (estimated %.0f s for both pipelines; --eval-budget %.0f s, %.0f s "
                  "left)", choice.prompts, "s" if choice.prompts > 1 else "", choice.size, choice.steps, choice.estimate_s,
                  self.deadline.budget_s, self.deadline.left())

@@ -16,6 +16,7 @@ from publisher.errors import QualityError, UsageError
 DEFAULT_DATASET = "Salesforce/wikitext:wikitext-2-raw-v1:test"  # wikitext-2-raw's test split, as the Hub stores it
 DEFAULT_TOKENS = 1024
 DEFAULT_BUDGET = "auto"
+BUDGET_VARIABLE = "HF_AO_PUBLISH_EVAL_BUDGET"  # --eval-budget from the environment
 # --eval-budget auto: AUTO_FLOOR_S plus a second per AUTO_BYTES_PER_S bytes of the weights the evaluation runs (bf16),
 # at most AUTO_CEILING_S. A hard bound either way (the evaluation stops when it is spent); auto scales it with the model
 # so that a model of a few MB is evaluated in seconds and a stock CPU runner never spends more than ten minutes on it
