@@ -66,7 +66,7 @@ def doc_commands() -> list[DocCommand]:
     found: dict[str, DocCommand] = {}
     for doc in DOCS:
         source = doc.read_text()
-        for block in re.finditer(r"^```(bash|sh|shell|console)\n(.*?)^```", source, re.S | re.M):
+        for block in re.finditer(r"^ *```(bash|sh|shell|console)\n(.*?)^ *```", source, re.S | re.M):
             first = source[:block.start(2)].count("\n") + 1
             env: dict[str, str] = {}
             last: DocCommand | None = None
@@ -167,6 +167,14 @@ def _publish_llama_two(cli: Any) -> None:
         repo = f"{USER}/tiny-llama-torchao-{recipe}"
         assert HfApi(token=TOKEN).model_info(repo).private
         _defaults_ran(_card(repo), pipeline=False)
+    # quality.md's gate, on the same target (after it: one push at a time): a card option changed, so published again
+    before = HfApi(token=TOKEN).list_repo_commits(f"{USER}/tiny-llama-torchao-int8wo")[0].commit_id
+    result = _run(cli, _by("hf-ao-publish meta-llama/Llama-3.2-1B --quant int8wo --min-quality ppl-recovery=95"))
+    assert f"published {USER}/tiny-llama-torchao-int8wo" in result.stderr
+    card = _card(f"{USER}/tiny-llama-torchao-int8wo")
+    assert HfApi(token=TOKEN).list_repo_commits(f"{USER}/tiny-llama-torchao-int8wo")[0].commit_id != before
+    recovery = float(re.search(r"\*\*([\d.]+)% recovery\*\*", card).group(1))  # type: ignore[union-attr]
+    assert recovery >= 95 and "--min-quality ppl-recovery=95" in card
 
 
 def _my_pipeline(cli: Any) -> None:
@@ -183,6 +191,10 @@ def _verify_published(cli: Any) -> None:
     _publish_flux_int8wo(cli)
     result = _run(cli, _by("hf-ao-publish verify alice/FLUX.1-dev-torchao-int8wo"))
     assert "load checks passed" in result.stderr and "other environments:" in result.stderr  # the default matrix
+    # compatibility.md's check of one more environment, which must pass
+    result = _run(cli, _by("hf-ao-publish verify alice/FLUX.1-dev-torchao-int8wo --verify-env diffusers==0.39.0 "
+                           "--compat none"))
+    assert "all 4 load checks passed" in result.stderr and "diffusers==0.39.0" in result.stdout  # 2 paths x 2 envs
 
 
 def _config_call(cli: Any) -> None:
@@ -282,6 +294,9 @@ def _make_demo() -> None:
 CASES: dict[str, Any] = {
     "hf-ao-publish black-forest-labs/FLUX.1-dev --quant int8wo": "verify-published",
     "hf-ao-publish verify alice/FLUX.1-dev-torchao-int8wo": "verify-published",
+    "hf-ao-publish verify alice/FLUX.1-dev-torchao-int8wo --verify-env diffusers==0.39.0 --compat none":
+        "verify-published",
+    "hf-ao-publish meta-llama/Llama-3.2-1B --quant int8wo --min-quality ppl-recovery=95": "llama-two",
     "hf-ao-publish meta-llama/Llama-3.2-1B --quant int8wo,float8wo --private": "llama-two",
     "hf-ao-publish ./my-pipeline --quant int8dq --components transformer,text_encoder_2 --no-push --output-dir out": "my-pipeline",
     "hf-ao-publish verify ./out --base ./my-pipeline --compat none": "my-pipeline",
