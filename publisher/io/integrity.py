@@ -88,6 +88,15 @@ def hashes_of(siblings: Any) -> dict[str, FileHash]:
     return out
 
 
+def sha256_file(path: Path) -> str:
+    """The sha256 of a local file's bytes, read a block at a time."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(BLOCK), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def hash_file(path: Path, expected: FileHash) -> str:
     """The digest of a local file with ``expected``'s algorithm (its real size for a git blob id)."""
     h = expected.hasher(path.stat().st_size)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from publisher.errors import Interrupted, TargetError
 from publisher.handoffs.artifacts import MARKER
+from publisher.io.integrity import sha256_file
 
 if TYPE_CHECKING:
     from publisher.handoffs.artifacts import Artifacts
@@ -174,14 +175,6 @@ def default_root() -> Path:
     return Path(os.environ.get("HF_AO_PUBLISH_CACHE") or Path(constants.HF_HOME) / "hf-ao-publish" / "components")
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _link_or_copy(src: Path, dst: Path) -> None:
     dst.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -207,7 +200,7 @@ class ComponentCache:
         files = {}
         for path in sorted(p for p in folder.iterdir() if p.is_file() and p.name != MARKER):
             _link_or_copy(path, tmp / path.name)
-            files[path.name] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+            files[path.name] = {"size": path.stat().st_size, "sha256": sha256_file(path)}
         (tmp / MANIFEST).write_text(json.dumps({"files": files, "summary": summary}))
         shutil.rmtree(entry, ignore_errors=True)
         tmp.rename(entry)
@@ -221,7 +214,7 @@ class ComponentCache:
         data = json.loads(manifest.read_text())
         for name, meta in data["files"].items():
             path = entry / name
-            if not path.is_file() or path.stat().st_size != meta["size"] or _sha256(path) != meta["sha256"]:
+            if not path.is_file() or path.stat().st_size != meta["size"] or sha256_file(path) != meta["sha256"]:
                 log.warning("cached %s is damaged (%s); quantizing it again", component or "model", name)
                 shutil.rmtree(entry, ignore_errors=True)
                 return None

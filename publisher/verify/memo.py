@@ -24,18 +24,11 @@ from pathlib import Path
 from typing import Any
 
 from publisher.handoffs.artifacts import MARKER
+from publisher.io.integrity import sha256_file
 from publisher.verify.envs import RECORD, envs_root
 
 # A repo's own report files and the unfinished folder's marker change with every run and are read by no load path
 NOT_READ = frozenset({"README.md", "verification.json", "hf_ao_publish.json", ".gitattributes", "quality_grid.jpg", MARKER})
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def key(request: dict[str, Any], python: str, worker: Path) -> str | None:
@@ -46,7 +39,7 @@ def key(request: dict[str, Any], python: str, worker: Path) -> str | None:
     where, subfolder, revision = request["location"], request.get("subfolder"), request.get("revision")
     folder = Path(where) / subfolder if subfolder else Path(where)
     if Path(where).is_dir():
-        files = {p.name: _sha256(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name not in NOT_READ}
+        files = {p.name: sha256_file(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name not in NOT_READ}
         source: Any = {"files": files}
     elif revision and len(revision) == 40:  # a Hub commit: content-addressed
         source = {"repo": where, "revision": revision, "subfolder": subfolder}
@@ -54,9 +47,9 @@ def key(request: dict[str, Any], python: str, worker: Path) -> str | None:
         return None
     question = {
         "environment": [python, record.read_text(encoding="utf-8")],
-        "worker": _sha256(worker),
+        "worker": sha256_file(worker),
         "source": source,
-        "inputs": _sha256(Path(request["inputs"])),
+        "inputs": sha256_file(Path(request["inputs"])),
         **{k: request.get(k) for k in ("path", "library", "class_name", "subfolder", "threads", "device", "dtype")},
     }
     return hashlib.sha256(json.dumps(question, sort_keys=True).encode()).hexdigest()
