@@ -299,7 +299,7 @@ class RecipeRun:
                                         inputs=shared.inputs,
                                         observer=shared.evaluation.observer if shared.evaluation else None)
         # nothing quantized is an error unless accepted
-        quantize_stage.report_layers(artifacts, shared.base_dir, req.allow_unquantized, shared.plan.exclude)
+        quantize_stage.report_layers(artifacts, shared.base_dir, req.allow_unquantized)
         outcome.components = [c.to_json(artifacts.layers[c.name].to_dict()) for c in artifacts.components]
         work = shared.work / recipe.name
         with _timed(outcome, "verify"):

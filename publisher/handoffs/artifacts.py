@@ -59,7 +59,7 @@ class QuantizedComponent:
     class_name: str
     quantized: list[str]  # Linear layers whose weight is now a torchao tensor
     skipped: list[str]  # Linear layers meant to be quantized that torchao left as they were
-    excluded: list[str]  # Linear layers kept on purpose (--exclude, library defaults)
+    excluded: list[str]  # Linear layers kept on purpose (--exclude, library defaults, a null --layer-config entry)
     tensor_classes: dict[str, int]  # torchao tensor class -> count
     bytes_before: int  # bf16 weights
     bytes_after: int  # saved weight files
@@ -72,6 +72,7 @@ class QuantizedComponent:
     forward: PassForward | None = field(default=None, repr=False)  # streaming engine: forward passes during the pass
     eval_forward: PassForward | None = field(default=None, repr=False)  # the same, on the perplexity text (quality/)
     layer_classes: dict[str, str] = field(default_factory=dict, repr=False)  # quantized Linear -> its torchao class
+    kept_by: dict[str, str] = field(default_factory=dict)  # excluded layers the user kept: "exclude" | "layer-config"
 
     @property
     def label(self) -> str:

@@ -90,7 +90,7 @@ def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, d
                     remote.download(comp)  # the library loaders read local files only
                 model, qc = _quantize_component(plan, base_dir, comp, recipe, partial, device, max_shard_size)
                 models[comp.name] = model
-            _kept_by_table(recipe, comp, qc)
+            _kept_on_purpose(recipe, comp, qc, plan.exclude)
             if device == "cpu" and recipe.cpu_producible and model is not None:
                 qc.fp8_check = fp8_dequant_check(model, src, comp.label)  # streamed components were checked tensor by tensor
             if cache is not None and reused is None and uploader is None:
@@ -108,45 +108,34 @@ def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, d
     return Artifacts(recipe=recipe, folder=partial, components=done, models=models, device=device, uploader=uploader)
 
 
-def _kept_by_table(recipe: Recipe, comp: Component, qc: QuantizedComponent) -> None:
-    """Layers a per-layer table maps to None were kept on purpose, not skipped by torchao."""
+def _kept_on_purpose(recipe: Recipe, comp: Component, qc: QuantizedComponent, exclude: Sequence[str]) -> None:
+    """Whose decision each layer left alone on purpose was: layers a per-layer table maps to None were kept by the user
+    ("layer-config"), not skipped by torchao; excluded layers an --exclude pattern names (the library's own rule) too
+    ("exclude"); the rest the library kept by its defaults (output heads, tied embeddings)."""
     from publisher.configs.layers import resolve
 
-    if recipe.table_for(comp.name) is None:
-        return
-    table = recipe.config_for(comp.name).fqn_to_config
-    kept = [n for n in qc.skipped if resolve(comp.library, table, f"{n}.weight")[0] is None]
-    qc.skipped = [n for n in qc.skipped if n not in kept]
-    qc.excluded = sorted(set(qc.excluded) | set(kept))
+    if recipe.table_for(comp.name) is not None:
+        table = recipe.config_for(comp.name).fqn_to_config
+        kept = [n for n in qc.skipped if resolve(comp.library, table, f"{n}.weight")[0] is None]
+        qc.skipped = [n for n in qc.skipped if n not in kept]
+        qc.excluded = sorted(set(qc.excluded) | set(kept))
+        qc.kept_by.update(dict.fromkeys(kept, "layer-config"))
+    for name in qc.excluded:
+        if name not in qc.kept_by and exclude and kept_by_library(qc.library, f"{name}.weight", list(exclude)):
+            qc.kept_by[name] = "exclude"
 
 
-def report_layers(artifacts: Artifacts, base_dir: Path, allow_unquantized: bool, exclude: Sequence[str] = ()) -> None:
+def report_layers(artifacts: Artifacts, base_dir: Path, allow_unquantized: bool) -> None:
     """What each component's quantization covered (coverage.py); QuantizeError for a component with no quantized
-    layer unless ``allow_unquantized`` (then the card says so). ``exclude``: the --exclude patterns."""
+    layer unless ``allow_unquantized`` (then the card says so)."""
     from publisher.stages.coverage import layer_report, require_quantized
 
     for c in artifacts.components:
         artifacts.layers[c.name] = layer_report(c.library, c.class_name, base_dir / c.name if c.name else base_dir,
-                                                c.quantized, c.skipped, c.excluded,
-                                                _kept_by_user(artifacts.recipe, c, exclude))
+                                                c.quantized, c.skipped, c.excluded, c.kept_by)
         note = require_quantized(c.label, c.class_name, artifacts.recipe.name, artifacts.layers[c.name], allow_unquantized)
         if note:
             artifacts.notes.append(note)
-
-
-def _kept_by_user(recipe: Recipe, qc: QuantizedComponent, exclude: Sequence[str]) -> dict[str, str]:
-    """The excluded Linear layers of ``qc`` the user kept, and how: a null entry in its --layer-config table
-    ("layer-config"), or --exclude ("exclude", matched with the library's own rule). The rest the library kept."""
-    from publisher.configs.layers import resolve
-
-    table = recipe.config_for(qc.name).fqn_to_config if recipe.table_for(qc.name) is not None else None
-    out = {}
-    for name in qc.excluded:
-        if table is not None and resolve(qc.library, table, f"{name}.weight")[0] is None:
-            out[name] = "layer-config"
-        elif exclude and kept_by_library(qc.library, f"{name}.weight", list(exclude)):
-            out[name] = "exclude"
-    return out
 
 
 def _streaming_reason(comp: Component, src: Path, recipe: Recipe, device: str, remote: RemoteWeights | None) -> str | None:

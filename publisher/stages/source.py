@@ -63,7 +63,6 @@ def resolve(model_id: str, revision: str | None, token: str | None) -> Source:
     from huggingface_hub import constants
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    check_named_folder(model_id)
     try:
         validate_repo_id(model_id)
     except HFValidationError:
