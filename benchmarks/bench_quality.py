@@ -13,8 +13,8 @@ linearly: one layer's weights, the same tokens):
   each new token costs. Peak RSS is the child's own ``ru_maxrss``.
 - ``--flux``: a FLUX.1-dev-shaped transformer with one double and one single block, called block by block from its
   files at the grid's smallest size (64 px: 16 image + 512 text tokens), each block timed; a one-layer T5-XXL encoder
-  on 512 tokens; FLUX's VAE decoding a 64 px latent. The projection is one grid (6 images, 2 steps) and the CPU time
-  estimate the grid stage itself makes (quality/grid.py ``estimate``) for comparison.
+  on 512 tokens; FLUX's VAE decoding a 64 px latent. The projection is one grid (6 images, 2 steps) and the lower bound
+  the grid stage gives up on before it runs anything (quality/grid.py ``lower_bound``) for comparison.
 
 Figures only: nothing here asserts a time.
 """
@@ -234,6 +234,7 @@ def bench_flux(work: Path) -> None:
     from diffusers import FluxTransformer2DModel
 
     from publisher.quality import grid
+    from publisher.quality.spec import AUTO_CEILING_S
     from publisher.testing.configs import flux_dev_shaped
 
     src = work / "flux"
@@ -252,10 +253,10 @@ def bench_flux(work: Path) -> None:
           f"peak RSS {got['peak_rss'] / 2**30:.2f} GiB; bf16 matmul {got['flops'] / 1e9:.0f} GFLOP/s")
     print(f"  projected to FLUX.1-dev: one denoiser call {call / 60:.1f} min, one 2-step 64 px image "
           f"{image / 60:.1f} min, the grid (6 images) {6 * image / 3600:.1f} h")
-    cost = grid.Cost(11_900_000_000, 4_900_000_000 + 123_000_000 + 84_000_000, 23_800_000_000, got["flops"], 0.3 * GB)
-    print(f"  the grid stage's own estimate at 64 px, 2 steps (its rule of thumb, read rate 0.3 GB/s): "
-          f"{grid.estimate(cost, 64, 2, 6) / 3600:.1f} h; grid.choose with the default 15 min budget: "
-          f"{grid.choose(cost, 900, 6, 1024, 28)}")
+    least = grid.lower_bound(11_900_000_000, 23_800_000_000, 0.3 * GB, got["flops"])
+    print(f"  the grid stage's lower bound of one step at 64 px (read rate 0.3 GB/s): {least:.0f} s; against the "
+          f"auto budget at this size ({AUTO_CEILING_S:.0f} s) the stage gives up without running anything: "
+          f"{least > 0.25 * AUTO_CEILING_S}")
 
 
 def main() -> None:
