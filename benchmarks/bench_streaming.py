@@ -268,7 +268,7 @@ def _text_encoders_for(repo: Path, clip_dim: int, t5_dim: int) -> None:
         model.to(torch.bfloat16).eval().save_pretrained(repo / name)
 
 
-def run_publish(work: Path, ckpt: Path, recipe: str) -> dict:
+def run_publish(work: Path, ckpt: Path, recipe: str, eval_budget: str | None = None) -> dict:
     """The CLI end to end on a pipeline whose transformer is ``ckpt``, against a loopback Hub process."""
     from publisher.testing.hubserver import spawn_server
     from publisher.testing.tiny import build_tiny_flux
@@ -293,7 +293,8 @@ def run_publish(work: Path, ckpt: Path, recipe: str) -> dict:
         subprocess.run([sys.executable, "-c", seed, str(repo)], env=env, check=True, capture_output=True)
         shutil.rmtree(repo)
         cmd = [sys.executable, "-m", "publisher.cli", "bench/flux-shaped", "--quant", recipe, "--low-disk",
-               "--output-dir", str(out), "--repo-id", f"bench/flux-shaped-{recipe}", "--json"]
+               "--output-dir", str(out), "--repo-id", f"bench/flux-shaped-{recipe}", "--json",
+               *(["--eval-budget", eval_budget] if eval_budget else [])]
         stdout, stderr, code, wall, tree_rss, disk = run_watched(cmd, env, [hf_home, out])
         if code:
             raise SystemExit(f"publish run failed ({code}): {stderr.strip().splitlines()[-1:]}")
@@ -301,7 +302,7 @@ def run_publish(work: Path, ckpt: Path, recipe: str) -> dict:
         return {"wall": wall, "rss_after": data["peak_rss_after_stage"], "tree_rss": tree_rss, "peak_disk": disk,
                 "seconds": data["seconds"],
                 "self_rss": data["peak_rss_bytes"]["process"], "children_rss": data["peak_rss_bytes"]["children"],
-                "verified": data["verified"], "published_check": [r["ok"] for r in data["published_check"]],
+                "verified": data["verified"], "evaluation": data.get("evaluation"), "published_check": [r["ok"] for r in data["published_check"]],
                 "out_shards": sum(1 for f in data["files"] if f["name"].startswith("transformer/") and f["name"].endswith(".safetensors")),
                 "out_bytes": sum(f["size"] for f in data["files"]
                                  if f["name"].startswith("transformer/") and f["name"].endswith(".safetensors"))}
@@ -322,6 +323,14 @@ def report_publish(pub: dict) -> None:
           f"{pub['out_bytes'] / GIB:.2f} GiB in {pub['out_shards']} shard(s); base transformer weights on disk: none (HTTP range)")
     print("  CLI peak RSS after each stage: " + ", ".join(f"{k} {v / GIB:.2f}" for k, v in pub["rss_after"].items()) + " GiB")
     print(f"  verified: {pub['verified']}, post-push check: {pub['published_check']}")
+    ev = pub.get("evaluation") or {}
+    if ev:  # the quality evaluation ran within the same process tree, so the peak above includes it
+        print(f"  evaluation: budget {ev.get('budget_s')} s, took {ev.get('seconds')} s, grid "
+              + (f"{len(ev.get('prompts') or [])} prompt(s) at {ev.get('size')} px, {ev.get('steps')} steps ({ev.get('mode')})"
+                 if ev.get("image") else f"none: {ev.get('reason')}") + (f"; cut: {ev['cut']}" if ev.get("cut") else "")
+              + (f"; {ev['memory_limited']}" if ev.get("memory_limited") else "")
+              + f"; the grid calls' peak {ev.get('peak_rss_bytes', 0) / GIB:.2f} GiB; LPIPS "
+              + (f"{max(ev['lpips']):.4f}" if ev.get("lpips") else f"not computed: {ev.get('lpips_reason')}"))
     print("  at FLUX.1-dev's size the whole run is measured, not projected: benchmarks/bench_publish.py --scale 1")
 
 
@@ -377,6 +386,8 @@ def main() -> None:
     ap.add_argument("--keep", action="store_true", help="keep the workdir")
     ap.add_argument("--progress", action="store_true")
     ap.add_argument("--publish", action="store_true", help="also run the whole publish job (CLI, loopback Hub)")
+    ap.add_argument("--publish-only", action="store_true", help="only the whole publish job (no engine comparison)")
+    ap.add_argument("--eval-budget", default=None, help="the publish's --eval-budget (default: the CLI's, auto)")
     ap.add_argument("--repeat", type=int, default=3, help="runs of the streaming engine and of the floor (fastest counts)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--src", help=argparse.SUPPRESS)
@@ -401,6 +412,9 @@ def main() -> None:
         t = time.perf_counter()
         size = build_checkpoint(hub, *blocks)
         print(f"built {hub} ({size / 1e9:.2f} GB) in {time.perf_counter() - t:.0f}s", file=sys.stderr)
+        if a.publish_only:
+            report_publish(run_publish(work, hub, a.recipe, a.eval_budget))
+            return
         common = ["--recipe", a.recipe, "--device", a.device] + (["--progress"] if a.progress else [])
         lib = run_child("library", [*common, "--src", str(hub), "--dst", str(lib_out)], [hub, lib_out])
         linear = json.dumps(_linear_weights(hub))
@@ -422,7 +436,7 @@ def main() -> None:
         if a.publish:
             for d in (lib_out, floor_out):  # room for the publish run
                 shutil.rmtree(d, ignore_errors=True)
-            report_publish(run_publish(work, hub, a.recipe))
+            report_publish(run_publish(work, hub, a.recipe, a.eval_budget))
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)

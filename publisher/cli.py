@@ -199,11 +199,11 @@ def recipes_cmd(as_json: bool) -> None:
 @click.option("--eval-tokens", type=click.IntRange(16, 1_000_000), default=quality_spec.DEFAULT_TOKENS, show_default=True,
               metavar="N", help="Tokens of the evaluation text scored for perplexity (base and quantized).")
 @click.option("--eval-budget", default=quality_spec.DEFAULT_BUDGET, show_default=True, metavar="DURATION",
-              envvar=quality_spec.BUDGET_VARIABLE, show_envvar=True,
-              help=quality_spec.BUDGET_HELP)
+              envvar=quality_spec.BUDGET_VARIABLE, show_envvar=True, help=quality_spec.BUDGET_HELP)
+@click.option("--eval-full-images", "full_images", is_flag=True, help=quality_spec.FULL_IMAGES_HELP)
 @click.option("--min-quality", "min_quality", multiple=True, metavar="METRIC=VALUE",
-              help=f"Fail (exit 1, nothing pushed) when a quality figure is below VALUE: {', '.join(quality_spec.METRICS)} "
-                   "(e.g. ppl-recovery=95 for a language model, psnr=25 for a pipeline). Repeatable.")
+              help=f"Fail (exit 1, nothing pushed) when a quality figure is below VALUE (lpips: above): {', '.join(quality_spec.METRICS)} "
+                   "(e.g. ppl-recovery=95 for a language model, psnr=25 or lpips=0.1 for a pipeline). Repeatable.")
 @click.option("--allow-unquantized", is_flag=True,
               help="Publish a component in which no layer could be quantized (default: an error naming its layer types).")
 @click.option("--benchmark", is_flag=True, help="Measure latency (and GPU memory) against bf16 for the card; always on with a GPU.")
@@ -235,7 +235,7 @@ def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | 
                 revision: str | None, private: bool, token: str | None, output_dir: Path | None, no_push: bool,
                 create_pr: bool, trust_remote_code: bool, keep_going: bool, force: bool, verify_envs: tuple[str, ...],
                 compat: tuple[str, ...], sample_prompt: str | None, sample_steps: int, sample_size: int,
-                eval_dataset: str | None, eval_tokens: int, eval_budget: str, min_quality: tuple[str, ...],
+                eval_dataset: str | None, eval_tokens: int, eval_budget: str, full_images: bool, min_quality: tuple[str, ...],
                 allow_unquantized: bool, benchmark: bool, engine: Engine, low_disk: bool | None,
                 max_shard_size: str | None, recheck_published: bool, verify_mode: Mode, on_hf_jobs: str | None,
                 hf_jobs_timeout: str, attach: tuple[str, ...], as_json: bool, debug: bool, quiet: bool) -> None:
@@ -274,7 +274,7 @@ def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | 
     if low_disk and benchmark:
         raise click.UsageError("--benchmark runs the whole bf16 base, which --low-disk does not download; drop one of them")
     evaluation = _run_mapped(debug, quality_spec.settings, eval_dataset, eval_tokens, eval_budget, min_quality,
-                             sample_prompt, sample_size, sample_steps)
+                             sample_prompt, sample_size, sample_steps, full_images)
     if low_disk and verify_envs and not no_push:
         raise click.UsageError("with --low-disk a push uploads and deletes each shard as it is made, so --verify-env has "
                                "nothing to reload; drop --verify-env, or add --no-push")

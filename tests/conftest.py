@@ -45,6 +45,9 @@ else:
     os.environ.pop("HF_HUB_DISABLE_XET", None)
 MULTIPART_THRESHOLD = 1 << 20  # the tiny FLUX transformer (2.1 MB) goes up in parts; its text encoders in one PUT
 os.environ["HF_HOME"] = str(_SESSION_DIR / "hf_home")
+# torch.hub's folder, where LPIPS looks for torchvision's AlexNet: empty unless a test places a trunk there, so that a
+# developer's own download does not decide what the tests see
+os.environ["TORCH_HOME"] = str(_SESSION_DIR / "torch_home")
 os.environ["HF_HUB_DISABLE_TELEMETRY"] = "1"
 os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"
 os.environ["TOKENIZERS_PARALLELISM"] = "false"

@@ -87,8 +87,11 @@ def test_psnr_ssim_and_the_grid_image(tmp_path: Path) -> None:
     assert images.ssim(a, Image.fromarray(255 - np.asarray(a))) < 0  # the negative image anti-correlates
     with pytest.raises(ValueError, match="differ in size"):
         images.ssim(a, Image.new("RGB", (32, 64)))
-    g = images.grid([(a, b), (b, a), (a, a)], ["a cat", "a bicycle " * 20, "fruit"], [30.0, float("inf"), 25.5],
-                    [0.91, 1.0, 0.8], "int8wo")
+    from publisher.quality.grid import GridFigures
+
+    figures = GridFigures(prompts=["a cat", "a bicycle " * 20, "fruit"], seeds=[0, 1, 2], psnr=[30.0, float("inf"), 25.5],
+                          ssim=[0.91, 1.0, 0.8], lpips=[0.05, 0.0, 0.12])
+    g = images.grid([(a, b), (b, a), (a, a)], figures, "int8wo")
     cell = images.CELL_MIN  # a 64 px image is shown enlarged (nearest neighbour: its pixels stay visible)
     assert g.width == 2 * cell + 3 * 8 and cell * 3 < g.height < cell * 3 + 300  # two columns, three labelled rows
     pixels = np.asarray(g)
@@ -99,7 +102,7 @@ def test_psnr_ssim_and_the_grid_image(tmp_path: Path) -> None:
     assert np.array_equal(pixels[top:top + cell, 8:8 + cell], enlarged)  # row 1, left: the base image, unchanged
     path = tmp_path / "grid.jpg"
     big = [(Image.fromarray(rng.integers(0, 256, (1024, 1024, 3), dtype=np.uint8)),) * 2] * 3  # noise: JPEG's worst
-    size = images.save_grid(images.grid(big, ["a"] * 3, [20.0] * 3, [0.5] * 3, "int8wo"), path)
+    size = images.save_grid(images.grid(big, GridFigures(prompts=["a"] * 3, seeds=[0, 1, 2], psnr=[20.0] * 3, ssim=[0.5] * 3), "int8wo"), path)
     assert size == path.stat().st_size <= images.MAX_BYTES and Image.open(path).format == "JPEG"
     assert Image.open(path).size == (2 * images.CELL_MAX + 24, Image.open(path).height)  # reduced to card size
 
@@ -183,21 +186,46 @@ def llama(tiny_llama_dir: Path) -> Any:
     return src, load_config(src), sources.saved(src)
 
 
+# The tiny Llama's embedding and head are 98 KB each in bf16. 128 KB: several blocks (the MLP's Linears each its own),
+# the embedding and head whole; 64 KB: they are over the budget, read row by row (verify/rowwise.py), the head's
+# vocabulary in chunks of 100 rows
+WHOLE = 128 * 1024
+BUDGETS = pytest.mark.parametrize("budget", [WHOLE, 64 * 1024], ids=["whole-head", "row-by-row"])
+
+
+def _row_by_row(monkeypatch: pytest.MonkeyPatch, budget: int) -> list[str]:
+    """Small blocks (and head chunks); the names of the blocks the loaders read row by row, as they are made."""
+    from publisher.verify import rowwise, streaming
+
+    monkeypatch.setattr(streaming, "BLOCK_BUDGET", budget)
+    monkeypatch.setattr(rowwise, "ROW_CHUNK_BYTES", 100 * 2 * 128)
+    seen: list[str] = []
+    attach = streaming.BlockLoader.attach
+
+    def recording(self: Any) -> None:
+        attach(self)
+        seen.extend(self.row_by_row)
+
+    monkeypatch.setattr(streaming.BlockLoader, "attach", recording)
+    return seen
+
+
+@BUDGETS
 def test_perplexity_block_by_block_is_the_whole_model_s_and_a_model_against_itself_recovers_100(
-        llama: Any, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        llama: Any, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch, budget: int) -> None:
     import math
 
     import torch
     from transformers import LlamaForCausalLM
 
     from publisher.quality import lm
-    from publisher.verify import streaming
 
     src, config, weights = llama
     ids = torch.randint(3, 384, (2, 40), generator=torch.Generator().manual_seed(0))
     monkeypatch.setattr(lm, "HEAD_CHUNK", 16)  # several chunks of positions
-    monkeypatch.setattr(streaming, "BLOCK_BUDGET", 64 * 1024)  # several blocks (each Linear its own)
+    rows = _row_by_row(monkeypatch, budget)
     nll = lm.nll_after_pass(weights, "transformers", "LlamaForCausalLM", config, ids)
+    assert rows == ([] if budget == WHOLE else ["model.embed_tokens", "lm_head"])
     model = LlamaForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16).eval()
     with torch.inference_mode():
         logits = model(ids).logits.float()
@@ -209,7 +237,9 @@ def test_perplexity_block_by_block_is_the_whole_model_s_and_a_model_against_itse
     assert figures.recovery == 100.0  # the same model on both sides: its own figure
 
 
-def test_greedy_block_by_block_is_generate_s(llama: Any, tiny_llama_dir: Path) -> None:
+@BUDGETS
+def test_greedy_block_by_block_is_generate_s(llama: Any, tiny_llama_dir: Path, monkeypatch: pytest.MonkeyPatch,
+                                            budget: int) -> None:
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
@@ -217,7 +247,9 @@ def test_greedy_block_by_block_is_generate_s(llama: Any, tiny_llama_dir: Path) -
 
     src, config, weights = llama
     prompts = ["the cat sat", "hello"]
+    read_by_rows = _row_by_row(monkeypatch, budget)
     rows = lm.greedy(weights, "transformers", "LlamaForCausalLM", config, tiny_llama_dir, prompts, 6)
+    assert read_by_rows == ([] if budget == WHOLE else ["model.embed_tokens", "lm_head"])
     assert [len(r) for r in rows] == [6, 6]
     got = lm.decode(tiny_llama_dir, rows, 6)
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
@@ -276,3 +308,47 @@ def test_dataset_rows_and_windows(wikitext_repo: str, tiny_llama_dir: Path) -> N
     assert tuple(windows("the cat sat on the red dog and the photo of a cat" * 2, tiny_llama_dir, 600, 256).shape) == (1, 26)
     with pytest.raises(ValueError, match="holds only 3 tokens, fewer than 16"):
         windows("the cat sat", tiny_llama_dir, 600, 256)
+
+
+def test_the_grid_leaves_out_sizes_whose_memory_would_not_fit() -> None:
+    """A pipeline whose calls take memory with the square of the size: the sizes predicted over the run's limit are
+    never run, the largest that fits is chosen, and the figures say which were left out and why."""
+    import time
+
+    import torch
+    from PIL import Image
+
+    from publisher.quality import budget, memory
+    from publisher.quality.grid import GridFigures
+    from publisher.quality.gridrun import GridRun
+
+    per_px2 = 200  # bytes per pixel of the image: 29 MB at 384 px, 13 MB at 256
+
+    class Denoiser(torch.nn.Module):
+        def forward(self, hidden_states: Any) -> Any:
+            held = torch.ones(int(per_px2 * self.size**2), dtype=torch.uint8)  # pages touched: resident
+            time.sleep(3 * memory.SAMPLE_S)
+            return hidden_states + float(held[0]) * 0
+
+    class Pipe:
+        def __init__(self) -> None:
+            self.transformer = Denoiser()
+            self.vae = type("Vae", (), {"decode": lambda self, latents: latents})()
+
+        def __call__(self, prompt: str, num_inference_steps: int, height: int, width: int, generator: Any) -> Any:
+            self.transformer.size = height
+            for _ in range(num_inference_steps):
+                self.transformer(hidden_states=torch.zeros(1, (height // 16) ** 2, 4))
+            self.vae.decode(torch.zeros(1, 4, height // 8, width // 8))
+            return type("Out", (), {"images": [Image.new("RGB", (height, width))]})()
+
+    figures = GridFigures(prompts=["a", "b", "c"], seeds=[0, 1, 2], asked=(1024, 2))
+    limit = memory.tree_rss() + 30_000_000
+    run = GridRun(figures, budget.Deadline(60), "transformer", "cpu", load_s=0.0, memory_limit=limit)
+    run.base(Pipe())
+    assert figures.size == 256 and len(run.base_images) == 3  # 384 px: about 30 MB more, over the 30 MB of room
+    assert figures.memory_limited.startswith("384 px and larger left out: one step at 384 px would take the process tree")
+    assert f"over the {limit / 2**30:.2f} GiB the run keeps to" in figures.memory_limited
+    assert all(p["size"] <= 256 for p in figures.probes)  # never run at a size over the limit
+    assert run.measured and all(m.peak <= limit for m in run.measured)  # the timing calls stayed within it
+    assert figures.peak_rss_bytes >= max(m.peak for m in run.measured)  # the images' peak is reported too

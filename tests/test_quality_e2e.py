@@ -41,6 +41,9 @@ def test_llama_perplexity_continuation_and_gate(cli: Any, trained_llama_repo: st
         assert ev["base_ppl"] < 20 and 95 <= ev["recovery_percent"] <= 105  # a trained model, a good quantization
         assert ev["where"].startswith("during the quantization pass") and ev["new_tokens"] == 16
         assert len(ev["base_text"]) == len(ev["quantized_text"]) == 3 and any(ev["base_text"])
+        for role in ("base", "quantized"):  # a stderr line per new token of each model
+            assert f"continuation: {role} model, token 1 of 16 (3 prompts): " in result.stderr
+            assert f"continuation: {role} model, token 16 of 16 (3 prompts): " in result.stderr
         card = _card(target)
         assert card.index("## Summary") < card.index("## What was quantized") < card.index("## Quality")
         assert f"**{ev['recovery_percent']:.2f}% recovery**" in card.split("## What was quantized")[0]
@@ -65,18 +68,27 @@ def test_llama_perplexity_continuation_and_gate(cli: Any, trained_llama_repo: st
     damaged = json.loads(bad.stdout)["evaluation"]
     assert damaged["where"] == "after the quantization pass, block by block" and damaged["base_ppl"] == figures["plain"]["base_ppl"]
     assert damaged["recovery_percent"] < 95
+    assert "perplexity: window 1 of 2 (256 tokens, base and quantized): " in bad.stderr  # a line per window
+    assert "perplexity: window 2 of 2 (256 tokens, base and quantized): " in bad.stderr
 
 
 @pytest.mark.slow
-def test_flux_grid_whole_and_offloaded(cli: Any, flux_repo: str, tmp_path: Path) -> None:
+def test_flux_grid_whole_and_offloaded(cli: Any, flux_repo: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from huggingface_hub import hf_hub_download
     from PIL import Image
 
+    from publisher.testing.quality import place_lpips_trunk
+
+    # LPIPS' AlexNet where torchvision's download would have put it (a seeded stand-in: nothing is downloaded); the
+    # session's own TORCH_HOME stays empty, so the other publishes (the golden cards) say LPIPS was not computed
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch_home"))
+    place_lpips_trunk(tmp_path / "torch_home")
     grids = {}
-    for mode, extra in (("plain", []), ("low-disk", ["--low-disk"])):
+    for mode, extra in (("plain", []), ("low-disk", ["--low-disk", "--eval-full-images"])):
         target = f"alice/q-flux-{mode}"
         result = cli(flux_repo, "--quant", "int8wo", "--repo-id", target, *EVAL, *SMALL, "--min-quality", "psnr=20",
-                     "--min-quality", "ssim=0.5", "--json", *extra, *IN_PROCESS, token="tok_alice")
+                     "--min-quality", "ssim=0.5", "--min-quality", "lpips=0.5", "--json", *extra, *IN_PROCESS,
+                     token="tok_alice")
         assert result.exit_code == 0, result.output
         assert "Loading pipeline components" not in result.stderr and "it/s]" not in result.stderr  # no library bars
         ev = json.loads(result.stdout)["evaluation"]
@@ -91,8 +103,16 @@ def test_flux_grid_whole_and_offloaded(cli: Any, flux_repo: str, tmp_path: Path)
         card = _card(target)
         assert card.index("](quality_grid.jpg)") < card.index("## Summary")  # the grid leads the card
         assert "The size and steps asked (`--sample-size`, `--sample-steps`), within `--eval-budget` (600 s)" in card
-        assert "LPIPS was not computed" in card and "| a photo of a cat | 0 |" in card
-        grids[mode] = (ev["psnr"], ev["ssim"], image.tobytes())
+        assert len(ev["lpips"]) == 3 and all(0 <= v < 0.5 for v in ev["lpips"]) and not ev["lpips_reason"]
+        assert "Metrics: PSNR, SSIM and LPIPS (v0.1, AlexNet) against the base's image." in card
+        assert "| prompt | seed | PSNR dB | SSIM | LPIPS |" in card and "| a photo of a cat | 0 |" in card
+        assert f"LPIPS {max(ev['lpips']):.4f} (the worst of 3 images" in card
+        full = [f"quality/prompt-{i}-{role}.png" for i in (1, 2, 3) for role in ("base", "quantized")]
+        assert ev["full_images"] == (full if mode == "low-disk" else [])
+        if mode == "low-disk":  # --eval-full-images: each image at its own size, lossless, linked from the card
+            assert f"[{full[0]}]({full[0]})" in card
+            assert Image.open(hf_hub_download(target, full[1])).size == (64, 64)
+        grids[mode] = (ev["psnr"], ev["ssim"], ev["lpips"], image.tobytes())
     assert grids["plain"] == grids["low-disk"]  # offloaded block by block gives the whole pipeline's images
 
     out = tmp_path / "out"
@@ -114,3 +134,8 @@ def test_quality_options_fail_before_any_download(cli: Any, llama_repo: str, flu
     assert "downloading" not in result.stderr  # refused before any base file was fetched
     result = cli(llama_repo, "--quant", "int8wo", "--no-push", "--eval-budget", "0", "--min-quality", "ppl-recovery=90")
     assert result.exit_code == 2 and "--eval-budget 0 turns off" in result.stderr
+    # a bound on LPIPS whose weights are not here (the session's TORCH_HOME is empty): said before any download
+    result = cli(flux_repo, "--quant", "int8wo", "--no-push", *EVAL, "--min-quality", "lpips=0.1")
+    assert result.exit_code == 2 and "--min-quality lpips=0.1 cannot be checked: for LPIPS, its weights were not found: " \
+                                      "torchvision's AlexNet weights" in result.stderr
+    assert "downloading" not in result.stderr

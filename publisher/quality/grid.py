@@ -43,12 +43,15 @@ class GridFigures:
     prompts: list[str]  # the prompts of the grid (those the budget allowed)
     seeds: list[int]
     image: str | None = None  # file name in the repo
+    full_images: list[str] = field(default_factory=list)  # --eval-full-images: each image at full size (repo paths)
     size: int = 0
     steps: int = 0
     device: str = "cpu"
     mode: str = ""  # "whole pipeline in memory", "offloaded: ...", "GPU"
     psnr: list[float] = field(default_factory=list)
     ssim: list[float] = field(default_factory=list)
+    lpips: list[float] = field(default_factory=list)  # LPIPS v0.1 AlexNet per image (perceptual.py); empty: not computed
+    lpips_reason: str = ""  # why LPIPS was not computed
     metrics: str = ""
     estimate_s: float | None = None  # what the chosen grid was predicted to take (images and the second load)
     seconds: float = 0.0  # what the whole evaluation took (loads, timing calls and images)
@@ -57,6 +60,8 @@ class GridFigures:
     cut: str = ""  # what the budget cut from what was asked (prompts, size, steps), "" when nothing
     probes: list[dict[str, float]] = field(default_factory=list)  # the timing calls: size, seconds
     reason: str = ""  # why there is no grid
+    memory_limited: str = ""  # the sizes left out to stay within the run's memory bound, and why ("" when none)
+    peak_rss_bytes: int = 0  # the process tree's highest resident memory in the timing calls
     quantized_from: str = ""  # where the quantized weights were read
 
 

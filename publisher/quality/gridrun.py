@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from publisher.quality import budget, images
+from publisher.quality import budget, images, memory
 from publisher.quality.budget import Deadline, Model, OutOfTime, Timer
 from publisher.quality.grid import CPU_SIZES, CPU_STEPS, MIN_SIZE, GridFigures, image
 
@@ -24,14 +24,19 @@ log = logging.getLogger(__name__)
 # The first call of a pipeline also does its one-time work (lazy initialisation of kernels and tokenizers: 2-3 s for
 # a tiny FLUX whose later 64 px calls take 0.5 s), so the smallest size is timed twice and the second counts
 PROBE_SIZES = (64, 64, 128)
+# timing calls at most before a size is chosen (a size left out for memory costs one more, at the next size down)
+MAX_PROBES = 6
 # The quantized pipeline is planned at this multiple of the base's time per image until one of its images is timed:
 # on a CPU torchao's weight-only kernels dequantize as they go and can be slower than bf16 (float8wo: about 1.3x here)
 FIRST_SLOWER = 1.5
 
 
 class GridRun:
-    def __init__(self, figures: GridFigures, deadline: Deadline, denoiser: str, device: str, load_s: float) -> None:
+    def __init__(self, figures: GridFigures, deadline: Deadline, denoiser: str, device: str, load_s: float,
+                 memory_limit: int | None = None) -> None:
         self.figures, self.deadline, self.denoiser, self.device = figures, deadline, denoiser, device
+        self.memory_limit = memory_limit  # the process tree's most (memory.limit), None: no bound
+        self.measured: list[memory.Measured] = []  # the timing calls' memory
         self.load_s = load_s  # what opening the base pipeline took: the quantized one is planned at the same
         size, steps = figures.asked
         self.sizes = [s for s in CPU_SIZES if s <= size] or [max(size, MIN_SIZE)]
@@ -68,22 +73,46 @@ class GridRun:
                     if not repeat:
                         too_big.add(size)
                     break
-                with timer.call() as call:
+                if not memory.fits(size, self.measured, self.memory_limit):
+                    self._over_memory(size, too_big, memory.predicted(size, self.measured, memory.tree_rss()))
+                    break
+                with memory.Watch(size) as used, timer.call() as call:
                     image(pipe, prompt, seed, size, 1, self.device)
+                self.measured.append(used)
+                self.figures.peak_rss_bytes = max(self.figures.peak_rss_bytes, used.peak)
+                if self.memory_limit is not None and used.peak > self.memory_limit:  # misjudged: never again this big
+                    self._over_memory(size, too_big, used.peak, measured=True)
                 probes.append((size, call))
                 self.figures.probes.append({"size": size, "seconds": round(call.seconds, 3)})
                 log.info("grid: timed the base pipeline at %d px, one step: %.1f s (%.0f s of --eval-budget left)", size,
                          call.seconds, self.deadline.left())
             model = Model.fit(probes)
-            choice = budget.choose(model, self.deadline.left(), [s for s in self.sizes if s not in too_big], self.steps,
-                                   len(self.figures.prompts), FIRST_SLOWER, self.load_s)
+            allowed = [s for s in self.sizes if s not in too_big]
+            if not allowed:
+                self.figures.reason = (f"even {self.sizes[-1]}x{self.sizes[-1]} px would take the process over the run's "
+                                       f"memory bound ({self.figures.memory_limited})")
+                log.warning("no comparison grid: %s", self.figures.reason)
+                return None
+            choice = budget.choose(model, self.deadline.left(), allowed, self.steps, len(self.figures.prompts),
+                                   FIRST_SLOWER, self.load_s)
             if choice is None:
                 self._no_grid(model)
                 return None
-            if choice.size in model.sizes or len(probes) >= 4:
+            if choice.size in model.sizes or len(probes) >= MAX_PROBES:
                 self._chosen(choice)
                 return model
             sizes = [choice.size]  # time it for real before running it
+
+    def _over_memory(self, size: int, too_big: set[int], peak: int, measured: bool = False) -> None:
+        """``size`` and every larger one are left out: a call at it takes (or, ``measured``, took) the process tree to
+        ``peak`` bytes, over the limit."""
+        too_big.update(s for s in self.sizes if s >= size)
+        gib = 2**30
+        self.figures.memory_limited = (
+            f"{size} px and larger left out: one step at {size} px {'took' if measured else 'would take'} the process "
+            f"tree to {peak / gib:.2f} GiB, over the {(self.memory_limit or memory.BOUND) / gib:.2f} GiB the run keeps to "
+            "(streaming engine, --low-disk)")
+        log.info("grid: %s", self.figures.memory_limited)
 
     def _chosen(self, choice: budget.Choice) -> None:
         f = self.figures
@@ -109,8 +138,9 @@ class GridRun:
         for i in range(len(f.prompts)):
             if i >= self.prompts:
                 break
-            with timer.call() as call:
+            with memory.Watch(f.size) as used, timer.call() as call:
                 self.base_images.append(image(pipe, f.prompts[i], f.seeds[i], f.size, f.steps, self.device))
+            f.peak_rss_bytes = max(f.peak_rss_bytes, used.peak)
             self.base_times.append(call.seconds)
             self._progress("base", i, call.seconds)
             # re-plan: the rest of the base images and every quantized one must still fit
@@ -131,11 +161,12 @@ class GridRun:
                     if i > 0 and per > self.deadline.left():
                         self._cut(i, "the next image would not fit --eval-budget")
                         break
-                    with timer.call() as call:
+                    with memory.Watch(f.size) as used, timer.call() as call:
                         self.quantized_images.append(image(pipe, f.prompts[i], f.seeds[i], f.size, f.steps, self.device))
                         # the pair's figures are part of its time (SSIM at 512 px: about half a second here)
                         f.psnr.append(images.psnr(self.base_images[i], self.quantized_images[i]))
                         f.ssim.append(images.ssim(self.base_images[i], self.quantized_images[i]))
+                    f.peak_rss_bytes = max(f.peak_rss_bytes, used.peak)
                     self.quantized_times.append(call.seconds)
                     self._progress("quantized", i, call.seconds)
         except OutOfTime as exc:

@@ -3,17 +3,27 @@
 SSIM is Wang et al.'s (2004): an 11x11 Gaussian window with sigma 1.5, K1 = 0.01, K2 = 0.03, on 8-bit values
 (data range 255), the mean over the three channels: what ``skimage.metrics.structural_similarity(a, b,
 channel_axis=2, gaussian_weights=True, sigma=1.5, use_sample_covariance=False, data_range=255)`` computes, here
-with torch's conv2d so that no image library is needed. LPIPS needs a network's weights (AlexNet or VGG plus its
-linear layers), which cannot be had offline, so it is not computed; the card says which metrics were.
+with torch's matrix products so that no image library is needed. LPIPS (``perceptual.py``) where its weights are on this
+machine; the card says which metrics were computed, and why LPIPS was not.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import time
+from pathlib import Path
 from typing import Any
 
-METRICS_NOTE = ("PSNR and SSIM against the base's image; LPIPS was not computed (it needs a network's weights, which "
-                "this run could not download)")
+from publisher.quality.budget import Deadline
+
+log = logging.getLogger(__name__)
+FULL_FOLDER = "quality"  # --eval-full-images: the grid's images at full size, lossless
+
+# LPIPS' AlexNet on a 1024 px pair: about 60 GFLOP in float32; planned at this rate until one pair is timed (this
+# project's 2-core CPU ran a 1024 px pair in 0.6 s, about 100 GFLOP/s: the plan is 5x slower than that)
+LPIPS_FLOPS_PER_PIXEL_PAIR = 60e9 / 1024**2
+LPIPS_PLANNED_RATE = 20e9
 
 
 def psnr(a: Any, b: Any) -> float:
@@ -66,11 +76,50 @@ CELL_MIN, CELL_MAX = 256, 512  # each image's side in the card's grid: small ima
 MAX_BYTES = 2_000_000  # the grid's file at most (a card shows it inline; the full images are not kept)
 
 
-def grid(rows: list[tuple[Any, Any]], prompts: list[str], psnr_db: list[float], ssim_values: list[float],
-         recipe: str) -> Any:
+def perceptual_figures(figures: Any, pairs: list[tuple[Any, Any]], deadline: Deadline) -> None:
+    """LPIPS of every pair into ``figures.lpips``, or why not into ``figures.lpips_reason``: its weights are not on this
+    machine, or the pairs do not fit what is left of --eval-budget (all pairs or none, so that the figure the card and
+    the gate read is the worst of all images)."""
+    from publisher.quality import perceptual
+
+    try:
+        metric = perceptual.load()
+    except perceptual.Unavailable as exc:
+        figures.lpips_reason = str(exc)
+        log.info("LPIPS not computed: %s (TORCH_HOME is %s); to compute it: %s", exc,
+                 perceptual.trunk_path().parents[2], perceptual.HOW_TO_GET)
+        return
+    width, height = pairs[0][0].size
+    per_pair = LPIPS_FLOPS_PER_PIXEL_PAIR * width * height / LPIPS_PLANNED_RATE
+    values = []
+    for i, (base, quantized) in enumerate(pairs):
+        if (len(pairs) - i) * per_pair > deadline.left():
+            figures.lpips_reason = (f"--eval-budget ({deadline.budget_s:.0f} s) ran out before the images' LPIPS "
+                                    f"({len(pairs) - i} pair(s) at about {per_pair:.1f} s each)")
+            log.warning("LPIPS not computed: %s", figures.lpips_reason)
+            return
+        started = time.monotonic()
+        values.append(metric(base, quantized))
+        per_pair = time.monotonic() - started
+    figures.lpips = values
+    log.info("grid: LPIPS of %d image%s: %s", len(values), "s" if len(values) > 1 else "",
+             ", ".join(f"{v:.4f}" for v in values))
+
+
+def metrics_note(figures: Any) -> str:
+    """Which metrics the card's figures are, for its text."""
+    from publisher.quality import perceptual
+
+    if figures.lpips:
+        return f"PSNR, SSIM and {perceptual.NAME} against the base's image"
+    return f"PSNR and SSIM against the base's image; LPIPS not computed: {figures.lpips_reason}"
+
+
+def grid(rows: list[tuple[Any, Any]], figures: Any, recipe: str) -> Any:
     """One labelled image for the card: column heads (the bf16 base, this repo), a row per prompt with the prompt
-    under it, and each quantized image's PSNR and SSIM under it. Images are shown at 256-512 px (enlarged without
-    smoothing, so a tiny test image stays a grid of pixels, or reduced)."""
+    under it, and each quantized image's PSNR, SSIM (and LPIPS) under it. Images are shown at 256-512 px (enlarged
+    without smoothing, so a tiny test image stays a grid of pixels, or reduced)."""
+    prompts, psnr_db, ssim_values = figures.prompts, figures.psnr, figures.ssim
     from PIL import Image, ImageDraw, ImageFont
 
     width, height = rows[0][0].size
@@ -91,7 +140,9 @@ def grid(rows: list[tuple[Any, Any]], prompts: list[str], psnr_db: list[float], 
         for col, img in enumerate((base, quantized)):
             canvas.paste(img.convert("RGB").resize((cell, scaled_h), resample), (pad + col * (cell + pad), top))
         figure = "PSNR inf dB (identical)" if psnr_db[i] == float("inf") else f"PSNR {psnr_db[i]:.2f} dB, SSIM {ssim_values[i]:.4f}"
-        draw.text((2 * pad + cell, top + scaled_h + 2), figure, fill="black", font=font)
+        if figures.lpips:
+            figure += f", LPIPS {figures.lpips[i]:.4f}"
+        draw.text((2 * pad + cell, top + scaled_h + 2), _fit(draw, figure, font, cell), fill="black", font=font)
         draw.text((pad, top + scaled_h + 2 + line), _fit(draw, f"{i + 1}. {prompts[i]}", font, 2 * cell + pad),
                   fill="dimgray", font=font)
     return canvas
@@ -114,3 +165,16 @@ def save_grid(image: Any, path: Any) -> int:
         if size <= MAX_BYTES:
             return size
     raise ValueError(f"the comparison grid is {size} bytes even at JPEG quality 40")  # a bug: 1,000 x 2,500 px is far less
+
+
+def save_full(pairs: list[tuple[Any, Any]], folder: Path) -> list[str]:
+    """--eval-full-images: each pair at its full size, lossless (``quality/prompt-1-base.png``,
+    ``quality/prompt-1-quantized.png``, ...); returns the repo paths."""
+    (folder / FULL_FOLDER).mkdir(exist_ok=True)
+    names = []
+    for i, pair in enumerate(pairs):
+        for role, img in zip(("base", "quantized"), pair):
+            name = f"{FULL_FOLDER}/prompt-{i + 1}-{role}.png"
+            img.save(folder / name, format="PNG", optimize=True)
+            names.append(name)
+    return names

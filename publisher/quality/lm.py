@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ class NllHead:
 
     def __init__(self, head: Any, targets: Any) -> None:
         self.forward = type(head).forward.__get__(head)  # the module's own forward (its hooks run around this one)
+        self.rows = head.__dict__.get("row_linear")  # a head the block loader reads row by row (verify/rowwise.py)
         self.targets = targets
 
     def __call__(self, hidden: Any) -> Any:
@@ -43,6 +45,8 @@ class NllHead:
         batch, length = hidden.shape[0], hidden.shape[1]
         if hidden.is_meta:
             return torch.empty(batch, length, device="meta")
+        if self.rows is not None:  # the vocabulary a chunk at a time: the head's weight is read once
+            return self.rows.nll(hidden, self.targets[:, :length])
         out = torch.zeros(batch, length, dtype=torch.float32)
         for start in range(0, length - 1, HEAD_CHUNK):
             end = min(start + HEAD_CHUNK, length - 1)
@@ -85,10 +89,27 @@ def nll_after_pass(weights: Weights, library: str, class_name: str, config: dict
         return forward(model, library, {"input_ids": ids}).detach().clone()
 
 
+class _TokenLines:
+    """A ``generate`` streamer that calls ``each(n)`` after the n-th new token (its first ``put`` is the prompt)."""
+
+    def __init__(self, each: Callable[[int], None]) -> None:
+        self.each, self.calls = each, 0
+
+    def put(self, value: Any) -> None:
+        if self.calls:
+            self.each(self.calls)
+        self.calls += 1
+
+    def end(self) -> None:
+        pass
+
+
 def greedy(weights: Weights, library: str, class_name: str, config: dict[str, Any], tokenizer_dir: Path,
-           prompts: list[str], new_tokens: int, max_time: float | None = None) -> list[list[int]]:
+           prompts: list[str], new_tokens: int, max_time: float | None = None,
+           each_token: Callable[[int], None] | None = None) -> list[list[int]]:
     """The new token ids of greedy continuations of ``prompts`` (one batch, left-padded); fewer than ``new_tokens``
-    when ``max_time`` seconds run out first (transformers' own ``max_time`` criterion, checked after every token)."""
+    when ``max_time`` seconds run out first (transformers' own ``max_time`` criterion, checked after every token).
+    ``each_token(n)``: called after the n-th new token (progress lines)."""
     import torch
     from transformers import AutoTokenizer, GenerationConfig
 
@@ -104,7 +125,8 @@ def greedy(weights: Weights, library: str, class_name: str, config: dict[str, An
             pass  # no generation_config.json: the model config's defaults
         with torch.inference_mode():
             out = model.generate(**batch, max_new_tokens=new_tokens, do_sample=False, num_beams=1,
-                                 pad_token_id=tokenizer.pad_token_id, max_time=max_time)
+                                 pad_token_id=tokenizer.pad_token_id, max_time=max_time,
+                                 streamer=_TokenLines(each_token) if each_token else None)
     width = batch["input_ids"].shape[1]
     return [row[width:].tolist() for row in out]
 

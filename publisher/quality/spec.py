@@ -28,6 +28,8 @@ BUDGET_HELP = ("Time each recipe's quality evaluation may take, a hard bound (e.
                "size and steps, the continuation's length and the perplexity windows, and stops them when spent. auto: "
                f"{AUTO_FLOOR_S:.0f} s plus 1 s per {AUTO_BYTES_PER_S // 1_000_000} MB of the weights evaluated, at most "
                f"{AUTO_CEILING_S / 60:.0f} min. 0 turns the evaluation off.")
+FULL_IMAGES_HELP = ("Also put each grid image at its full size in the repo (quality/*.png, lossless; the card's grid is "
+                    "a labelled JPEG of at most 2 MB).")
 CAUSAL_LM = "causal language model"
 PIPELINE = "pipeline"
 
@@ -38,12 +40,15 @@ class Metric:
     kind: str  # the models it applies to: CAUSAL_LM or PIPELINE
     unit: str
     what: str  # for messages and the card
+    lower_is_better: bool = False  # LPIPS: a distance, the bound is a maximum
 
 
 METRICS = {m.name: m for m in (
     Metric("ppl-recovery", CAUSAL_LM, "%", "base perplexity / quantized perplexity on the evaluation text, in percent"),
     Metric("psnr", PIPELINE, " dB", "PSNR of each quantized grid image against the base's (the lowest counts)"),
     Metric("ssim", PIPELINE, "", "SSIM of each quantized grid image against the base's (the lowest counts)"),
+    Metric("lpips", PIPELINE, "", "LPIPS (v0.1, AlexNet) of each quantized grid image against the base's, at most VALUE "
+           "(the highest counts; needs its weights, docs/quality.md)", lower_is_better=True),
 )}
 
 
@@ -102,6 +107,7 @@ class Settings:
     prompt: str | None  # --sample-prompt: the first prompt of the grid or the continuations
     size: int
     steps: int
+    full_images: bool = False  # --eval-full-images: the grid's images at full size in the repo besides the JPEG
 
     @property
     def enabled(self) -> bool:
@@ -119,7 +125,7 @@ class Settings:
     def to_dict(self) -> dict[str, object]:
         return {"dataset": self.dataset.text(), "tokens": self.tokens,
                 "budget_s": "auto" if self.budget_s is None else self.budget_s,
-                "min_quality": [b.text() for b in self.bounds]}
+                "min_quality": [b.text() for b in self.bounds], "full_images": self.full_images}
 
 
 def seconds(text: str) -> float | None:
@@ -131,7 +137,7 @@ def seconds(text: str) -> float | None:
 
 
 def settings(dataset: str | None, tokens: int, budget: str, bounds: tuple[str, ...], prompt: str | None, size: int,
-             steps: int) -> Settings:
+             steps: int, full_images: bool = False) -> Settings:
     """The CLI's options as ``Settings``; UsageError (exit 2) naming the option for anything malformed."""
     budget_s = None if budget.strip().lower() == "auto" else seconds(budget)
     if budget_s is None and budget.strip().lower() != "auto":
@@ -144,10 +150,10 @@ def settings(dataset: str | None, tokens: int, budget: str, bounds: tuple[str, .
         parsed = tuple(Bound.parse(b) for b in bounds)
     except ValueError as exc:
         raise UsageError(f"--min-quality {exc}") from None
-    if budget_s == 0 and (parsed or dataset):
-        flag = "--min-quality" if parsed else "--eval-dataset"
+    if budget_s == 0 and (parsed or dataset or full_images):
+        flag = "--min-quality" if parsed else "--eval-dataset" if dataset else "--eval-full-images"
         raise UsageError(f"{flag} needs the quality evaluation, which --eval-budget 0 turns off; drop one of them")
-    return Settings(data, dataset is not None, tokens, budget_s, parsed, prompt, size, steps)
+    return Settings(data, dataset is not None, tokens, budget_s, parsed, prompt, size, steps, full_images)
 
 
 def model_kind(kind: str, class_name: str) -> str | None:
@@ -178,6 +184,8 @@ def gate(bounds: tuple[Bound, ...], figures: dict[str, float | None], missing: d
             why = missing.get(bound.metric, "it was not measured")
             raise QualityError(f"{recipe}: --min-quality {bound.text()} cannot be checked: {bound.metric} was not measured "
                                f"({why}); nothing was pushed")
-        if value < bound.value:
-            raise QualityError(f"{recipe}: {bound.metric} is {value:.4g}{unit}, below --min-quality {bound.text()}; "
+        worse = value > bound.value if METRICS[bound.metric].lower_is_better else value < bound.value
+        if worse:
+            side = "above" if METRICS[bound.metric].lower_is_better else "below"
+            raise QualityError(f"{recipe}: {bound.metric} is {value:.4g}{unit}, {side} --min-quality {bound.text()}; "
                                "nothing was pushed")

@@ -55,7 +55,17 @@ def kind_of(plan: Plan) -> str | None:
 def check_measurable(settings: Settings, plan: Plan, token: str | None) -> None:
     """At plan time, before any download: a causal LM without a tokenizer is said in one line (the run goes on without
     perplexity and continuation); a ``--min-quality`` bound on perplexity that cannot be measured here (no tokenizer,
-    an evaluation text that cannot be read: one request) is a usage error (exit 2)."""
+    an evaluation text that cannot be read: one request) is a usage error (exit 2); so is a bound on LPIPS whose
+    weights are not on this machine."""
+    lpips_bound = [b for b in settings.bounds if b.metric == "lpips"]
+    if settings.enabled and lpips_bound and kind_of(plan) == spec.PIPELINE:
+        from publisher.quality import perceptual
+
+        try:
+            perceptual.locate()
+        except perceptual.Unavailable as exc:
+            raise UsageError(f"--min-quality {lpips_bound[0].text()} cannot be checked: for LPIPS, {exc}; get them "
+                             f"({perceptual.HOW_TO_GET}), or drop the bound") from None
     if not settings.enabled or kind_of(plan) != spec.CAUSAL_LM:
         return
     bounded = [b for b in settings.bounds if b.metric == "ppl-recovery"]
@@ -166,6 +176,16 @@ class Evaluation:
         """The in-pass perplexity observer for a streamed causal LM (None otherwise)."""
         if self.ids is None or comp.library != "transformers":
             return None
+        from publisher.verify.streaming import BLOCK_BUDGET
+
+        text = config.get("text_config") or config
+        table = int(text.get("vocab_size") or 0) * int(text.get("hidden_size") or 0) * 2
+        if table > BLOCK_BUDGET:
+            # The head comes first in the file and is used last: the observer would hold it (and the embedding)
+            # through the whole pass, 1.7 GiB at Llama-3-8B's shapes. After the pass both are read row by row.
+            log.info("perplexity after the pass: the embedding and head (%d MB each in bf16) are read row by row then, "
+                     "rather than held through the pass", table // 1_000_000)
+            return None
         return lm.observer(comp.library, comp.class_name, config, self.ids, comp.label)
 
     def run(self, artifacts: Artifacts, base_sources: dict[str, Any], pass_seconds: float, recipe: Recipe) -> Any:
@@ -216,22 +236,26 @@ class Evaluation:
         else:
             if passed is not None:
                 log.info("perplexity after the pass: %s", passed.detail)
-            # the first window of each model alone, timed; then the windows the rest of half the budget allows
-            base_nll = lm.nll_after_pass(base_w, comp.library, comp.class_name, config, ids[:1])
-            quant_nll = lm.nll_after_pass(quant_w, comp.library, comp.class_name, config, ids[:1])
-            per_window = time.monotonic() - started
-            more = min(int(ids.shape[0]) - 1, int((0.5 * deadline.left()) / max(per_window, 1e-3)))
-            if more < int(ids.shape[0]) - 1:
-                figures.limited = (f"{1 + max(more, 0)} of {int(ids.shape[0])} windows: a window of both models took "
-                                   f"{per_window:.1f} s here, and half of --eval-budget ({self.budget_s:.0f} s) allowed "
-                                   "no more")
-            if more > 0:
-                import torch
+            import torch
 
-                rest = ids[1:1 + more]
-                base_nll = torch.cat([base_nll, lm.nll_after_pass(base_w, comp.library, comp.class_name, config, rest)])
-                quant_nll = torch.cat([quant_nll, lm.nll_after_pass(quant_w, comp.library, comp.class_name, config, rest)])
-            ids = ids[:1 + max(more, 0)]
+            # window by window, both models, one stderr line each: the first always, then each that half of the time
+            # left still allows at the slowest window's pace
+            total = int(ids.shape[0])
+            base_parts, quant_parts, slowest = [], [], 0.0
+            for i in range(total):
+                if i and slowest > 0.5 * deadline.left():
+                    figures.limited = (f"{i} of {total} windows: a window of both models took {slowest:.1f} s here, and "
+                                       f"half of what was left of --eval-budget ({self.budget_s:.0f} s) allowed no more")
+                    log.warning("perplexity: %s", figures.limited)
+                    break
+                began = time.monotonic()
+                base_parts.append(lm.nll_after_pass(base_w, comp.library, comp.class_name, config, ids[i:i + 1]))
+                quant_parts.append(lm.nll_after_pass(quant_w, comp.library, comp.class_name, config, ids[i:i + 1]))
+                slowest = max(slowest, time.monotonic() - began)
+                log.info("perplexity: window %d of %d (%d tokens, base and quantized): %.1f s; %.0f s of --eval-budget left",
+                         i + 1, total, int(ids.shape[1]), time.monotonic() - began, max(deadline.left(), 0.0))
+            base_nll, quant_nll = torch.cat(base_parts), torch.cat(quant_parts)
+            ids = ids[:len(base_parts)]
             figures.where = "after the quantization pass, block by block"
             figures.seconds["perplexity_after_pass"] = round(time.monotonic() - started, 3)
         figures.windows, figures.window = int(ids.shape[0]), int(ids.shape[1])
@@ -254,10 +278,18 @@ class Evaluation:
             return
         began = time.monotonic()
         # each model gets half of what is left, checked after every token; both texts are cut to the shorter one
+        def lines(role: str) -> Any:
+            started = time.monotonic()
+
+            def each(n: int) -> None:
+                log.info("continuation: %s model, token %d of %d (%d prompts): %.1f s; %.0f s of --eval-budget left", role,
+                         n, figures.new_tokens, len(figures.prompts), time.monotonic() - started, max(deadline.left(), 0.0))
+            return each
+
         base = lm.greedy(base_w, comp.library, comp.class_name, config, self.configs, figures.prompts,
-                         figures.new_tokens, max_time=max(deadline.left() / 2, 0.1))
+                         figures.new_tokens, max_time=max(deadline.left() / 2, 0.1), each_token=lines("base"))
         quant = lm.greedy(quant_w, comp.library, comp.class_name, config, self.configs, figures.prompts,
-                          figures.new_tokens, max_time=max(deadline.left(), 0.1))
+                          figures.new_tokens, max_time=max(deadline.left(), 0.1), each_token=lines("quantized"))
         made = min(min(len(r) for r in base), min(len(r) for r in quant))
         if made < figures.new_tokens:
             figures.continuation_limited = (f"{made} of {figures.new_tokens} new tokens: --eval-budget "
@@ -279,6 +311,7 @@ class Evaluation:
               deadline: Deadline) -> grid.GridFigures:
         import torch
 
+        from publisher.quality import memory
         from publisher.quality.gridrun import GridRun
         from publisher.stages.card_usage import output_kind
 
@@ -296,7 +329,14 @@ class Evaluation:
         # (--low-disk) the grid runs offloaded on the CPU, block by block, like a CPU-only machine.
         device = "cuda" if torch.cuda.is_available() and local else "cpu"
         figures.device = device
-        whole = local and (device == "cuda" or sum(sizes.values()) <= 0.8 * psutil.virtual_memory().available)
+        # A run whose components all went through the streaming engine keeps its process tree within the 1.2 GiB
+        # bound, and so does its grid on a CPU: a pipeline is held whole only when it fits in it, else offloaded, and
+        # sizes whose activations would not fit are left out (memory.py, gridrun.py). The library engine loaded whole
+        # models already; a GPU's memory is its own.
+        bounded = device == "cpu" and all(c.engine == "streaming" for c in artifacts.components)
+        limit = memory.limit(bounded)
+        whole = local and (device == "cuda" or (sum(sizes.values()) <= 0.8 * psutil.virtual_memory().available
+                                                and (limit is None or memory.tree_rss() + sum(sizes.values()) <= limit)))
         figures.quantized_from = "the saved files" if whole else quantized_from
         figures.mode = ("whole pipeline in memory" if whole and device == "cpu" else "GPU" if device == "cuda"
                         else "offloaded: each component built on the meta device, loaded block by block as it runs")
@@ -315,23 +355,26 @@ class Evaluation:
                 return figures
         started = time.monotonic()
         with self._pipeline("base", whole, device, artifacts, models) as pipe:
-            run = GridRun(figures, deadline, denoiser, device, load_s=time.monotonic() - started)
+            run = GridRun(figures, deadline, denoiser, device, load_s=time.monotonic() - started, memory_limit=limit)
             run.base(pipe)
         if run.prompts:
             with self._pipeline("quantized", whole, device, artifacts, models) as pipe:
                 run.quantized(pipe)
         pairs = run.pairs()
-        figures.seconds = round(deadline.elapsed(), 3)
         if not pairs:
+            figures.seconds = round(deadline.elapsed(), 3)
             figures.reason = figures.reason or f"--eval-budget ({self.budget_s:.0f} s) ran out before the first pair of images"
             figures.prompts, figures.seeds = [], []
             return figures
         from publisher.quality import images as im
 
         figures.prompts, figures.seeds = figures.prompts[:len(pairs)], figures.seeds[:len(pairs)]
-        figures.metrics = im.METRICS_NOTE
-        im.save_grid(im.grid(pairs, figures.prompts, figures.psnr, figures.ssim, recipe.name),
-                     artifacts.folder / grid.IMAGE_NAME)
+        im.perceptual_figures(figures, pairs, deadline)
+        figures.metrics = im.metrics_note(figures)
+        im.save_grid(im.grid(pairs, figures, recipe.name), artifacts.folder / grid.IMAGE_NAME)
+        if self.settings.full_images:
+            figures.full_images = im.save_full(pairs, artifacts.folder)
+        figures.seconds = round(deadline.elapsed(), 3)
         figures.image = grid.IMAGE_NAME
         return figures
 
@@ -397,7 +440,9 @@ def gate(settings: Settings, figures: Any, recipe: str) -> None:
     elif isinstance(figures, grid.GridFigures):
         values["psnr"] = min(figures.psnr) if figures.psnr else None
         values["ssim"] = min(figures.ssim) if figures.ssim else None
+        values["lpips"] = max(figures.lpips) if figures.lpips else None
         missing["psnr"] = missing["ssim"] = figures.reason
+        missing["lpips"] = figures.reason or f"LPIPS was not computed: {figures.lpips_reason}"
     spec.gate(settings.bounds, values, missing, recipe)
 
 

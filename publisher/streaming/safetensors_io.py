@@ -144,6 +144,20 @@ def read_tensor(f: BinaryIO, entry: HeaderEntry) -> torch.Tensor:
     return buf.view(dtype).reshape(entry.shape)
 
 
+def read_rows(f: BinaryIO, entry: HeaderEntry, start: int, stop: int) -> torch.Tensor:
+    """Rows ``start:stop`` of a tensor (its first dimension): a contiguous byte range of the file, read alone."""
+    import torch
+
+    rows = entry.shape[0]
+    if not 0 <= start <= stop <= rows:
+        raise IndexError(f"rows {start}:{stop} of a tensor of {rows}")
+    row_bytes = (entry.end - entry.begin) // max(rows, 1)
+    buf = torch.empty((stop - start) * row_bytes, dtype=torch.uint8)
+    f.seek(entry.begin + start * row_bytes)
+    _readinto(f, buf)
+    return buf.view(torch_dtype(entry.dtype)).reshape(stop - start, *entry.shape[1:])
+
+
 def read_bytes(f: BinaryIO, offset: int, n: int) -> torch.Tensor:
     """``n`` raw bytes at ``offset`` into a buffer of their own (a chunk of a large tensor)."""
     import torch

@@ -295,6 +295,20 @@ class TensorReader:
             raise ValueError(f"{name}: torchao could not rebuild it from {sorted(data)} ({self.source.where})")
         return rebuilt[name]
 
+    def plain_rows(self, name: str) -> int | None:
+        """The number of rows of ``name`` when it is a plain tensor of two or more dimensions (rows can then be read
+        alone: ``read_rows``), else None (a torchao tensor, a vector)."""
+        meta = self.index.metadata.get(name)
+        if self.index.parts.get(name) != [name] or (meta is not None and json.loads(meta).get("_type") not in ("Tensor", None)):
+            return None
+        entry = self.index.entries[name][1]
+        return entry.shape[0] if len(entry.shape) >= 2 else None
+
+    def read_rows(self, name: str, start: int, stop: int) -> Any:
+        """Rows ``start:stop`` of the plain tensor ``name`` (``plain_rows``), one range read."""
+        file, entry = self.index.entries[name]
+        return stio.read_rows(self._handle(file), entry, start, stop)
+
     def close(self) -> None:
         for fh in self._open.values():
             fh.close()

@@ -94,3 +94,23 @@ def zeroed_scales() -> Iterator[None]:
         yield
     finally:
         Int8Tensor.from_hp = original
+
+
+def place_lpips_trunk(torch_home: Path, seed: int = 0) -> Path:
+    """An AlexNet trunk where LPIPS looks for torchvision's (``$TORCH_HOME/hub/checkpoints/alexnet-owt-7be5be79.pth``):
+    random convolutions of AlexNet's shapes (``features.*`` only: 10 MB, where torchvision's file is 233 MB with its
+    classifier), seeded. The tests cannot download the real one; with it, LPIPS is computed and named."""
+    import torch
+
+    from publisher.quality import perceptual
+
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for index, cin, cout, kernel, _, _, _ in perceptual.CONVS:
+        fan_in = cin * kernel * kernel
+        state[f"features.{index}.weight"] = torch.randn(cout, cin, kernel, kernel, generator=generator) / fan_in**0.5
+        state[f"features.{index}.bias"] = torch.randn(cout, generator=generator) * 0.01
+    path = torch_home / "hub" / "checkpoints" / perceptual.TRUNK_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(state, path)
+    return path

@@ -180,7 +180,10 @@ class BlockLoader:
         for key, target in checkpoint_key_targets(model, list(self.names)).items():
             self.converted.setdefault(target, []).append(key)
         self.aliases = self._aliases(model)
+        self.budget = budget
         self.blocks = blocks(model, budget)
+        self.row_by_row: list[str] = []  # the blocks read row by row (rowwise.py)
+        self._rows: list[Any] = []  # heads whose forward was replaced
         self.loaded = 0
         self.peak_block_bytes = 0
         self.bar: Any = None
@@ -211,13 +214,49 @@ class BlockLoader:
 
     def attach(self) -> None:
         for prefix, module, whole in self.blocks:
+            if whole and self._row_by_row(prefix, module):
+                continue
             self._handles.append(module.register_forward_pre_hook(self._loader(prefix, module, whole)))
             self._handles.append(module.register_forward_hook(self._dropper(module)))
+
+    def _row_by_row(self, prefix: str, module: Any) -> bool:
+        """An embedding or head over the budget, stored plain and kept plain by ``cast``: read row by row
+        (``rowwise.py``) instead of whole. False (loaded whole, as any block) otherwise."""
+        import torch
+
+        from publisher.verify import rowwise
+
+        key = prefix + "weight"
+        ends = [getattr(self.model, f"get_{which}_embeddings", lambda: None)() for which in ("input", "output")]
+        if all(module is not end for end in ends) or not rowwise.candidate(module, self.budget) or key in self.converted:
+            return False
+        try:
+            name = self._source_name(key)
+        except KeyError:
+            return False
+        if not self.reader.plain_rows(name) or type(self.cast(name, self.reader.read_rows(name, 0, 1))) is not torch.Tensor:
+            return False
+        if isinstance(module, torch.nn.Embedding):
+            rows = rowwise.RowEmbedding(module, self.reader, name, self.cast)
+            self._handles.append(module.register_forward_pre_hook(rows.before, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(rows.after))
+        else:
+            bias = prefix + "bias" if getattr(module, "bias", None) is not None else None
+            head = rowwise.RowLinear(module, self.reader, name, bias and self._source_name(bias), self.cast)
+            module.forward = head  # the module's hooks (none of ours) still run around it
+            module.row_linear = head  # lm.NllHead asks for it: perplexity without whole logits
+            self._rows.append(module)
+        self.row_by_row.append(prefix.rstrip(".") or "root")
+        return True
 
     def detach(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for module in self._rows:
+            for attr in ("forward", "row_linear"):
+                module.__dict__.pop(attr, None)
+        self._rows.clear()
 
     def _loader(self, prefix: str, module: Any, whole: bool) -> Any:
         def hook(mod: Any, args: Any) -> None:
