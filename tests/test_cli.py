@@ -687,11 +687,21 @@ def test_publish_eval_budget(fake_run: list[PublishRequest]) -> None:
 def test_publish_min_quality(fake_run: list[PublishRequest]) -> None:
     assert publish("--eval-budget", "5m", "--min-quality", "ppl-recovery=95", "--min-quality", "psnr=30").exit_code == 0
     assert [b.text() for b in fake_run[-1].evaluation.bounds] == ["ppl-recovery=95", "psnr=30"]  # type: ignore[union-attr]
-    result = publish("--eval-budget", "5m", "--min-quality", "lpips=0.1")
-    assert result.exit_code == 2 and "'lpips=0.1' is not METRIC=VALUE with METRIC one of ppl-recovery, psnr, ssim" in result.stderr
+    assert publish("--eval-budget", "5m", "--min-quality", "lpips=0.1").exit_code == 0  # an upper bound (lower is closer)
+    assert [b.text() for b in fake_run[-1].evaluation.bounds] == ["lpips=0.1"]  # type: ignore[union-attr]
+    result = publish("--eval-budget", "5m", "--min-quality", "fid=3")
+    assert result.exit_code == 2 and "'fid=3' is not METRIC=VALUE with METRIC one of ppl-recovery, psnr, ssim, lpips" in result.stderr
     for result in (publish("--eval-budget", "0", "--min-quality", "psnr=30"),
                    publish("--min-quality", "psnr=30", env={"HF_AO_PUBLISH_EVAL_BUDGET": "0"})):
         assert result.exit_code == 2 and "--min-quality needs the quality evaluation, which --eval-budget 0 turns off" in result.stderr
+
+
+def test_publish_eval_full_images(fake_run: list[PublishRequest]) -> None:
+    assert publish().exit_code == 0 and fake_run[-1].evaluation.full_images is False  # type: ignore[union-attr]
+    assert publish("--eval-full-images").exit_code == 0 and fake_run[-1].evaluation.full_images is True  # type: ignore[union-attr]
+    assert "--eval-full-images" in fake_run[-1].command  # the card's command line: it changes what the repo holds
+    result = publish("--eval-full-images", "--eval-budget", "0")
+    assert result.exit_code == 2 and "--eval-budget 0" in result.stderr
 
 
 def test_publish_allow_unquantized(fake_run: list[PublishRequest]) -> None:
