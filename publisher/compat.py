@@ -14,13 +14,25 @@ docs/compatibility.md):
 - transformers 4.57.6, whose loader cannot read these tensors while the manual path can: it is what the
   manual path on the card is for.
 
+Besides these fixed boundaries, the default matrix measures the newest release on the package index of torch, torchao,
+the components' library (diffusers or transformers) and accelerate, looked up when the run starts (``newest``):
+what a user who upgrades today gets. ``--compat latest`` asks for those alone.
+
 To add an environment for every publish, add an entry here; for one run, pass ``--compat SPEC``.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
+import re
+import subprocess
+import sys
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
 
 INT8 = ("Int8Tensor",)  # the torchao class whose weights torchao 0.15 loads unquantized
 VARIABLE = "HF_AO_PUBLISH_COMPAT"  # --compat from the environment
@@ -66,6 +78,74 @@ def default_matrix(classes: Iterable[str] | None, libraries: set[str], installed
             and installed.get(e.package) != e.version]
 
 
+NEWEST_CORE = ("torch", "torchao")  # then the components' libraries, then accelerate
+NEWEST_WHY = "the newest {package} release on the package index (looked up when the run started)"
+LOOKUP_TIMEOUT_S = 60.0
+_NEWEST_LINE = re.compile(r"^\S+ \(([^)\s]+)\)\s*$")
+
+
+@dataclass(frozen=True)
+class Newest:
+    """The newest releases on the index for a repo's packages, and why some (or all) were not looked up."""
+
+    versions: dict[str, str]  # package -> newest release, only those that differ from the version installed here
+    current: tuple[str, ...]  # packages whose newest release is the one installed here
+    skipped: str  # one line: why nothing (or not everything) was looked up; "" when all were
+
+
+def newest_packages(libraries: set[str]) -> tuple[str, ...]:
+    return (*NEWEST_CORE, *sorted(libraries & {"diffusers", "transformers"}), "accelerate")
+
+
+def offline() -> bool:
+    """The user said offline (HF_HUB_OFFLINE): no package index is asked either. (pip's own ``--no-index`` with a
+    folder of wheels is a source like any other: it is asked.)"""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def newest(libraries: set[str], installed: dict[str, str]) -> Newest:
+    """The newest release of each package (``newest_packages``) on the index pip is configured with, asked
+    concurrently (``pip index versions``: the user's mirror or folder of wheels counts); offline, nothing."""
+    packages = newest_packages(libraries)
+    if offline():
+        return Newest({}, (), "the newest releases were not looked up: offline (HF_HUB_OFFLINE is set)")
+    found, failed = _look_up(packages)
+    found = {p: v.split("+")[0] for p, v in found.items()}  # a local build tag (2.15.0+cpu) is a build, not a release
+    versions = {p: v for p, v in found.items() if installed.get(p, "").split("+")[0] != v}
+    same = tuple(p for p in found if p not in versions)
+    skipped = ""
+    if failed:
+        skipped = (f"the newest release of {', '.join(failed)} was not looked up: {next(iter(failed.values()))}")
+    return Newest(versions, same, skipped)
+
+
+@functools.lru_cache(maxsize=8)
+def _look_up(packages: tuple[str, ...]) -> tuple[dict[str, str], dict[str, str]]:
+    """package -> newest release, and package -> why it could not be looked up (once per run)."""
+    cmd = [sys.executable, "-m", "pip", "index", "versions", "--disable-pip-version-check", "--no-input",
+           "--retries", "1", "--timeout", "15"]
+    env = {**os.environ, "PIP_NO_INPUT": "1"}
+    procs = {p: subprocess.Popen([*cmd, p], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for p in packages}
+    found: dict[str, str] = {}
+    failed: dict[str, str] = {}
+    for package, proc in procs.items():
+        try:
+            out, err = proc.communicate(timeout=LOOKUP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            failed[package] = f"the package index did not answer within {LOOKUP_TIMEOUT_S:.0f} s"
+            continue
+        match = next((m for line in out.splitlines() if (m := _NEWEST_LINE.match(line.strip()))), None)
+        if proc.returncode == 0 and match:
+            found[package] = match.group(1)
+        else:
+            errors = [line.removeprefix("ERROR: ").strip() for line in err.splitlines() if line.startswith("ERROR:")]
+            failed[package] = (errors[-1] if errors else f"pip index versions exited {proc.returncode}")[:200]
+    return found, failed
+
+
 def most_environments() -> int:
     """The most environments the default matrix runs with the versions installed here (int8 weights, diffusers and
     transformers components): what the help text and verify's first line state, read from the table above."""
@@ -83,8 +163,10 @@ def most_environments() -> int:
 def cost_text() -> str:
     """What the default matrix does and costs, in the words of the --compat help and verify's first line."""
     return (f"the default matrix has up to {most_environments()} environments, each this one with one torchao, diffusers "
-            "or transformers release replaced, built once from the package index (seconds to a minute) and cached, then "
-            "two fresh-process reloads of every quantized component in each: minutes even for a tiny model")
+            "or transformers release replaced, and one for each newest release of torch, torchao, diffusers or "
+            "transformers and accelerate on the package index (looked up at the start); each built once from the package "
+            "index (seconds to a minute; a torch, its CPU build, a few hundred MB) and cached, then two fresh-process "
+            "reloads of every quantized component in each: minutes even for a tiny model")
 
 
 def matrix_plan(target: str, values: tuple[str, ...], verify_envs: tuple[str, ...]) -> str:

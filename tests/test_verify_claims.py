@@ -66,6 +66,21 @@ def test_a_failure_between_breaks_the_minimum() -> None:
     assert _claims(comp, "manual")["diffusers"].minimum == "0.39.0"
 
 
+def test_a_newer_release_that_fails_bounds_the_claim_from_above() -> None:
+    """Forward in time (issue 39): the newest transformers on the index fails, an older newer one passes."""
+    comp = claims.summarise(_report({
+        "transformers==5.0.0": ("pass", "pass", {"transformers": "5.0.0"}),
+        "transformers==5.25.0": ("fail", "pass", {"transformers": "5.25.0"}),
+        "torch==2.15.0": ("pass", "pass", {"torch": "2.15.0+cpu"}),
+    }), {"transformers"})
+    lib, man = _claims(comp, "library"), _claims(comp, "manual")
+    assert lib["transformers"].text() == ("transformers >= 5.0.0, < 5.25.0 (measured: 5.0.0 and 5.23.0 pass; 5.25.0 fail; "
+                                          "versions in between not measured)")
+    assert man["transformers"].ceiling is None and "<" not in man["transformers"].text()
+    assert lib["torch"].text() == ("torch >= 2.13.0+cpu (measured: 2.13.0+cpu and 2.15.0+cpu pass; versions in between "
+                                   "not measured)")
+
+
 def test_environments_naming_several_packages_are_shown_but_claim_nothing() -> None:
     comp = claims.summarise(_report({
         "diffusers==0.39.0,torchao==0.17.0": ("pass", "pass", {"diffusers": "0.39.0", "torchao": "0.17.0"}),

@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import json
 import subprocess
 import time
-import zipfile
 from pathlib import Path
 
 import pytest
 
 from publisher.errors import EnvBuildError, UsageError
+from publisher.testing.wheels import write_wheel
 from publisher.verify import envs
 
 
@@ -55,34 +53,13 @@ def test_cache_key_follows_the_spec_and_this_environment(monkeypatch: pytest.Mon
     assert envs.cache_key(a) != before  # another torch here: the layer is rebuilt
 
 
-def _wheel(folder: Path, name: str, version: str, code: str) -> Path:
-    """A minimal pure-Python wheel, written by hand, so the test needs no package index."""
-    module = name.replace("-", "_")
-    dist = f"{module}-{version}"
-    files = {
-        f"{module}/__init__.py": code,
-        f"{dist}.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
-        f"{dist}.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-    }
-    record = []
-    for path, text in files.items():
-        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
-        record.append(f"{path},sha256={digest},{len(text.encode())}")
-    files[f"{dist}.dist-info/RECORD"] = "\n".join([*record, f"{dist}.dist-info/RECORD,,"]) + "\n"
-    out = folder / f"{dist}-py3-none-any.whl"
-    with zipfile.ZipFile(out, "w") as zf:
-        for path, text in files.items():
-            zf.writestr(path, text)
-    return out
-
-
 @pytest.fixture
 def local_index(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """pip sees only a folder with two versions of a made-up package."""
     wheels = tmp_path / "wheels"
     wheels.mkdir()
     for version in ("1.0", "2.0"):
-        _wheel(wheels, "hfao-probe", version, f"VERSION = {version!r}\n")
+        write_wheel(wheels, "hfao-probe", version, f"VERSION = {version!r}\n")
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_FIND_LINKS", str(wheels))
     monkeypatch.setenv("HF_AO_PUBLISH_ENVS", str(tmp_path / "envs"))

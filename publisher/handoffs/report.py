@@ -52,11 +52,14 @@ class EnvRecord:
     """One environment of the compatibility matrix, as it was measured."""
 
     name: str  # "current", the spec (diffusers==0.38.0) or the interpreter's path
-    kind: Literal["current", "spec", "interpreter"]
+    kind: Literal["current", "spec", "interpreter", "recheck"]  # recheck: the environment of `hf-ao-publish recheck`
     gating: bool  # True: must pass for a publish (this environment, --verify-env); False: measured for the card
     packages: dict[str, str] = field(default_factory=dict)  # what a spec's layer holds, exact versions
     why: str = ""  # why the default matrix runs it
     build_seconds: float | None = None  # None: not built by this run (reused, or not a spec)
+    newest: bool = False  # a package replaced by its newest release on the index, looked up when the run started
+    unusable: str = ""  # why nothing loads there at all (torch cannot import torchao): one failing row, no loads run
+    skipped: str = ""  # a newest release not measured (not looked up, or not buildable here), said in one line
 
 
 @dataclass

@@ -41,6 +41,7 @@ class Claim:
     minimum: str | None  # the oldest version measured to pass, with no failure measured above it
     passed: list[str] = field(default_factory=list)
     not_passed: list[tuple[str, Outcome]] = field(default_factory=list)
+    ceiling: str | None = None  # the oldest version above this one measured not to pass (a newer release that breaks it)
 
     def text(self) -> str:
         """``diffusers >= 0.39.0 (measured: 0.39.0 and 0.42.1 pass; 0.38.0 silently wrong)``"""
@@ -52,7 +53,8 @@ class Claim:
             return f"{self.package}: no version measured to pass ({measured})"
         if self.passed == [self.current] and not self.not_passed:
             return f"{self.package} {self.current} (the only version measured)"
-        return f"{self.package} >= {self.minimum} (measured: {measured}; versions in between not measured)"
+        upper = f", < {self.ceiling}" if self.ceiling else ""
+        return f"{self.package} >= {self.minimum}{upper} (measured: {measured}; versions in between not measured)"
 
 
 @dataclass
@@ -77,7 +79,9 @@ def env_label(env: EnvRecord) -> str:
         return "this tool's own (made and verified here)"
     if env.kind == "interpreter":
         return f"`{env.name}` (an interpreter given with --verify-env)"
-    return f"this one with `{env.name}`"
+    if env.kind == "recheck":
+        return f"a later recheck's ({env.why})"
+    return f"this one with `{env.name}`" + (" (newest)" if env.newest else "")
 
 
 def table(comp: Compatibility) -> list[dict[str, str]]:
@@ -175,7 +179,9 @@ def _claim(rows: list[Row], package: str, path: str, current: dict[str, str]) ->
             minimum = version
     passed = sorted((v for v in status if status[v] == "pass"), key=_key)
     not_passed = sorted(((v, status[v]) for v in status if status[v] != "pass"), key=lambda item: _key(item[0]))
-    return Claim(package, path, here, minimum, passed, not_passed)
+    # forward in time: the first newer release measured not to pass bounds the claim from above
+    ceiling = next((v for v, _ in not_passed if _key(v) > _key(here)), None) if minimum is not None else None
+    return Claim(package, path, here, minimum, passed, not_passed, ceiling)
 
 
 # A sentence of a library's error that points at output the card does not show ("For details look at the

@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from publisher.errors import EnvBuildError, UsageError
+from publisher.verify import torch_sources
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class BuiltEnv:
     packages: dict[str, str]  # every distribution the layer holds: name -> exact version
     seconds: float  # how long the build took (the original build's, when reused)
     reused: bool
+    import_error: str = ""  # torch and torchao cannot both be imported there (a torch this torchao does not run on)
 
 
 def canonical(name: str) -> str:
@@ -150,8 +152,9 @@ def layer_python(folder: Path) -> Path:
     return folder / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 
 
-def build(spec: EnvSpec, root: Path | None = None) -> BuiltEnv:
-    """The environment for ``spec``: reused from the cache when built before, else built now."""
+def build(spec: EnvSpec, root: Path | None = None, *, heavy_torch: bool = True) -> BuiltEnv:
+    """The environment for ``spec``: reused from the cache when built before, else built now. ``heavy_torch`` False:
+    a torch only in its CPU build on a machine without CUDA (torch_sources), never PyPI's CUDA build."""
     root = root or envs_root()
     key = cache_key(spec)
     final = root / _folder_name(spec, key)
@@ -166,10 +169,12 @@ def build(spec: EnvSpec, root: Path | None = None) -> BuiltEnv:
     log.info("building verification environment %s (this environment with only %s replaced) in %s",
              spec.text, ", ".join(spec.names), final)
     try:
-        packages = _build_into(tmp, spec)
+        packages, downloads = _build_into(tmp, spec, heavy_torch)
+        import_error = _import_error(tmp, spec)
         seconds = round(time.monotonic() - started, 1)
         record = {"spec": spec.text, "packages": packages, "seconds": seconds, "parent": sys.prefix,
-                  "python": sys.version.split()[0], "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                  "python": sys.version.split()[0], "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                  "downloads": downloads, "import_error": import_error}
         (tmp / RECORD).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
         theirs = _install(tmp, final, spec)
     except OSError as exc:
@@ -183,7 +188,9 @@ def build(spec: EnvSpec, root: Path | None = None) -> BuiltEnv:
         return theirs
     log.info("verification environment %s built in %.1f s: %s", spec.text, seconds,
              ", ".join(f"{k} {v}" for k, v in sorted(packages.items())))
-    return BuiltEnv(spec.text, str(layer_python(final)), final, packages, seconds, reused=False)
+    if import_error:
+        log.warning("verification environment %s: %s", spec.text, import_error)
+    return BuiltEnv(spec.text, str(layer_python(final)), final, packages, seconds, reused=False, import_error=import_error)
 
 
 def _install(tmp: Path, final: Path, spec: EnvSpec) -> BuiltEnv | None:
@@ -213,10 +220,11 @@ def _load(folder: Path, spec: EnvSpec) -> BuiltEnv | None:
     if record.get("spec") != spec.text:
         return None
     return BuiltEnv(spec.text, str(layer_python(folder)), folder, dict(record.get("packages") or {}),
-                    float(record.get("seconds") or 0.0), reused=True)
+                    float(record.get("seconds") or 0.0), reused=True, import_error=str(record.get("import_error") or ""))
 
 
-def _build_into(folder: Path, spec: EnvSpec) -> dict[str, str]:
+def _build_into(folder: Path, spec: EnvSpec, heavy_torch: bool = True) -> tuple[dict[str, str], list[dict[str, str]]]:
+    """The layer's packages (name -> version) and what pip downloaded for it (name, version, url, bytes)."""
     import venv
 
     try:
@@ -233,8 +241,20 @@ def _build_into(folder: Path, spec: EnvSpec) -> dict[str, str]:
     current = installed_versions()
     pins = [f"torch=={current['torch']}"] if "torch" in current and "torch" not in spec.names else []
     constraints.write_text("".join(f"{p}\n" for p in pins))
-    _run([str(python), "-m", "pip", "install", "--no-input", "--disable-pip-version-check", "--no-warn-script-location",
-          "--no-warn-conflicts", "-c", str(constraints), *spec.requirements], spec, "pip install")
+    report = folder / "pip-report.json"
+    base = [str(python), "-m", "pip", "install", "--no-input", "--disable-pip-version-check", "--no-warn-script-location",
+            "--no-warn-conflicts", "-c", str(constraints), "--report", str(report)]
+    tries = torch_sources.attempts(spec.requirements, fallback=heavy_torch) if "torch" in spec.names else [torch_sources.Attempt(list(spec.requirements), [], "")]
+    for i, attempt in enumerate(tries):
+        last = i == len(tries) - 1
+        if attempt.note:
+            log.info("verification environment %s: %s", spec.text, attempt.note)
+        try:
+            _run([*base, *attempt.options, *attempt.requirements], spec, "pip install")
+            break
+        except EnvBuildError:
+            if last:
+                raise
     packages = installed_versions([own_site])
     missing = [n for n in spec.names if n not in packages]
     if missing:  # pip found this environment's version good enough ("==0.18.*" with 0.18.0 here): nothing replaced
@@ -242,7 +262,51 @@ def _build_into(folder: Path, spec: EnvSpec) -> dict[str, str]:
                             f"(already {', '.join(f'{n} {current.get(n)}' for n in missing)}); "
                             "pin another version, or leave it out: this environment is always checked")
     _check_shadowing(python, own_site, spec)
-    return packages
+    downloads = _downloads(report)
+    if downloads:
+        log.info("verification environment %s: pip installed %s (%s on disk)", spec.text,
+                 "; ".join(f"{d['name']} {d['version']} from {d['source']}" for d in downloads),
+                 _mb(sum(f.stat().st_size for f in Path(own_site).rglob("*") if f.is_file())))
+    return packages, downloads
+
+
+def _downloads(report: Path) -> list[dict[str, str]]:
+    """What pip's installation report says it installed: name, version and where from (a host or a local folder)."""
+    from urllib.parse import urlparse
+
+    try:
+        items = json.loads(report.read_text()).get("install") or []
+    except (OSError, ValueError):
+        return []
+    out = []
+    for item in items:
+        url = (item.get("download_info") or {}).get("url", "")
+        parsed = urlparse(url)
+        source = parsed.netloc or str(Path(parsed.path).parent) if url else "?"
+        meta = item.get("metadata") or {}
+        out.append({"name": canonical(str(meta.get("name", "?"))), "version": str(meta.get("version", "?")), "source": source})
+    return out
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:,.0f} MB"
+
+
+def _import_error(folder: Path, spec: EnvSpec) -> str:
+    """One line when the layer's torch and torchao cannot be imported together (a torch this torchao was not built
+    for), else "": the matrix then shows that in one row instead of a crash in every load."""
+    code = "import torch, torchao; print(torch.__version__, torchao.__version__)"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHOME"}
+    try:
+        proc = subprocess.run([str(layer_python(folder)), "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"importing torch and torchao there failed ({exc})"
+    if proc.returncode == 0:
+        return ""
+    lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
+    error = next((line for line in reversed(lines) if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", line)), lines[-1] if lines else "no output")
+    versions = installed_versions([str(d) for d in folder.glob("lib/python*/site-packages")] + parent_site_dirs())
+    return (f"torch {versions.get('torch', '?')} cannot import torchao {versions.get('torchao', '?')}: {error[:240]}")
 
 
 def _check_shadowing(python: Path, own_site: str, spec: EnvSpec) -> None:

@@ -12,6 +12,7 @@ built before anything is downloaded, so a spec that cannot be built stops the ru
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from publisher import compat
-from publisher.errors import UsageError
+from publisher.errors import EnvBuildError, UsageError
 from publisher.handoffs.report import PATHS, EnvRecord, PathResult, VerifyReport
 from publisher.verify import envs as env_builder
 from publisher.verify.full import compare
@@ -31,6 +32,9 @@ log = logging.getLogger(__name__)
 
 DEFAULT = "default"
 NONE = "none"
+LATEST = "latest"  # the newest releases on the index alone (the default matrix includes them)
+UNBUILDABLE = "unbuildable.json"  # newest releases whose environment could not be built, remembered for a day
+UNBUILDABLE_TTL_S = 24 * 3600
 
 
 @dataclass
@@ -54,10 +58,11 @@ def check_choices(compat_values: Sequence[str]) -> tuple[bool, list[str]]:
         raise UsageError("--compat none cannot be combined with other --compat values; give either none or environments")
     specs = []
     for value in values:
-        if value in (DEFAULT, NONE):
+        if value in (DEFAULT, NONE, LATEST):
             continue
         if not env_builder.is_spec(value):
-            raise UsageError(f"--compat {value!r} is not an environment; give default, none, or a spec like diffusers==0.39.0")
+            raise UsageError(f"--compat {value!r} is not an environment; give default, latest, none, or a spec like "
+                             "torch==2.15.0 or diffusers==0.39.0")
         specs.append(env_builder.parse_spec(value, "--compat").text)
     return DEFAULT in values, specs
 
@@ -107,7 +112,8 @@ def matrix_envs(compat_values: Sequence[str], classes: Sequence[str] | None, lib
     and whose quantized components load with ``libraries`` (returns None: --compat none); ``skip``: names already
     run as gating environments."""
     use_default, specs = check_choices(compat_values)
-    if not use_default and not specs:
+    latest = use_default or LATEST in [v.strip() for v in compat_values]
+    if not use_default and not specs and not latest:
         return None
     installed = env_builder.installed_versions()
     wanted: dict[str, str] = {}
@@ -116,13 +122,84 @@ def matrix_envs(compat_values: Sequence[str], classes: Sequence[str] | None, lib
             wanted[env_builder.parse_spec(entry.spec).text] = entry.why
     for spec in specs:
         wanted.setdefault(spec, "--compat")
-    return [_built(spec, gating=False, why=why) for spec, why in wanted.items() if spec not in skip]
+    found = compat.newest(libraries, installed) if latest else None
+    newest = {env_builder.parse_spec(f"{p}=={v}").text for p, v in found.versions.items()} if found else set()
+    out = [_built(spec, gating=False, why=why, newest=spec in newest) for spec, why in wanted.items() if spec not in skip]
+    if found is not None:
+        out += _newest_envs(found, installed, done={*wanted, *skip})
+    return out
 
 
-def _built(spec: str, *, gating: bool, why: str) -> Env:
-    built = env_builder.build(env_builder.parse_spec(spec))
+def _newest_envs(found: compat.Newest, installed: dict[str, str], done: set[str]) -> list[Env]:
+    """One environment per newest release on the index (compat.newest) not already asked for. What cannot be looked up
+    or built is one line in the log and the report (an Env marked ``skipped``), never a stop: nobody asked for that
+    version by name. A torch is taken only in its CPU build on a machine without CUDA (torch_sources): PyPI's CUDA
+    build is several GB, too much to download unasked."""
+    out = []
+    if found.skipped:
+        log.warning("compatibility matrix: %s", found.skipped)
+        out.append(_skipped("newest releases", found.skipped))
+    for package in found.current:
+        log.info("compatibility matrix: %s %s here is the newest release on the index", package, installed.get(package))
+    for package, version in found.versions.items():
+        spec = env_builder.parse_spec(f"{package}=={version}").text
+        why = compat.NEWEST_WHY.format(package=package)
+        if spec in done:
+            continue
+        reason = _remembered_failure(spec)
+        if not reason:
+            try:
+                out.append(_built(spec, gating=False, why=why, newest=True, asked=False))
+                continue
+            except EnvBuildError as exc:
+                reason = str(exc).removeprefix(f"cannot build the verification environment {spec}: ")
+                _remember_failure(spec, reason)
+        line = f"{package} {version} (newest): not measured: {reason}"
+        log.warning("compatibility matrix: %s", line)
+        out.append(_skipped(spec, line))
+    return out
+
+
+def _skipped(name: str, reason: str) -> Env:
+    return Env(EnvRecord(name, "spec", gating=False, why=reason, newest=True, skipped=reason), "")
+
+
+def _failures_file() -> Path:
+    return env_builder.envs_root() / UNBUILDABLE
+
+
+def _remembered_failure(spec: str) -> str:
+    try:
+        entry = json.loads(_failures_file().read_text()).get(spec) or {}
+    except (OSError, ValueError):
+        return ""
+    if time.time() - float(entry.get("at", 0)) > UNBUILDABLE_TTL_S or entry.get("key") != env_builder.cache_key(
+            env_builder.parse_spec(spec)):
+        return ""
+    return f"{entry.get('reason', '')} (remembered from {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(entry['at']))})"
+
+
+def _remember_failure(spec: str, reason: str) -> None:
+    path = _failures_file()
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        data = {}
+    data[spec] = {"reason": reason, "at": time.time(), "key": env_builder.cache_key(env_builder.parse_spec(spec))}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        tmp.replace(path)
+    except OSError:  # a read-only cache: the lookup is tried again next run
+        pass
+
+
+def _built(spec: str, *, gating: bool, why: str, newest: bool = False, asked: bool = True) -> Env:
+    """``asked`` False (a newest release nobody named): a torch only in its CPU build where there is no CUDA."""
+    built = env_builder.build(env_builder.parse_spec(spec), heavy_torch=asked)
     record = EnvRecord(spec, "spec", gating=gating, packages=dict(built.packages), why=why,
-                       build_seconds=None if built.reused else built.seconds)
+                       build_seconds=None if built.reused else built.seconds, newest=newest, unusable=built.import_error)
     return Env(record, built.python)
 
 
@@ -150,6 +227,16 @@ def measure(report: VerifyReport, where: str, revision: str | None, work: Path, 
     log.info("compatibility matrix: %d environments x %d components x %d load paths", len(matrix), len(report.expected), len(PATHS))
     before = 0  # loads an earlier run measured (verify/memo.py)
     for env in matrix:  # one interpreter per path loads every component in turn (verify/workers.py)
+        if env.record.skipped:  # a newest release that could not be looked up or built: one line, no row
+            report.notes.append(f"Compatibility: {env.record.skipped}.")
+            continue
+        if env.record.unusable:  # torch cannot import torchao there: one failing row per component, nothing to load
+            for exp in report.expected:
+                for path in PATHS:
+                    report.compat.append(PathResult(exp.component, path, env.record.name, dict(env.record.packages),
+                                                    False, detail=env.record.unusable))
+                _log(report.compat[-1])
+            continue
         found: dict[tuple[int, int], PathResult] = {}
         for j, path in enumerate(PATHS):
             datas = run_workers(report.expected, path, env.python, where, revision, work, token, torch.get_num_threads(),
