@@ -41,14 +41,16 @@ setup: $(VENV)/.installed
 # the import that first needs them; the set-up's last compile took 23 s, 15 s without them. Like pip, compileall skips
 # files only a newer Python parses (torch ships a Python 3.12 test helper), so its exit status says nothing and is not
 # checked.
+# The package goes in with `-c constraints.txt`: the exact set the tests ran with (pyproject.toml states ranges, so that
+# `pip install .` keeps a user's own torch).
 COMPILE := $(BIN)/python -m compileall -qq -j 0 -x '/tests?/|/site-packages/(transformers/models/(?!auto/)|diffusers/pipelines/)[^/]+/'
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q --no-compile '$(TORCH_SPEC)' 2>/dev/null \
 	  || $(BIN)/python -m pip install -q --no-compile '$(TORCH_SPEC)' $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX))
 	$(COMPILE) $(VENV)/lib/python*/site-packages/torch >/dev/null 2>&1 & compiling=$$!; \
-	  $(BIN)/python -m pip install -q --no-compile -e '.[test]'; installed=$$?; wait $$compiling; exit $$installed
+	  $(BIN)/python -m pip install -q --no-compile -e '.[test]' -c constraints.txt; installed=$$?; wait $$compiling; exit $$installed
 	# LPIPS' linear layers (6 KB of weights in a 93 KB wheel). --no-deps: its declared torchvision, from PyPI, pins a
 	# torch of its own; nothing of lpips is imported, its weight file is read (publisher/quality/perceptual.py)
 	$(BIN)/python -m pip install -q --no-compile --no-deps 'lpips==0.1.4'

@@ -22,7 +22,7 @@ from pathlib import Path
 from action.inputs import ActionInputError
 from action.workflow import StepFailed, group, write_output
 
-TORCH_VERSION = "2.13.0"  # the pin of pyproject.toml (a test keeps them equal)
+TORCH_VERSION = "2.13.0"  # the torch of constraints.txt (a test keeps them equal)
 TORCH_INDEX = "https://download.pytorch.org/whl/"
 MIN_PYTHON = (3, 11)  # pyproject's requires-python
 
@@ -93,7 +93,8 @@ def _create_venv(venv: Path, build: str, index: str, root: Path, version: str) -
     pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "--no-input", "--progress-bar", "off"]
     torch = pip + [f"torch=={TORCH_VERSION}"] + (["--index-url", index] if index else [])
     with group(f"Install torch {TORCH_VERSION} ({build}) and hf-ao-publish {version}"):
-        for cmd in ([sys.executable, "-m", "venv", str(venv)], torch, pip + [str(root)]):
+        # the tool with the exact set its tests ran with (constraints.txt); pyproject.toml only states ranges
+        for cmd in ([sys.executable, "-m", "venv", str(venv)], torch, pip + [str(root), "-c", str(root / "constraints.txt")]):
             print("+ " + shlex.join(cmd), flush=True)
             if subprocess.run(cmd, check=False).returncode != 0:
                 raise StepFailed(f"installation failed: {shlex.join(cmd)} (see the log above)")

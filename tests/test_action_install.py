@@ -35,9 +35,9 @@ def test_torch_index() -> None:
     assert proc.stdout.strip() == "https://download.pytorch.org/whl/cu126", proc.stderr
 
 
-def test_torch_pin_matches_pyproject() -> None:
-    text = (ROOT / "pyproject.toml").read_text()
-    assert f'"torch=={TORCH_VERSION}"' in text
+def test_torch_pin_matches_the_constraints() -> None:
+    text = (ROOT / "constraints.txt").read_text()
+    assert f"\ntorch=={TORCH_VERSION}\n" in text
 
 
 def test_versions_match() -> None:

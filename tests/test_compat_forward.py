@@ -154,3 +154,33 @@ def test_a_publish_with_a_torch_spec_gets_its_row(cli: Any, tiny_llama_dir: Path
     assert env["packages"] == {"torch": f"{FAKE}+cpu"} and env["unusable"].startswith(f"torch {FAKE}+cpu cannot import torchao")
     rows = [line for line in (out / "README.md").read_text().splitlines() if line.startswith(f"| this one with `torch=={FAKE}`")]
     assert len(rows) == 1 and rows[0].count(f"fail: torch {FAKE}+cpu cannot import torchao") == 2, rows
+
+
+def test_a_known_broken_combination_is_said_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    from publisher.runtime import known
+
+    versions = {"torchao": "0.18.0", "torch": "2.10.0+cpu"}
+    monkeypatch.setattr(known, "_version", versions.get)
+    assert known.broken() == ["torchao 0.18.0 loads its compiled kernels only with torch >= 2.11; with torch 2.10.0+cpu "
+                              "they are skipped (int4 and float8 kernels missing): install torch >= 2.11"]
+    versions["torch"] = "2.15.0"
+    assert known.broken() == []
+
+
+@pytest.mark.slow
+def test_pip_install_keeps_a_users_torch_in_the_tested_range(sources: dict[str, Path], tmp_path: Path) -> None:
+    """`pip install .` beside a torch the ranges admit (a stand-in of 2.15.0, layered on this environment as verify/envs.py
+    layers one) installs the tool alone: torch stays (with exact pins it would have to be replaced, and pip, given no
+    index here, would fail)."""
+    import subprocess
+
+    write_wheel(sources["user"], "torch", "2.15.0+cpu", "__version__ = '2.15.0'\n")
+    env = envs.build(envs.parse_spec("torch==2.15.0"))
+    report = tmp_path / "report.json"
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([env.python, "-m", "pip", "install", "--dry-run", "--no-build-isolation", "--no-index",
+                           "--report", str(report), "--quiet", str(root)], capture_output=True, text=True,
+                          env={**os.environ, "PIP_FIND_LINKS": str(tmp_path / "nowhere")})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    names = [item["metadata"]["name"] for item in json.loads(report.read_text())["install"]]
+    assert names == ["hf-ao-publish"], names

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -77,11 +78,20 @@ def test_one_variable_asks_for_a_cuda_build() -> None:
     assert "'torch==2.13.0'" in pypi and "download.pytorch.org" not in pypi
 
 
-def test_the_torch_pin_is_the_package_pin() -> None:
-    pyproject = (ROOT / "pyproject.toml").read_text()
+def test_the_torch_pin_is_the_constraints_pin_within_the_package_range() -> None:
+    from packaging.requirements import Requirement
+
+    constraints = (ROOT / "constraints.txt").read_text()
     makefile = (ROOT / "Makefile").read_text()
-    (pin,) = re.findall(r'"torch==([\d.]+)"', pyproject)
+    (pin,) = re.findall(r"^torch==([\d.]+)$", constraints, re.M)
     assert f"TORCH_VERSION := {pin}\n" in makefile
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    pins = dict(line.split("==") for line in constraints.splitlines() if line and not line.startswith("#"))
+    for dep in map(Requirement, deps):  # the exact set is one the ranges admit, and the ranges are ranges
+        if dep.name in pins:
+            assert pins[dep.name] in dep.specifier and "==" not in str(dep.specifier), (dep, pins[dep.name])
+    install = [line for line in _commands("setup") if "-e '.[test]'" in line]
+    assert install and all("-c constraints.txt" in line for line in install)
 
 
 def test_readme_installs_the_cpu_build() -> None:

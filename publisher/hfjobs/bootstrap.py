@@ -6,11 +6,13 @@ of ours (the job's image has only Python and pip). SPEC is JSON:
     {"endpoint": "https://huggingface.co",
      "wheel": {"path": "datasets/alice/hf-ao-publish-jobs/resolve/<sha>/hf_ao_publish-...whl", "sha256": "..."},
      "torch": {"requirement": "torch==2.13.0", "index_url": "https://download.pytorch.org/whl/cpu" | ""},
+     "constraints": ["torchao==0.18.0", "diffusers==0.42.1", ...],
      "args": ["publish", "org/model", "--quant", "int4wo", ..., "--json"]}
 
 Steps: download the wheel with the HF_TOKEN secret (the token is never an argument or a plain environment
 variable of the job) and check its sha256; pip-install torch from the index that fits the flavor, then the
-wheel (its dependencies are the submitter's exact pins); run ``hf-ao-publish ARGS`` with its stderr in the job
+wheel with the exact set the project's tests ran with as constraints (its constraints.txt, less torch; the wheel
+itself states ranges); run ``hf-ao-publish ARGS`` with its stderr in the job
 log; then write the CLI's stdout (its --json result) to the log as base64 chunks between markers, and the exit
 code. The local side (publisher/hfjobs/follow.py) reads those lines back, so the result a user sees is the
 one this job computed.
@@ -113,7 +115,10 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"{PREFIX} {filename} has sha256 {found}, expected {wheel['sha256']}; not installing it")
     torch = spec["torch"]
     pip_install(torch["requirement"], *(["--index-url", torch["index_url"]] if torch.get("index_url") else []))
-    pip_install(local)
+    constraints = os.path.join(work, "constraints.txt")
+    with open(constraints, "w", encoding="utf-8") as f:
+        f.write("".join(f"{line}\n" for line in spec.get("constraints") or []))
+    pip_install(local, "-c", constraints)
     cmd = console_script() + list(spec["args"])
     say("+ hf-ao-publish " + " ".join(spec["args"]))
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, encoding="utf-8", errors="replace")

@@ -93,6 +93,23 @@ def _project(package: Path) -> _Project:
     return _Project(dist.metadata["Requires-Python"] or "", requires, scripts)
 
 
+CONSTRAINTS = "constraints.txt"  # the exact set the tests ran with: at the checkout's root, or in the installed package
+
+
+def constraints(package: Path | None = None) -> list[str]:
+    """The lines of constraints.txt but torch's (the job installs the torch of its flavor first), for the bootstrap's
+    ``pip install -c``; empty when this installation has none (then pip resolves within the wheel's ranges)."""
+    import publisher
+
+    package = package or Path(publisher.__file__).resolve().parent
+    for path in (package / CONSTRAINTS, package.parent / CONSTRAINTS):
+        if path.is_file():
+            lines = [line.strip() for line in path.read_text(encoding="utf-8").splitlines()]
+            return [line for line in lines if line and not line.startswith("#") and not line.startswith("torch==")]
+    log.warning("no %s in this installation: the job installs the newest releases the package's ranges allow", CONSTRAINTS)
+    return []
+
+
 def _package_files(package: Path) -> list[tuple[str, bytes]]:
     files = []
     for path in sorted(package.rglob("*")):
@@ -105,6 +122,8 @@ def _package_files(package: Path) -> list[tuple[str, bytes]]:
         for path in sorted(templates.rglob("*")) if templates.is_dir() else []:
             if path.is_file():
                 files.append((f"publisher/templates/{path.relative_to(templates).as_posix()}", path.read_bytes()))
+    if not (package / CONSTRAINTS).is_file() and (package.parent / CONSTRAINTS).is_file():  # a checkout: at its root
+        files.append((f"publisher/{CONSTRAINTS}", (package.parent / CONSTRAINTS).read_bytes()))
     if not any(name.startswith("publisher/templates/") for name, _ in files):
         raise PublishError("the card template is missing from this installation; reinstall hf-ao-publish")
     return files

@@ -140,7 +140,7 @@ def _start_and_follow(follower: Follower, plan: Plan, request: JobsRequest, flav
             if target is None:  # a Job always pushes, so its token chose a target at plan time
                 raise TargetError(f"{recipe.name}: no target repo id was chosen; pass --repo-id NAMESPACE/NAME")
             spec = {"endpoint": hub.endpoint(), "args": job_args(request, recipe, target, plan.source.sha),
-                    "torch": torch_for(flavor),
+                    "torch": torch_for(flavor), "constraints": package.constraints(),
                     "wheel": {"path": shipped.path, "sha256": shipped.sha256}}
             job_id, url, stage = _submit(api, spec, recipe.name, flavor, request.timeout, namespace, token)
             outcomes.append(RemoteOutcome(recipe.name, target, job_id, url, flavor.name, stage))

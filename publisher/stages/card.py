@@ -20,6 +20,7 @@ from publisher.runtime import logs
 from publisher.verify import claims
 
 TEMPLATE_NAME = "modelcard.md.j2"
+COMPAT_TEMPLATE = "compatibility.md.j2"  # its Software requirements and Compatibility sections (recheck renders them alone)
 _LICENSE_FILE_PREFIXES = ("LICENSE", "LICENCE", "NOTICE")
 
 
@@ -93,6 +94,13 @@ def card_data(plan: Plan, artifacts: Artifacts) -> Any:
 _INITIALISM = re.compile(r"^[A-Z](?:[A-Z]|\d)")
 _VOWEL_LETTERS = set("AEFHILMNORSX")  # the letters whose names start with a vowel sound
 _YOU = re.compile(r"^u(?:ni|int|s[aeiou]|til|r[aeiou])", re.I)  # words that start with a "you" sound
+
+
+def classes_text(classes: list[str] | tuple[str, ...]) -> str:
+    """What every quantized layer must come back as, in the card's words: "an `Int8Tensor`"."""
+    if not classes:
+        return "a torchao tensor"
+    return " or ".join(f"{article(c)} `{c}`" for c in classes) + (" (as its config implies)" if len(classes) > 1 else "")
 
 
 def article(word: str) -> str:
@@ -176,8 +184,7 @@ def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str |
         pipeline_class=plan.pipeline_class or "",
         recipe=recipe,
         config=config,
-        classes_text=" or ".join(f"{article(c)} `{c}`" for c in config.classes) + (
-            " (as its config implies)" if len(config.classes) > 1 else "") if config.classes else "a torchao tensor",
+        classes_text=classes_text(config.classes),
         quantized=artifacts.components,
         kept=[c for c in plan.kept if c.class_name],
         exclude=list(plan.exclude),
