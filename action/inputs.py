@@ -67,10 +67,10 @@ def parse_matrix(value: str | None) -> list[str]:
     the specs, this only refuses what cannot be one."""
     items = [item.strip(",") for item in re.split(r"\s+", value or "") if item.strip(",")]
     for item in items:
-        if item in ("default", "none"):
+        if item in ("default", "none", "latest"):
             continue
         if item.startswith("-") or "/" in item or "\\" in item or not re.search(r"(==|>=|<=|~=|!=|<|>)", item):
-            raise ActionInputError(f"input verify-matrix: {item!r} is not an environment; give default, none, or version specs "
+            raise ActionInputError(f"input verify-matrix: {item!r} is not an environment; give default, latest, none, or version specs "
                              "like diffusers==0.39.0")
     if "none" in items and len(items) > 1:
         raise ActionInputError("input verify-matrix: none cannot be combined with other environments")
@@ -86,12 +86,13 @@ def secret_values(env: Mapping[str, str]) -> list[str]:
 class Request:
     """What one run of the CLI needs: its arguments and what the action does around it."""
 
-    model: str
+    model: str  # for a recheck: the repos, separated by ", "
     args: list[str]  # the CLI's arguments after the executable, without --json / --output-dir
     push: bool
     keep_output: bool
     token: str | None = field(default=None, repr=False)  # kept out of repr: it may end up in a log
     remote: bool = False  # run-on: hf-jobs: the job's folders stay in the job (no --output-dir here)
+    recheck: bool = False  # `hf-ao-publish recheck REPO...` instead of a publish (no --output-dir, nothing pushed)
 
 
 def parse_extra_args(value: str | None) -> list[str]:
@@ -110,8 +111,33 @@ def parse_extra_args(value: str | None) -> list[str]:
     return args
 
 
+PUBLISH_ONLY = ("HFAO_MODEL", "HFAO_QUANT", "HFAO_COMPONENTS", "HFAO_EXCLUDE", "HFAO_REPO_ID", "HFAO_REVISION", "HFAO_HF_JOBS_FLAVOR")
+
+
+def recheck_request(env: Mapping[str, str], repos: list[str]) -> Request:
+    """recheck: `hf-ao-publish recheck REPO... [--compat ...] [extra-args]`; the publish inputs must be empty."""
+    given = [var.removeprefix("HFAO_").lower().replace("_", "-") for var in PUBLISH_ONLY if env.get(var, "").strip()]
+    if given:
+        raise ActionInputError(f"input recheck measures published repos again and publishes nothing; drop {', '.join(given)} "
+                               "(or drop recheck to publish)")
+    if (env.get("HFAO_RUN_ON") or "runner").strip().lower() != "runner":
+        raise ActionInputError("input recheck runs on the runner; drop run-on")
+    for repo in repos:
+        if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo) or repo.startswith("-"):
+            raise ActionInputError(f"input recheck: {repo!r} is not a Hub repo id (org/name)")
+    token = env.get("HFAO_TOKEN", "").strip() or env.get("HF_TOKEN", "").strip() or None
+    if not token:
+        raise ActionInputError("input hf-token is required with recheck (a token that can open pull requests on the repos)")
+    args = ["recheck", *repos, *[f"--compat={item}" for item in parse_matrix(env.get("HFAO_VERIFY_MATRIX"))],
+            *parse_extra_args(env.get("HFAO_EXTRA_ARGS"))]
+    return Request(model=", ".join(repos), args=args, push=False, keep_output=False, token=token, recheck=True)
+
+
 def build_request(env: Mapping[str, str]) -> Request:
     """The CLI arguments for the action's inputs. Raises ActionInputError on the first malformed one."""
+    repos = split_list(env.get("HFAO_RECHECK"))
+    if repos:
+        return recheck_request(env, repos)
     model = env.get("HFAO_MODEL", "").strip()
     if not model:
         raise ActionInputError("input model is required (a Hub repo id such as black-forest-labs/FLUX.1-dev)")

@@ -56,3 +56,26 @@ def outputs_for(payload: object, error: str | None, returncode: int, out_dir: Pa
         "output-dir": str(out_dir) if out_dir is not None and out_dir.is_dir() else "",
         "result-json": json.dumps(result_json, separators=(",", ":"), sort_keys=True),
     }
+
+
+def rechecks(payload: object) -> list[dict[str, Any]]:
+    """A recheck's entries, one per repo (``{"repos": [...]}``)."""
+    if isinstance(payload, dict) and isinstance(payload.get("repos"), list):
+        return [r for r in payload["repos"] if isinstance(r, dict)]
+    return []
+
+
+def recheck_outputs(payload: object, repos: list[dict[str, Any]], error: str | None, returncode: int) -> dict[str, str]:
+    """A recheck's outputs: the repos and their pull requests one line each (empty where nothing changed); verified is
+    'true' when every repo was measured again."""
+    result_json = payload if payload is not None else {"error": error or f"hf-ao-publish exited with code {returncode}",
+                                                       "exit_code": returncode}
+    return {
+        "repo-id": _lines([r.get("repo") for r in repos]),
+        "repo-url": "", "commit-sha": _lines([r.get("revision") for r in repos]),
+        "pr-url": _lines([r.get("pull_request") for r in repos]),
+        "verified": "true" if repos and returncode == 0 and not any(r.get("error") for r in repos) else "false",
+        "up-to-date": "true" if repos and returncode == 0 and not any(r.get("changes") for r in repos) else "false",
+        "output-dir": "",
+        "result-json": json.dumps(result_json, separators=(",", ":"), sort_keys=True),
+    }

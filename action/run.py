@@ -23,7 +23,7 @@ from typing import Any
 
 from action import result
 from action.inputs import ActionInputError, build_request, parse_quant, secret_values
-from action.summary import build_summary
+from action.summary import build_recheck_summary, build_summary
 from action.workflow import (
     TITLE,
     StepFailed,
@@ -187,10 +187,11 @@ def run(env: Mapping[str, str]) -> int:
     out_dir = Path(tempfile.mkdtemp(prefix="hf-ao-publish-out-", dir=str(temp_root)))
     cli = cli_command(env.get("HFAO_PYTHON") or sys.executable)
     # run-on: hf-jobs: the repo folder is made (and removed) in the job; nothing is written on the runner
-    argv = cli + req.args + ["--json", *([] if req.remote else [f"--output-dir={out_dir}"])]
+    argv = cli + req.args + ["--json", *([] if req.remote or req.recheck else [f"--output-dir={out_dir}"])]
     show = "+ " + shlex.join(["hf-ao-publish", *argv[len(cli):]])
+    what = f"recheck {req.model}" if req.recheck else "; ".join(parse_quant(env.get("HFAO_QUANT")))
     try:
-        with group(f"{TITLE} {'; '.join(parse_quant(env.get('HFAO_QUANT')))}"):
+        with group(f"{TITLE} {what}"):
             cli_run = run_cli(argv, child_env(env, req.token), secrets, show=show)
     except StepFailed as exc:
         return fail_early(env, model, str(exc), secrets, exc.code)
@@ -200,6 +201,9 @@ def run(env: Mapping[str, str]) -> int:
     if message:
         message = redact(message, secrets)
         error(message)
+    if req.recheck:
+        out_dir.rmdir()
+        return _rechecked(env, payload, message, cli_run.returncode, secrets)
     results = result.entries(payload)
     for r in results:
         if r.get("error") and r["error"] != message:  # a one-recipe run's result carries the run's own error line
@@ -214,3 +218,15 @@ def run(env: Mapping[str, str]) -> int:
     for name, value in result.outputs_for(payload, message, cli_run.returncode, out_dir).items():
         write_output(env.get("GITHUB_OUTPUT"), name, redact(value, secrets))
     return cli_run.returncode if cli_run.returncode >= 0 else 1  # killed by a signal: a plain failure
+
+
+def _rechecked(env: Mapping[str, str], payload: object, message: str | None, code: int, secrets: Sequence[str]) -> int:
+    """A recheck's summary (one row per repo: what changed, the pull request) and outputs."""
+    repos = result.rechecks(payload)
+    for r in repos:
+        if r.get("error"):
+            error(redact(f"{r.get('repo')}: {r['error']}", secrets))
+    append_summary(env.get("GITHUB_STEP_SUMMARY"), redact(build_recheck_summary(repos, message, code), secrets))
+    for name, value in result.recheck_outputs(payload, repos, message, code).items():
+        write_output(env.get("GITHUB_OUTPUT"), name, redact(value, secrets))
+    return code if code >= 0 else 1

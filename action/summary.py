@@ -212,3 +212,21 @@ def build_summary(model: str, payload: object, error: str | None, returncode: in
         text += block
         remaining -= len(block.encode("utf-8"))
     return text
+
+
+def build_recheck_summary(repos: list[dict[str, Any]], error: str | None, returncode: int) -> str:
+    """The job summary of a recheck: one row per repo."""
+    lines = [f"## {TITLE}: recheck", ""]
+    if error:
+        lines += [f"**Failed** (exit code {returncode}): {cell(error)}", ""]
+    lines += ["| repo | changed rows | pull request |", "|---|---|---|"]
+    for r in repos:
+        if r.get("error"):
+            lines.append(f"| {cell(r.get('repo'))} | not rechecked: {cell(r['error'])} | |")
+            continue
+        changes = r.get("changes") or []
+        what = "; ".join(f"{c.get('component')} {c.get('path')} ({c.get('versions')}): "
+                         + (f"was {c['before']}, now {c.get('after')}" if c.get("before") else f"new, {c.get('after')}")
+                         for c in changes) or "none"
+        lines.append(f"| {cell(r.get('repo'))} | {cell(what)} | {link('pull request', r.get('pull_request')) if r.get('pull_request') else ''} |")
+    return "\n".join(lines) + "\n"

@@ -157,3 +157,18 @@ def test_run_on_rejects(env: dict[str, str], message: str) -> None:
     with pytest.raises(ActionInputError, match=re.escape(message)) as info:
         build_request(env)
     assert info.value.code == 2
+
+
+def test_recheck_instead_of_a_publish() -> None:
+    env = {"HFAO_RECHECK": "alice/a-int8wo\nmy-org/b-int8wo", "HFAO_TOKEN": "tok_x", "HFAO_VERIFY_MATRIX": "latest",
+           "HFAO_EXTRA_ARGS": "--quiet"}
+    req = build_request(env)
+    assert req.recheck and not req.push and req.token == "tok_x" and req.model == "alice/a-int8wo, my-org/b-int8wo"
+    assert req.args == ["recheck", "alice/a-int8wo", "my-org/b-int8wo", "--compat=latest", "--quiet"]
+    for bad, message in (({"HFAO_MODEL": "bfl/tiny-flux"}, "drop model"), ({"HFAO_QUANT": "int8wo"}, "drop quant"),
+                         ({"HFAO_TOKEN": ""}, "hf-token is required with recheck"),
+                         ({"HFAO_RECHECK": "not-a-repo"}, "'not-a-repo' is not a Hub repo id"),
+                         ({"HFAO_RUN_ON": "hf-jobs"}, "drop run-on")):
+        with pytest.raises(ActionInputError, match=re.escape(message)):
+            build_request({**env, **bad})
+

@@ -24,8 +24,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 FAKE_CLI = f"""#!{sys.executable}
 import json, os, sys
-out = next(a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--output-dir="))
 mode = os.environ["FAKE_MODE"]
+if sys.argv[1] == "recheck":  # no --output-dir: it publishes nothing
+    result = json.loads(os.environ["FAKE_RESULT"])
+    result["argv"] = sys.argv[1:]
+    print(json.dumps(result))
+    sys.exit(1 if any(r.get("error") for r in result["repos"]) else 0)
+out = next(a.split("=", 1)[1] for a in sys.argv[1:] if a.startswith("--output-dir="))
 print("working with " + os.environ.get("HF_TOKEN", "no token"), file=sys.stderr)
 print("::add-path::/evil", file=sys.stderr)
 if mode == "fail":
@@ -82,6 +87,27 @@ def test_run_publishes_and_cleans_up(step: dict[str, str], capfd: pytest.Capture
     assert [c.name for c in parse_commands(out)] == ["add-mask", "group", "endgroup"]  # ::add-path:: was stopped
     summary = Path(step["GITHUB_STEP_SUMMARY"]).read_text()
     assert "## ✅ hf-ao-publish: `bfl/tiny-flux`" in summary and "# card of alice/m-int8wo" in summary
+
+
+def test_run_rechecks_published_repos(step: dict[str, str], capfd: pytest.CaptureFixture[str]) -> None:
+    repos = [{"repo": "alice/a", "revision": "a" * 40, "loads": 6, "pull_request": "https://hub/alice/a/discussions/1",
+              "changes": [{"component": "model", "path": "library", "versions": "transformers 5.25.0", "before": None,
+                           "after": "fail"}]},
+             {"repo": "alice/b", "revision": "b" * 40, "loads": 6, "pull_request": None, "changes": []}]
+    env = {**step, "HFAO_MODEL": "", "HFAO_QUANT": "", "HFAO_RECHECK": "alice/a\nalice/b", "HFAO_VERIFY_MATRIX": "latest",
+           "FAKE_RESULT": json.dumps({"repos": repos})}
+    assert run(env) == 0
+    outputs = parse_output_file(Path(step["GITHUB_OUTPUT"]))
+    assert json.loads(outputs["result-json"])["argv"] == ["recheck", "alice/a", "alice/b", "--compat=latest", "--json"]
+    assert outputs["repo-id"] == "alice/a\nalice/b" and outputs["pr-url"] == "https://hub/alice/a/discussions/1\n"
+    assert outputs["verified"] == "true" and outputs["up-to-date"] == "false" and outputs["output-dir"] == ""
+    summary = Path(step["GITHUB_STEP_SUMMARY"]).read_text()
+    assert "| alice/a | model library (transformers 5.25.0): new, fail | [pull request](https://hub/alice/a/discussions/1) |" in summary
+    assert "| alice/b | none |" in summary
+    assert not any(p.name.startswith("hf-ao-publish-out-") for p in Path(step["RUNNER_TEMP"]).iterdir())  # no folder left
+    failed = [{"repo": "alice/c", "error": "repo alice/c not found"}]
+    assert run({**env, "HFAO_RECHECK": "alice/c", "FAKE_RESULT": json.dumps({"repos": failed})}) == 1
+    assert "alice/c: repo alice/c not found" in [c.message for c in parse_commands(capfd.readouterr().out) if c.name == "error"]
 
 
 def test_run_keeps_the_folder_without_push(step: dict[str, str]) -> None:
