@@ -172,11 +172,13 @@ def cost_text() -> str:
 def matrix_plan(target: str, values: tuple[str, ...], verify_envs: tuple[str, ...]) -> str:
     """verify's first progress line: what it will run, what that costs, and how to skip the costly part."""
     gating = f" and in {len(verify_envs)} --verify-env environment(s), which must pass" if verify_envs else ""
-    specs = [v for v in values if v not in ("default", "none")]
+    specs = [v for v in values if v not in ("default", "none", "latest")]
     if "none" in values:
         matrix = "no compatibility matrix (--compat none)"
     else:
-        parts = [cost_text().replace("the default matrix has", "the default compatibility matrix:")] if not specs or "default" in values else []
+        default = (not specs and "latest" not in values) or "default" in values
+        parts = [cost_text().replace("the default matrix has", "the default compatibility matrix:")] if default else []
+        parts += ["the newest releases on the package index (--compat latest)"] if "latest" in values and not default else []
         parts += [f"{len(specs)} --compat environment(s), built and reloaded the same way"] if specs else []
         matrix = "; and ".join(parts) + " (--compat none skips it)"
     return f"verifying {target}: every load path in this environment{gating}; then {matrix}"

@@ -196,6 +196,8 @@ def _check_what_each_published(runs: list[tuple[DocWorkflow, WorkflowRun]]) -> N
     schedule = by_line[_line_of("Republish on a schedule")]
     assert [s.status for s in schedule.steps] == ["ran", "ran"]  # published, so the `if:` step ran
     assert f"republished {schedule.steps[0].outputs['repo-url']} at" in schedule.steps[1].summary
+    weekly = by_line[_line_of("Rechecking published repos every week")]
+    assert [s.status for s in weekly.steps] == ["ran", "ran"] and "rechecked; unchanged: " in weekly.steps[1].summary
     dry = by_line[_line_of("Dry run on pull requests")]
     assert [s.status for s in dry.steps] == ["ran", "ran", "checked"]  # checkout, the action, the upload
     folder = Path(dry.steps[1].outputs["output-dir"])  # what the upload's path names

@@ -152,6 +152,9 @@ def _defaults_ran(card: str, *, pipeline: bool) -> None:
     assert "turned off for this repo (`--eval-budget 0`)" not in card
     compat = card.split("## Compatibility", 1)[1].split("\n## ", 1)[0]
     assert "--compat none" not in compat and re.search(r"\| this one with `(torchao|diffusers|transformers)==", compat), compat
+    # the newest releases on the index (issue 39): a row of each that differs from this environment, or one line why not
+    newest = re.findall(r"\| this one with `(\w+)==[^`]+` \(newest\) \|", compat)
+    assert newest or "Compatibility: the newest release" in card, compat
 
 
 def _publish_flux_int8wo(cli: Any) -> None:
@@ -195,6 +198,11 @@ def _verify_published(cli: Any) -> None:
     result = _run(cli, _by("hf-ao-publish verify alice/FLUX.1-dev-torchao-int8wo --verify-env diffusers==0.39.0 "
                            "--compat none"))
     assert "all 4 load checks passed" in result.stderr and "diffusers==0.39.0" in result.stdout  # 2 paths x 2 envs
+    # measured again with the matrix of today, which is the one it was published with: nothing to propose
+    for command in ("hf-ao-publish recheck alice/FLUX.1-dev-torchao-int8wo",
+                    "hf-ao-publish recheck alice/FLUX.1-dev-torchao-int8wo --compat latest"):
+        result = _run(cli, _by(command))
+        assert f"{USER}/tiny-flux-torchao-int8wo: nothing changed (" in result.stderr and "nothing written" in result.stderr
 
 
 def _config_call(cli: Any) -> None:
@@ -296,6 +304,8 @@ CASES: dict[str, Any] = {
     "hf-ao-publish verify alice/FLUX.1-dev-torchao-int8wo": "verify-published",
     "hf-ao-publish verify alice/FLUX.1-dev-torchao-int8wo --verify-env diffusers==0.39.0 --compat none":
         "verify-published",
+    "hf-ao-publish recheck alice/FLUX.1-dev-torchao-int8wo": "verify-published",
+    "hf-ao-publish recheck alice/FLUX.1-dev-torchao-int8wo --compat latest": "verify-published",
     "hf-ao-publish meta-llama/Llama-3.2-1B --quant int8wo --min-quality ppl-recovery=95": "llama-two",
     "hf-ao-publish meta-llama/Llama-3.2-1B --quant int8wo,float8wo --private": "llama-two",
     "hf-ao-publish ./my-pipeline --quant int8dq --components transformer,text_encoder_2 --no-push --output-dir out": "my-pipeline",

@@ -190,7 +190,8 @@ def test_template_ships_in_the_wheel(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     wheel = next(tmp_path.glob("hf_ao_publish-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
-    assert "publisher/templates/modelcard.md.j2" in names
+    assert "publisher/templates/modelcard.md.j2" in names and "publisher/templates/compatibility.md.j2" in names
+    assert "publisher/constraints.txt" in names  # the HF Jobs bootstrap installs with the exact set
     assert "publisher/loadpath.py" in names
 
 
