@@ -72,7 +72,7 @@ def test_main_help() -> None:
                                         "       hf-ao-publish [publish] MODEL_ID --quant RECIPE [OPTIONS]\n")
         assert "hf-ao-publish black-forest-labs/FLUX.1-dev --quant int8wo\n" in result.stdout
         assert "hf-ao-publish publish black-forest-labs/FLUX.1-dev --quant int8wo\n" in result.stdout
-        assert re.findall(r"^  (\w+)  ", result.stdout, re.MULTILINE) == ["publish", "recipes", "verify"]
+        assert re.findall(r"^  (\w+)  ", result.stdout, re.MULTILINE) == ["publish", "recheck", "recipes", "verify"]
         assert "--list-recipes" not in result.stdout
 
 
@@ -375,6 +375,94 @@ def test_verify_no_requantize(fake_verify: dict[str, Any]) -> None:
     assert fake_verify["requantize"] is True
     assert invoke("verify", "alice/x", "--no-requantize").exit_code == 0
     assert fake_verify["requantize"] is False
+
+
+# ---------------------------------------------------------------- recheck (the stage replaced by a recorder)
+
+@pytest.fixture
+def fake_recheck(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Replace the recheck with a recorder; calls["fail"] names repos that cannot be rechecked, calls["changed"] those
+    whose rows changed."""
+    import publisher.stages.recheck as recheck_module
+    from publisher.errors import SourceError
+    from publisher.stages.recheck import Change, RecheckResult
+
+    calls: dict[str, Any] = {"repos": [], "fail": set(), "changed": set()}
+
+    def recheck(repo: str, work: Path, **kwargs: Any) -> RecheckResult:
+        calls["repos"].append(repo)
+        calls.update(kwargs)
+        logging.getLogger("publisher.stages.recheck").info("info from the recheck")
+        logging.getLogger("publisher.stages.recheck").warning("warning from the recheck")
+        if repo in calls["fail"]:
+            raise SourceError(f"repo {repo} not found")
+        if repo in calls["changed"]:
+            return RecheckResult(repo, "a" * 40, 4, [Change("model", "library", "torch 2.15.0", None, "fail")],
+                                 f"https://hub/{repo}/discussions/1")
+        return RecheckResult(repo, "a" * 40, 4)
+
+    monkeypatch.setattr(recheck_module, "recheck", recheck)
+    return calls
+
+
+def test_recheck_help() -> None:
+    result = invoke("recheck", "--help")
+    assert result.exit_code == 0 and result.stdout.startswith("Usage: hf-ao-publish recheck [OPTIONS] REPO...")
+    for option in ("--token", "--compat", "--json", "--debug", "--quiet"):
+        assert option in result.stdout
+
+
+def test_recheck_repos(fake_recheck: dict[str, Any]) -> None:
+    fake_recheck["changed"].add("alice/b")
+    result = invoke("recheck", "alice/a", "alice/b")
+    assert result.exit_code == 0 and fake_recheck["repos"] == ["alice/a", "alice/b"]
+    assert result.stdout.splitlines() == ["alice/a\tnothing changed\t-", "alice/b\t1 row(s) changed\thttps://hub/alice/b/discussions/1"]
+    assert "alice/b: 1 row(s) changed (4 loads measured); pull request: https://hub/alice/b/discussions/1" in result.stderr
+    missing = invoke("recheck")
+    assert missing.exit_code == 2 and "Missing argument 'REPO...'" in missing.stderr
+
+
+def test_recheck_token(fake_recheck: dict[str, Any]) -> None:
+    result = invoke("recheck", "alice/a", "--token", SECRET)
+    assert result.exit_code == 0 and fake_recheck["token"] == SECRET and SECRET not in result.output
+    result = invoke("recheck", "alice/a", env={"HF_TOKEN": SECRET})
+    assert result.exit_code == 0 and fake_recheck["token"] == SECRET and SECRET not in result.output
+
+
+def test_recheck_compat(fake_recheck: dict[str, Any]) -> None:
+    assert invoke("recheck", "alice/a").exit_code == 0 and fake_recheck["compat"] == ()  # the default matrix
+    assert invoke("recheck", "alice/a", "--compat", "latest").exit_code == 0 and fake_recheck["compat"] == ("latest",)
+    assert invoke("recheck", "alice/a", env={"HF_AO_PUBLISH_COMPAT": "latest"}).exit_code == 0
+    assert fake_recheck["compat"] == ("latest",)
+
+
+def test_recheck_json(fake_recheck: dict[str, Any]) -> None:
+    fake_recheck["fail"].add("alice/gone")
+    result = invoke("recheck", "alice/a", "alice/gone", "--json")
+    assert result.exit_code == 1  # one repo could not be rechecked; the other was
+    data = json.loads(result.stdout)
+    assert [r["repo"] for r in data["repos"]] == ["alice/a", "alice/gone"] and data["repos"][0]["changes"] == []
+    assert data["repos"][1] == {"repo": "alice/gone", "error": "repo alice/gone not found"}
+    assert data["error"] == "1 of 2 repos could not be rechecked" and data["exit_code"] == 1
+
+
+def test_recheck_debug(fake_recheck: dict[str, Any]) -> None:
+    from publisher.errors import SourceError
+
+    fake_recheck["fail"].add("alice/gone")
+    result = invoke("recheck", "alice/gone")
+    assert result.exit_code == 1 and "alice/gone: FAILED: repo alice/gone not found" in result.stderr
+    assert "Traceback" not in result.output
+    with pytest.raises(SourceError, match="not found"):  # --debug: the real exception
+        invoke("recheck", "alice/gone", "--debug")
+
+
+def test_recheck_quiet(fake_recheck: dict[str, Any]) -> None:
+    loud = invoke("recheck", "alice/a")
+    assert "info from the recheck" in loud.stderr and "rechecking alice/a" in loud.stderr
+    quiet = invoke("recheck", "alice/a", "--quiet")
+    assert quiet.exit_code == 0 and quiet.stderr.splitlines() == ["warning from the recheck"]
+    assert quiet.stdout == loud.stdout  # the table: data
 
 
 def test_verify_json(fake_verify: dict[str, Any]) -> None:

@@ -77,7 +77,7 @@ CASES = [
     ("compat none with more", ["{llama}", "--quant", "int8wo", "--compat", "none", "--compat", "transformers==5.0.0"], "tok_alice", 2,
      "--compat none cannot be combined with other --compat values"),
     ("compat not an environment", ["{llama}", "--quant", "int8wo", "--compat", "transformers"], "tok_alice", 2,
-     "--compat 'transformers' is not an environment; give default, none, or a spec like diffusers==0.39.0"),
+     "--compat 'transformers' is not an environment; give default, latest, none, or a spec like torch==2.15.0 or diffusers==0.39.0"),
 ]
 
 
