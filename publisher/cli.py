@@ -19,6 +19,7 @@ from publisher import recipes as recipe_registry
 from publisher.compat import matrix_plan
 from publisher.quality import spec as quality_spec
 from publisher.recipe_table import recipes_text
+from publisher.stages.preflight import low_disk_conflict
 
 if TYPE_CHECKING:  # types only: the job and its stages are imported when a command runs
     from publisher.handoffs.report import Mode
@@ -218,13 +219,11 @@ def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | 
     if verify_mode == "streaming" and set(compat) - {"default", "none"}:
         raise click.UsageError("--compat environments reload whole components in another interpreter; "
                                "use --verify-mode full or auto with them")
-    if low_disk and benchmark:
-        raise click.UsageError("--benchmark runs the whole bf16 base, which --low-disk does not download; drop one of them")
+    conflict = low_disk and low_disk_conflict(benchmark=benchmark, verify_envs=bool(verify_envs), push=not no_push)
+    if conflict:
+        raise click.UsageError(f"{conflict}; drop one of them" + (", or add --no-push" if "--verify-env" in conflict else ""))
     evaluation = _run_mapped(debug, quality_spec.settings, eval_dataset, eval_tokens, eval_budget, min_quality,
                              sample_prompt, sample_size, sample_steps, full_images)
-    if low_disk and verify_envs and not no_push:
-        raise click.UsageError("with --low-disk a push uploads and deletes each shard as it is made, so --verify-env has "
-                               "nothing to reload; drop --verify-env, or add --no-push")
     if low_disk and engine == "library":
         raise click.UsageError("--low-disk reads weights by HTTP range, which only the streaming engine does; drop --engine library")
     if max_shard_size is not None:

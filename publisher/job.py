@@ -26,6 +26,7 @@ from publisher.quality import stage as quality
 from publisher.recipes import Recipe
 from publisher.request import Outcome, PublishRequest
 from publisher.runtime.gcfreeze import frozen_after
+from publisher.runtime.heap import bound_heap, peak_rss_bytes
 from publisher.stages import card, fetch, lowdisk_push, preflight, unfinished
 from publisher.stages import plan as planning
 from publisher.stages import push as pushing
@@ -34,7 +35,6 @@ from publisher.stages import source as source_stage
 from publisher.stages.quantize import quantize_recipe
 from publisher.stages.unfinished import ComponentCache, default_root, partial_folder, prepare_output
 from publisher.state import bytes_key, state_for
-from publisher.streaming.engine import bound_heap, peak_rss_bytes
 from publisher.verify import capture, matrix, published
 from publisher.verify.full import verify
 

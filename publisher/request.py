@@ -3,7 +3,6 @@ the --json result and the summary line)."""
 
 from __future__ import annotations
 
-import resource
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -11,6 +10,7 @@ from typing import Any, Literal
 from publisher.errors import TargetError
 from publisher.handoffs.report import Mode, VerifyReport
 from publisher.quality import stage as quality
+from publisher.runtime.heap import peak_rss
 from publisher.stages import plan as planning
 
 Engine = Literal["auto", "streaming", "library"]
@@ -114,10 +114,3 @@ class Outcome:
             "peak_rss_bytes": peak_rss(),
             "error": self.error,
         }
-
-
-
-def peak_rss() -> dict[str, int]:
-    """Peak resident memory of this process and of the largest finished child (verification workers)."""
-    return {"process": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-            "children": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}

@@ -260,8 +260,26 @@ def test_each_layer_kept_on_purpose_says_whose_decision_it_was(cli: Any, tiny_ll
 
 
 def test_no_snippet_branches_on_the_device_to_the_same_values() -> None:
-    """A device branch whose two sides are equal reads as if the GPU got the CPU's settings (a card glitch users saw)."""
-    for golden in sorted(GOLDEN.glob("*.md")):
+    """A device branch whose two sides are equal reads as if the GPU got the CPU's settings (a card glitch users saw).
+    The template's own size/steps lines (the usage snippet's and the compile snippet's), rendered for a card whose size
+    and steps fit a CPU already and for one whose do not: one plain line in the first case, a branch with two different
+    sides in the second."""
+    from publisher.stages import card
+    from publisher.stages.card_usage import CPU_SIZE, CPU_STEPS, Usage
+
+    source = (card.template_path().parent / card.TEMPLATE_NAME).read_text()
+    start = source.index("{% if usage.same -%}")
+    usage_block = source[start:source.index("{%- endif %}", source.index("if device == \"cuda\" else", start)) + len("{%- endif %}")]
+    compile_line = next(line for line in source.splitlines() if line.startswith("size, steps = {% if usage.gpu.size == "))
+    environment = card.environment()
+    for text in (usage_block, compile_line):
+        template = environment.from_string(text)
+        same = template.render(usage=Usage("image", {"size": CPU_SIZE, "steps": 2}, {"size": CPU_SIZE, "steps": 2}))
+        assert "device ==" not in same and f"size, steps = {CPU_SIZE}, 2" in same, same
+        apart = template.render(usage=Usage("image", {"size": 1024, "steps": 28}, {"size": CPU_SIZE, "steps": CPU_STEPS}))
+        m = re.search(r"= (\(.*?\)) if device == \"cuda\" else (\(.*?\))", apart)
+        assert m and m.group(1).startswith("(1024, 28") and m.group(1) != m.group(2), apart
+    for golden in sorted(GOLDEN.glob("*.md")):  # and the published cards as the golden files hold them
         for line in golden.read_text().splitlines():
             m = re.search(r"= (\(.*?\)) if device == \"cuda\" else (\(.*?\))", line)
             assert not (m and m.group(1) == m.group(2)), f"{golden.name}: {line}"

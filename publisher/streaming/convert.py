@@ -177,7 +177,8 @@ def stream_quantize(job: StreamJob, *, observer: TensorObserver | None = None,
     written tensors come back in ``StreamResult.digests`` (and to the sink while the pass runs).
     On error the files already written stay in ``dst_dir`` (the caller owns the folder).
     """
-    from publisher.streaming.engine import execute, peak_rss_bytes, remove_stale_shards
+    from publisher.runtime.heap import peak_rss_bytes
+    from publisher.streaming.engine import execute, remove_stale_shards
     from publisher.streaming.layout import build_layout
     from publisher.streaming.shards import RangeIgnored
 

@@ -27,7 +27,7 @@ from typing import Any
 from publisher import loadpath
 from publisher.handoffs.report import Expected, PathResult
 from publisher.runtime import progress
-from publisher.streaming.engine import trim_memory
+from publisher.runtime.heap import trim_memory
 from publisher.streaming.shards import CheckpointIndex, ShardSource, TensorReader, build_index
 
 log = logging.getLogger(__name__)
