@@ -1,6 +1,7 @@
 """Benchmark: one whole ``--low-disk`` publish of a pipeline with FLUX.1-dev's shapes, every byte counted on the wire.
 
     python benchmarks/bench_publish.py [--scale 1] [--recipe int8wo] [--workdir DIR] [--no-baseline] [--json]
+    python benchmarks/bench_publish.py --scale 0.1 --bandwidth 60 --recipe int8wo,int8dq,float8wo --no-baseline
 
 The base is a FLUX pipeline whose transformer has FLUX.1-dev's exact shapes (19 double and 38 single blocks, 11.9 B
 parameters, 23.8 GB bf16 in three shards), whose text encoder 2 has T5-XXL's (24 layers, 9.5 GB in two shards), and
@@ -15,6 +16,11 @@ against the base files the run needs and the output's size, the peak RSS of the 
 peak disk of its HF cache, output folder and temp folder (sampled), and the stage times. Unless ``--no-baseline``,
 the quantization pass alone (the streaming engine reading the same base by HTTP range through the same proxy,
 writing to a local folder, nothing else) runs first in a fresh process, for the wall-time ratio.
+
+``--bandwidth MB/s`` makes the proxy a link of that speed each way (proxy.py ``rate``), and the report adds the
+network floor: (bytes in + bytes out) / bandwidth, the time those bytes take at that speed one after the other, and
+wall / floor. ``--recipe`` takes what ``--quant`` takes (``int8wo,int8dq,float8wo``: one run, several recipes).
+``--eval-budget`` is passed to the publish (default 0 here: the quality evaluation is CPU time, not transfer).
 Figures only: nothing here asserts a time.
 """
 
@@ -26,6 +32,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import sys
 import tempfile
 import time
@@ -136,7 +143,7 @@ def virtual_files(layout: dict, cache: Path, noise: bool = False) -> dict[str, d
 # ------------------------------------------------------------------ the runs
 
 def _classify(method: str, path: str) -> str:
-    path = path.split("?")[0]
+    path = path.split("?")[0].removeprefix("/_bridge")  # the storage bridge repeats the resolve path after /_bridge
     if method == "GET" and path.startswith(f"/{REPO}/resolve/"):
         return "base read"
     if method == "PUT" and path.startswith("/_lfs/"):
@@ -184,11 +191,12 @@ def _cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, f
     return {k: round(after[k] - before[k], 1) for k in before}
 
 
-def run(work: Path, scale: float, recipe: str, baseline: bool) -> dict[str, Any]:
+def run(work: Path, scale: float, recipe: str, baseline: bool, bandwidth: float | None = None,
+        eval_budget: str = "0") -> dict[str, Any]:
     from huggingface_hub import HfApi
 
     from publisher.testing.hubserver import spawn_server
-    from publisher.testing.proxy import CountingProxy
+    from publisher.testing.proxy import CountingProxy, Link
 
     for d in ("hubdata", "hf_home", "out", "tmp", "pipeline", "baseline-out"):
         shutil.rmtree(work / d, ignore_errors=True)
@@ -199,9 +207,16 @@ def run(work: Path, scale: float, recipe: str, baseline: bool) -> dict[str, Any]
     # --discard-lfs: the Hub checks every upload's size and sha256 and drops its bytes. On a real runner the Hub's
     # storage is not the runner's disk; here it would be, and its writes (the output again, 22 GB at full size)
     # would compete with the run's own on a disk that sustains about 130 MB/s (dd with fdatasync).
+    # The Hub serves LFS files through a second origin (its storage bridge, as huggingface.co redirects to its CDN):
+    # a second proxy in front of it, on the same link, so base reads and Hub-to-Hub copies are counted (and paced) too.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        bridge_port = s.getsockname()[1]
+    link = Link(bandwidth * 1e6 if bandwidth else None)
+    bridge_proxy = CountingProxy(f"http://127.0.0.1:{bridge_port}", _classify, link=link).start()
     url, server = spawn_server(work / "hubdata", tokens={"tok_bench": "bench"}, env={"HF_HUB_DISABLE_XET": "1"},
-                               discard_lfs=True)
-    proxy = CountingProxy(url, _classify).start()
+                               discard_lfs=True, bridge_port=bridge_port, bridge_url=bridge_proxy.url)
+    proxy = CountingProxy(url, _classify, link=link).start()
     env = {**os.environ, "HF_ENDPOINT": proxy.url, "HF_HUB_DISABLE_XET": "1", "HF_HOME": str(work / "hf_home"),
            "HF_TOKEN": "tok_bench", "HF_HUB_DISABLE_PROGRESS_BARS": "1", "PYTHONPATH": str(ROOT),
            "TMPDIR": str(work / "tmp")}
@@ -219,37 +234,51 @@ def run(work: Path, scale: float, recipe: str, baseline: bool) -> dict[str, Any]
         transformer_bytes = sum(int(s.size or 0) for s in info.siblings or []
                                 if s.rfilename.startswith("transformer/") and s.rfilename.endswith(".safetensors"))
         result: dict[str, Any] = {"scale": scale, "recipe": recipe, "setup_s": setup_s, "base_bytes": base_bytes,
-                                  "transformer_bytes": transformer_bytes}
+                                  "transformer_bytes": transformer_bytes, "bandwidth": bandwidth}
         if baseline:
             proxy.reset()
+            bridge_proxy.reset()
             cmd = [sys.executable, __file__, "--child", "baseline", "--recipe", recipe, "--dst", str(work / "baseline-out")]
             cpu0 = _cpu(server.pid)
             out, _, code, wall, rss, _ = run_watched(cmd, env, [])
             cpu = _cpu_delta(cpu0, _cpu(server.pid))
             if code:
                 raise SystemExit(f"the baseline failed ({code})")
+            read = _merged(proxy.totals(), bridge_proxy.totals())
             result["baseline"] = {**json.loads(out.strip().splitlines()[-1]), "wall": wall, "rss": rss, "cpu": cpu,
-                                  "read": sum(v[2] for k, v in proxy.totals().items() if k[1] == "base read")}
+                                  "read": sum(v[2] for k, v in read.items() if k[1] == "base read")}
             shutil.rmtree(work / "baseline-out", ignore_errors=True)
             shutil.rmtree(work / "hf_home", ignore_errors=True)
         proxy.reset()
-        cmd = [sys.executable, "-m", "publisher.cli", REPO, "--quant", recipe, "--low-disk", "--repo-id", f"{REPO}-{recipe}",
-               "--output-dir", str(work / "out"), "--json"]
+        bridge_proxy.reset()
+        several = "," in recipe
+        cmd = [sys.executable, "-m", "publisher.cli", REPO, "--quant", recipe, "--low-disk",
+               "--repo-id", f"{REPO}-{{recipe}}" if several else f"{REPO}-{recipe}", "--output-dir", str(work / "out"),
+               "--json", "--eval-budget", eval_budget]
         cpu0 = _cpu(server.pid)
         stdout, stderr, code, wall, tree_rss, disk = run_watched(cmd, env, [work / "hf_home", work / "out", work / "tmp"])
         cpu = _cpu_delta(cpu0, _cpu(server.pid))
         if code:
             raise SystemExit(f"the publish run failed ({code}): {stderr.strip().splitlines()[-3:]}")
-        data = json.loads(stdout)
-        totals = proxy.totals()
-        output_bytes = sum(f["size"] for f in data["files"])
-        shards = [f["size"] for f in data["files"] if f["name"].startswith("transformer/") and f["name"].endswith(".safetensors")]
+        payload = json.loads(stdout)
+        runs = payload["results"] if "results" in payload else [payload]  # several recipes: one result each
+        data = runs[0]
+        totals = _merged(proxy.totals(), bridge_proxy.totals())
+        files = [f for r in runs for f in r["files"]]
+        output_bytes = sum(f["size"] for f in files)
+        shards = [f["size"] for f in files if f["name"].startswith("transformer/") and f["name"].endswith(".safetensors")]
+        seconds: dict[str, float] = {}
+        for r in runs:
+            for k, v in r["seconds"].items():
+                seconds[k] = seconds.get(k, 0.0) + v
         result.update(
-            wall=wall, cpu=cpu, tree_rss=tree_rss, peak_disk=disk, seconds=data["seconds"], verified=data["verified"],
-            published_check=[(r["path"], r["ok"]) for r in data["published_check"]],
-            components=[{k: c[k] for k in ("name", "bytes_before", "bytes_after", "stage_seconds")} for c in data["components"]],
-            quality=data["quality"], output_bytes=output_bytes, largest_output_shard=max(shards), output_shards=len(shards),
-            copied=data["copied_from_base"], self_rss=data["peak_rss_bytes"]["process"],
+            wall=wall, cpu=cpu, tree_rss=tree_rss, peak_disk=disk, seconds=seconds, verified=all(r["verified"] for r in runs),
+            published_check=[(c["path"], c["ok"]) for r in runs for c in r["published_check"]], recipes=len(runs),
+            components=[{k: c[k] for k in ("name", "bytes_before", "bytes_after", "stage_seconds")}
+                        for r in runs for c in r["components"]],
+            quality=[q for r in runs for q in r["quality"]], output_bytes=output_bytes, largest_output_shard=max(shards),
+            output_shards=len(shards), copied=[c for r in runs for c in r["copied_from_base"]],
+            self_rss=data["peak_rss_bytes"]["process"],
             read=sum(v[2] for k, v in totals.items() if k[1] == "base read"),
             uploaded=sum(v[1] for k, v in totals.items() if k[1] in ("LFS upload", "commit")),
             traffic={f"{m} {k}": v for (m, k), v in sorted(totals.items())},
@@ -257,8 +286,17 @@ def run(work: Path, scale: float, recipe: str, baseline: bool) -> dict[str, Any]
         return result
     finally:
         proxy.stop()
+        bridge_proxy.stop()
         server.terminate()
         server.wait()
+
+
+def _merged(*totals: dict[tuple[str, str], list[int]]) -> dict[tuple[str, str], list[int]]:
+    out: dict[tuple[str, str], list[int]] = {}
+    for table in totals:
+        for key, row in table.items():
+            out[key] = [a + b for a, b in zip(out.get(key, [0, 0, 0]), row)]
+    return out
 
 
 def report(r: dict[str, Any]) -> None:
@@ -274,7 +312,14 @@ def report(r: dict[str, Any]) -> None:
           f"{r['largest_output_shard'] / GIB:.2f} GiB + {(r['peak_disk'] - r['largest_output_shard']) / GIB:.2f} GiB")
     print(f"  peak RSS of the CLI's process tree {r['tree_rss'] / GIB:.2f} GiB (its own ru_maxrss {r['self_rss'] / GIB:.2f} GiB)")
     stages = ", ".join(f"{k} {v:.1f}s" for k, v in r["seconds"].items())
-    print(f"  wall {r['wall']:.1f}s ({stages})")
+    print(f"  wall {r['wall']:.1f}s ({stages}{', summed over the recipes' if r.get('recipes', 1) > 1 else ''})")
+    if r.get("bandwidth"):
+        rate = r["bandwidth"] * 1e6
+        floor = (r["read"] + r["uploaded"]) / rate
+        print(f"  link {r['bandwidth']:g} MB/s each way: network floor (bytes in + bytes out) / bandwidth = "
+              f"({gb(r['read'])} + {gb(r['uploaded'])}) / {r['bandwidth']:g} MB/s = {floor:.1f}s; wall / floor = "
+              f"{r['wall'] / floor:.2f} (with both directions at once the floor would be "
+              f"{max(r['read'], r['uploaded']) / rate:.1f}s)")
     print("  CPU seconds (user + system, 2 cores = 2 CPU s per wall s): " + _cpu_line(r["cpu"], r["wall"]))
     for c in r["components"]:
         print(f"  {c['name']}: " + ", ".join(f"{k} {v:.1f}s" for k, v in c["stage_seconds"].items()))
@@ -303,6 +348,8 @@ def main() -> None:
     ap.add_argument("--recipe", default="int8wo")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--no-baseline", action="store_true", help="skip the quantization-pass-alone run")
+    ap.add_argument("--bandwidth", type=float, default=None, help="MB/s each way through the proxy (default: unlimited)")
+    ap.add_argument("--eval-budget", default="0", help="the publish's --eval-budget (default 0: transfers, not figures)")
     ap.add_argument("--json", action="store_true", help="print the figures as one JSON object on stdout")
     ap.add_argument("--keep", action="store_true", help="keep the workdir")
     ap.add_argument("--child", help=argparse.SUPPRESS)
@@ -311,10 +358,12 @@ def main() -> None:
     if a.child:
         print(json.dumps(child_baseline(a)))
         return
+    if "," in a.recipe and not a.no_baseline:
+        raise SystemExit("the quantization-pass-alone baseline runs one recipe; add --no-baseline with several")
     work = a.workdir or Path(tempfile.mkdtemp(prefix="bench-publish-"))
     work.mkdir(parents=True, exist_ok=True)
     try:
-        result = run(work, a.scale, a.recipe, not a.no_baseline)
+        result = run(work, a.scale, a.recipe, not a.no_baseline, a.bandwidth, a.eval_budget)
     finally:
         if not a.keep:  # the sha256 cache of the virtual files stays in a --workdir, for the next run
             for d in ("hubdata", "hf_home", "out", "tmp", "pipeline", "baseline-out"):

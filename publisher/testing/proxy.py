@@ -7,12 +7,18 @@
 Every request is forwarded as is (the ``Host`` header too, so URLs the Hub hands back point at the proxy) over one
 upstream keep-alive connection per client connection, and both bodies are streamed through a 1 MiB buffer and
 counted. ``kind`` is what ``classify(method, path)`` says (default: the first path segment). Standard library only.
+
+``rate`` (bytes per second) makes it a link of that speed in each direction, shared by every connection (and by
+another proxy given the same ``link``): request
+bodies (uploads) and response bodies (downloads) are each paced to at most ``rate`` on average (a burst of one
+chunk), as a runner's network link would be (benchmarks/bench_publish.py ``--bandwidth``).
 """
 
 from __future__ import annotations
 
 import http.client
 import threading
+import time
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -20,6 +26,36 @@ from urllib.parse import urlsplit
 
 CHUNK = 1 << 20
 _HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade"}
+
+
+class _Pace:
+    """One direction of a link of ``rate`` bytes per second: ``take(n)`` returns when n more bytes may have passed."""
+
+    def __init__(self, rate: float | None) -> None:
+        self.rate = rate
+        self.lock = threading.Lock()
+        self.start: float | None = None
+        self.passed = 0
+
+    def take(self, n: int) -> None:
+        if not self.rate:
+            return
+        with self.lock:
+            now = time.monotonic()
+            if self.start is None or now - (self.start + self.passed / self.rate) > 1.0:
+                self.start, self.passed = now, 0  # idle for over a second: a link does not save up unused bandwidth
+            self.passed += n
+            due = self.start + self.passed / self.rate
+        if due > now:
+            time.sleep(due - now)
+
+
+class Link:
+    """A link of ``rate`` bytes per second each way; proxies given the same Link share it (the Hub and its storage
+    bridge are two origins behind one network link)."""
+
+    def __init__(self, rate: float | None) -> None:
+        self.up, self.down = _Pace(rate), _Pace(rate)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -62,6 +98,7 @@ class _Handler(BaseHTTPRequestHandler):
                         break
                     data = self.rfile.read(size)
                     self.rfile.read(2)
+                    self.server.up.take(len(data))
                     conn.send(b"%x\r\n" % len(data) + data + b"\r\n")
                     sent += len(data)
             else:
@@ -70,6 +107,7 @@ class _Handler(BaseHTTPRequestHandler):
                     data = self.rfile.read(min(CHUNK, left))
                     if not data:
                         raise ConnectionError("client closed the connection mid-body")
+                    self.server.up.take(len(data))
                     conn.send(data)
                     left -= len(data)
                     sent += len(data)
@@ -90,6 +128,7 @@ class _Handler(BaseHTTPRequestHandler):
                 data = resp.read(CHUNK)
                 if not data:
                     break
+                self.server.down.take(len(data))
                 self.wfile.write(data)
                 received += len(data)
         except OSError:
@@ -106,10 +145,11 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 64
 
-    def __init__(self, upstream: str, classify: Callable[[str, str], str]) -> None:
+    def __init__(self, upstream: str, classify: Callable[[str, str], str], link: Link) -> None:
         split = urlsplit(upstream)
         self.host, self.port = split.hostname or "127.0.0.1", split.port or 80
         self.classify = classify
+        self.up, self.down = link.up, link.down
         self.lock = threading.Lock()
         self.counts: dict[tuple[str, str], list[int]] = {}
         super().__init__(("127.0.0.1", 0), _Handler)
@@ -127,8 +167,11 @@ class _Server(ThreadingHTTPServer):
 
 
 class CountingProxy:
-    def __init__(self, upstream: str, classify: Callable[[str, str], str] | None = None) -> None:
-        self._server = _Server(upstream, classify or (lambda method, path: path.split("/")[1] if "/" in path else path))
+    def __init__(self, upstream: str, classify: Callable[[str, str], str] | None = None, rate: float | None = None,
+                 link: Link | None = None) -> None:
+        self.link = link or Link(rate)
+        self._server = _Server(upstream, classify or (lambda method, path: path.split("/")[1] if "/" in path else path),
+                               self.link)
         self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
         self._thread = threading.Thread(target=self._server.serve_forever, name="counting-proxy", daemon=True)
 

@@ -43,6 +43,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="a token's role: read, or a fine-grained token's JSON permissions (repeatable)")
     parser.add_argument("--multipart-threshold", type=int, default=None, metavar="BYTES",
                         help="LFS objects above this size are uploaded in parts (default: never)")
+    parser.add_argument("--bridge-port", type=int, default=0, help="TCP port of the storage bridge (0: pick a free one)")
+    parser.add_argument("--bridge-url", default=None, metavar="URL",
+                        help="the bridge's URL as the Hub hands it out in redirects (default: its own; a proxy in front "
+                             "of it, as the benchmarks' bandwidth-limited link)")
     args = parser.parse_args(argv)
 
     tokens = {token: name for name, token in _pairs(args.token, "--token")}
@@ -51,7 +55,8 @@ def main(argv: list[str] | None = None) -> int:
     scopes = {token: (value if value in ("read", "write") else json.loads(value))
               for token, value in _pairs(args.scope, "--scope")}
     server = HubServer(args.data, tokens=tokens, orgs=orgs, port=args.port, gated=gated, verbose=args.verbose,
-                       discard_lfs=args.discard_lfs, scopes=scopes, multipart_threshold=args.multipart_threshold)
+                       discard_lfs=args.discard_lfs, scopes=scopes, multipart_threshold=args.multipart_threshold,
+                       bridge_port=args.bridge_port, bridge_public_url=args.bridge_url)
 
     def _terminate(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt  # unwinds serve_forever so sockets are closed cleanly

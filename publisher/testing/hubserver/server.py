@@ -264,8 +264,11 @@ class HubServer:
                  orgs: Mapping[str, Any] | None = None, *, port: int = 0,
                  gated: Mapping[str, Any] | None = None, verbose: bool = False, job_python: str | None = None,
                  discard_lfs: bool = False, scopes: Mapping[str, Any] | None = None,
-                 multipart_threshold: int | None = None, multipart_chunk: int | None = None) -> None:
+                 multipart_threshold: int | None = None, multipart_chunk: int | None = None, bridge_port: int = 0,
+                 bridge_public_url: str | None = None) -> None:
         self.data_dir = Path(data_dir)
+        # the bridge's port, and its URL in the redirects the Hub hands out (a proxy in front of it: benchmarks)
+        self.bridge_port, self.bridge_public_url = bridge_port, bridge_public_url
         self.store = Store(self.data_dir, discard_lfs)
         self.app = HubApp(self.store, tokens, orgs, gated, scopes)
         self.app.runner = JobRunner(self.data_dir / "_jobs", job_python)
@@ -292,9 +295,9 @@ class HubServer:
 
     def bind(self) -> str:
         if self._httpd is None:
-            self._bridge = _HTTPServer(0, self.bridge_app, self.verbose)
+            self._bridge = _HTTPServer(self.bridge_port, self.bridge_app, self.verbose)
             self._httpd = _HTTPServer(self.port, self.app, self.verbose)
-            self.app.bridge_url = self._bridge.url
+            self.app.bridge_url = self.bridge_public_url or self._bridge.url
         return self._httpd.url
 
     def _serve_in_thread(self, httpd: _HTTPServer, name: str) -> None:
@@ -399,7 +402,8 @@ def spawn_server(data_dir: str | os.PathLike[str], tokens: Mapping[str, str] | N
                  gated: Mapping[str, Any] | None = None, timeout: float = 30.0,
                  env: Mapping[str, str] | None = None, verbose: bool = False,
                  discard_lfs: bool = False, scopes: Mapping[str, Any] | None = None,
-                 multipart_threshold: int | None = None) -> tuple[str, subprocess.Popen]:
+                 multipart_threshold: int | None = None, bridge_port: int = 0,
+                 bridge_url: str | None = None) -> tuple[str, subprocess.Popen]:
     """Start `python -m publisher.testing.hubserver` and wait until it answers. Returns (url, process).
 
     Stop it with proc.terminate()/proc.kill(), then proc.wait(). `tokens` maps token -> user, as in HubServer.
@@ -420,6 +424,10 @@ def spawn_server(data_dir: str | os.PathLike[str], tokens: Mapping[str, str] | N
         cmd += ["--scope", f"{token}={json.dumps(scope)}"]
     if multipart_threshold is not None:
         cmd += ["--multipart-threshold", str(multipart_threshold)]
+    if bridge_port:
+        cmd += ["--bridge-port", str(bridge_port)]
+    if bridge_url:
+        cmd += ["--bridge-url", bridge_url]
     project_root = str(Path(__file__).resolve().parents[2])  # so `-m publisher...` imports from any cwd
     full_env = {**os.environ, **(env or {})}
     full_env["PYTHONPATH"] = os.pathsep.join(p for p in (project_root, full_env.get("PYTHONPATH")) if p)
