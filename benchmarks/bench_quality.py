@@ -284,7 +284,7 @@ def bench_flux(work: Path) -> None:
     from diffusers import FluxTransformer2DModel
 
     from publisher.quality import grid
-    from publisher.quality.spec import AUTO_CEILING_S
+    from publisher.quality.options import AUTO_CEILING_S
     from publisher.testing.configs import flux_dev_shaped
 
     src = work / "flux"

@@ -17,7 +17,7 @@ import click
 from publisher import __version__, clijson, clioptions, compat
 from publisher import recipes as recipe_registry
 from publisher.compat import matrix_plan
-from publisher.quality import spec as quality_spec
+from publisher.quality import options as quality_options
 from publisher.recipe_table import recipes_text
 from publisher.stages.preflight import low_disk_conflict
 
@@ -142,15 +142,15 @@ def recipes_cmd(as_json: bool) -> None:
 @click.option("--sample-size", type=click.IntRange(16, 4096), default=1024, show_default=True,
               help="Image size in the card's snippet, and the largest the quality grid runs (within --eval-budget).")
 @click.option("--eval-dataset", default=None, metavar="REPO[:CONFIG][:SPLIT]",
-              help=f"Text dataset on the Hub for the perplexity of a language model (default: {quality_spec.DEFAULT_DATASET}; "
+              help=f"Text dataset on the Hub for the perplexity of a language model (default: {quality_options.DEFAULT_DATASET}; "
                    "the default that cannot be read only costs the figure, a named one that cannot be read is an error).")
-@click.option("--eval-tokens", type=click.IntRange(16, 1_000_000), default=quality_spec.DEFAULT_TOKENS, show_default=True,
+@click.option("--eval-tokens", type=click.IntRange(16, 1_000_000), default=quality_options.DEFAULT_TOKENS, show_default=True,
               metavar="N", help="Tokens of the evaluation text scored for perplexity (base and quantized).")
-@click.option("--eval-budget", default=quality_spec.DEFAULT_BUDGET, show_default=True, metavar="DURATION",
-              envvar=quality_spec.BUDGET_VARIABLE, show_envvar=True, help=quality_spec.BUDGET_HELP)
-@click.option("--eval-full-images", "full_images", is_flag=True, help=quality_spec.FULL_IMAGES_HELP)
+@click.option("--eval-budget", default=quality_options.DEFAULT_BUDGET, show_default=True, metavar="DURATION",
+              envvar=quality_options.BUDGET_VARIABLE, show_envvar=True, help=quality_options.BUDGET_HELP)
+@click.option("--eval-full-images", "full_images", is_flag=True, help=quality_options.FULL_IMAGES_HELP)
 @click.option("--min-quality", "min_quality", multiple=True, metavar="METRIC=VALUE",
-              help=f"Fail (exit 1, nothing pushed) when a quality figure is below VALUE (lpips: above): {', '.join(quality_spec.METRICS)} "
+              help=f"Fail (exit 1, nothing pushed) when a quality figure is below VALUE (lpips: above): {', '.join(quality_options.METRICS)} "
                    "(e.g. ppl-recovery=95 for a language model, psnr=25 or lpips=0.1 for a pipeline). Repeatable.")
 @click.option("--allow-unquantized", is_flag=True,
               help="Publish a component in which no layer could be quantized (default: an error naming its layer types).")
@@ -222,7 +222,7 @@ def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | 
     conflict = low_disk and low_disk_conflict(benchmark=benchmark, verify_envs=bool(verify_envs), push=not no_push)
     if conflict:
         raise click.UsageError(f"{conflict}; drop one of them" + (", or add --no-push" if "--verify-env" in conflict else ""))
-    evaluation = _run_mapped(debug, quality_spec.settings, eval_dataset, eval_tokens, eval_budget, min_quality,
+    evaluation = _run_mapped(debug, quality_options.settings, eval_dataset, eval_tokens, eval_budget, min_quality,
                              sample_prompt, sample_size, sample_steps, full_images)
     if low_disk and engine == "library":
         raise click.UsageError("--low-disk reads weights by HTTP range, which only the streaming engine does; drop --engine library")

@@ -27,8 +27,7 @@ from publisher.recipes import Recipe
 from publisher.request import Outcome, PublishRequest
 from publisher.runtime.gcfreeze import frozen_after
 from publisher.runtime.heap import bound_heap, peak_rss_bytes
-from publisher.stages import card, fetch, lowdisk_push, preflight, unfinished
-from publisher.stages import plan as planning
+from publisher.stages import card, fetch, lowdisk_push, planning, preflight, unfinished
 from publisher.stages import push as pushing
 from publisher.stages import quantize as quantize_stage
 from publisher.stages import source as source_stage
@@ -94,7 +93,7 @@ def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = 
     )
     plan = replace(plan, options={**options, "card": req.card_options(plan.kind)})
     if req.evaluation is not None:  # a bound on a figure this model has not, or cannot get: a usage error, before any download
-        quality.spec.check_applicable(req.evaluation.bounds, quality.kind_of(plan), f"{req.model} ({plan.quantized[0].class_name})")
+        quality.options.check_applicable(req.evaluation.bounds, quality.kind_of(plan), f"{req.model} ({plan.quantized[0].class_name})")
         quality.check_measurable(req.evaluation, plan, token)
     if req.push:  # after the base checks, in the order the preflight promises
         for target in targets.values():

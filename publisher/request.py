@@ -11,7 +11,7 @@ from publisher.errors import TargetError
 from publisher.handoffs.report import Mode, VerifyReport
 from publisher.quality import stage as quality
 from publisher.runtime.heap import peak_rss
-from publisher.stages import plan as planning
+from publisher.stages import planning
 
 Engine = Literal["auto", "streaming", "library"]
 

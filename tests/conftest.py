@@ -60,9 +60,9 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 # tests/test_makefile.py), so the workers' own OpenMP reads it too; every process the tests start inherits it.
 TORCH_BEFORE_CONFTEST = "torch" in sys.modules
 from publisher import compat  # noqa: E402  (no torch: the variables' names, as the CLI reads them)
-from publisher.quality import spec as quality_spec  # noqa: E402
+from publisher.quality import options as quality_options  # noqa: E402
 
-DEFAULTS_VARIABLES = (compat.VARIABLE, quality_spec.BUDGET_VARIABLE)  # --compat and --eval-budget from the environment
+DEFAULTS_VARIABLES = (compat.VARIABLE, quality_options.BUDGET_VARIABLE)  # --compat and --eval-budget from the environment
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # The product's defaults run whatever the shell sets: a test that wants the matrix or the evaluation off says so on
 # its own command line (SKIP_EVAL_AND_MATRIX below); tests/test_makefile.py checks that no fixture sets them.
@@ -259,7 +259,7 @@ def wikitext_repo(hub: Any) -> str:
     """The default --eval-dataset (Salesforce/wikitext, wikitext-2-raw-v1, test) as a small parquet dataset repo."""
     from huggingface_hub import HfApi
 
-    from publisher.testing.quality import DATASET_REPO, build_text_dataset
+    from publisher.testing.evaldata import DATASET_REPO, build_text_dataset
 
     folder = build_text_dataset(_SESSION_DIR / "datasets" / "wikitext")
     api = HfApi(token="tok_sf")
@@ -270,8 +270,8 @@ def wikitext_repo(hub: Any) -> str:
 
 @pytest.fixture(scope="session")
 def trained_llama_repo(hub: Any) -> str:
-    """A tiny Llama trained on the fixture dataset's sentences (publisher.testing.quality), as meta/trained-llama."""
-    from publisher.testing.quality import build_trained_llama
+    """A tiny Llama trained on the fixture dataset's sentences (publisher.testing.evaldata), as meta/trained-llama."""
+    from publisher.testing.evaldata import build_trained_llama
 
     seed("meta/trained-llama", build_trained_llama(_SESSION_DIR / "models" / "trained-llama"), "tok_meta")
     return "meta/trained-llama"

@@ -358,12 +358,12 @@ def test_one_device_rule_serves_quantizing_and_running() -> None:
 
 def test_jobs_flavors_follow_the_configs() -> None:
     from publisher.flavors import BUILTIN
-    from publisher.hfjobs import preflight
+    from publisher.hfjobs import jobchecks
 
     mixed = recipe_args.parse(["transformer=float8dq,text_encoder_2=intx4wo"])[0]  # the most demanding config decides
-    assert [f.name for f in preflight.fitting(mixed, BUILTIN)] == ["l4x1", "l40sx1"]
-    assert preflight.check_flavor([mixed], "l4x1", BUILTIN).name == "l4x1"
+    assert [f.name for f in jobchecks.fitting(mixed, BUILTIN)] == ["l4x1", "l40sx1"]
+    assert jobchecks.check_flavor([mixed], "l4x1", BUILTIN).name == "l4x1"
     tile = recipe_args.parse(['Int4WeightOnlyConfig(int4_packing_format="tile_packed_to_4d")'])[0]
     with pytest.raises(UsageError, match="needs a CUDA GPU with compute capability >= 8.0 to quantize and cpu-basic has no GPU"):
-        preflight.check_flavor([tile], "cpu-basic", BUILTIN)
-    assert preflight.check_flavor([recipes.get("int8dq-int4")], "cpu-basic", BUILTIN).name == "cpu-basic"
+        jobchecks.check_flavor([tile], "cpu-basic", BUILTIN)
+    assert jobchecks.check_flavor([recipes.get("int8dq-int4")], "cpu-basic", BUILTIN).name == "cpu-basic"

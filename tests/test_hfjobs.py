@@ -24,7 +24,7 @@ from publisher import flavors as flavor_table
 from publisher import recipes as recipe_registry
 from publisher.errors import TargetError, UsageError
 from publisher.flavors import Flavor, capability_of
-from publisher.hfjobs import bootstrap, hardware, package, preflight
+from publisher.hfjobs import bootstrap, hardware, jobchecks, package
 from publisher.hfjobs.follow import RemoteOutcome, decode_result, take_marker
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -78,7 +78,7 @@ def test_the_hubs_list_orders_by_price() -> None:
     assert [f.name for f in found] == ["cpu-basic", "l4x1", "a10g-small"]
     assert found[1].capability == (8, 9) and found[1].cost == 0.0133
     # with these prices an int4wo job's smallest flavor is the cheapest that fits
-    assert [f.name for f in preflight.fitting(recipe_registry.get("int4wo"), found)] == ["l4x1", "a10g-small"]
+    assert [f.name for f in jobchecks.fitting(recipe_registry.get("int4wo"), found)] == ["l4x1", "a10g-small"]
 
 
 def test_hardware_list_falls_back_to_the_table_offline(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -112,25 +112,25 @@ def _recipes(*names: str) -> list[recipe_registry.Recipe]:
 ])
 def test_a_wrong_flavor_is_refused(recipe: str, flavor: str, message: str) -> None:
     with pytest.raises(UsageError) as info:
-        preflight.check_flavor(_recipes(recipe), flavor, flavor_table.BUILTIN)
+        jobchecks.check_flavor(_recipes(recipe), flavor, flavor_table.BUILTIN)
     assert message in str(info.value) and info.value.exit_code == 2
 
 
 def test_fitting_flavors_pass_and_idle_hardware_is_reported(caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.WARNING, logger="publisher")
-    assert preflight.check_flavor(_recipes("int4wo", "float8dq"), "l4x1", flavor_table.BUILTIN).name == "l4x1"
+    assert jobchecks.check_flavor(_recipes("int4wo", "float8dq"), "l4x1", flavor_table.BUILTIN).name == "l4x1"
     assert not caplog.records
-    preflight.check_flavor(_recipes("int8wo"), "a10g-small", flavor_table.BUILTIN)
+    jobchecks.check_flavor(_recipes("int8wo"), "a10g-small", flavor_table.BUILTIN)
     assert "the GPU of a10g-small stays idle; cpu-basic is enough" in caplog.text
-    preflight.check_flavor(_recipes("float8dq"), "cpu-upgrade", flavor_table.BUILTIN)
+    jobchecks.check_flavor(_recipes("float8dq"), "cpu-upgrade", flavor_table.BUILTIN)
     assert "on cpu-upgrade it is made on the CPU and verified there, without a GPU forward" in caplog.text
-    preflight.check_flavor(_recipes("int4wo"), "a100x4", flavor_table.BUILTIN)
+    jobchecks.check_flavor(_recipes("int4wo"), "a100x4", flavor_table.BUILTIN)
     assert "hf-ao-publish uses one GPU; a100x4 has 4" in caplog.text
 
 
 def test_a_gpu_of_unknown_capability_is_refused() -> None:
     with pytest.raises(UsageError, match=r"compute capability of b300x1's GPU \(B300\) is unknown"):
-        preflight.check_flavor(_recipes("int8wo"), "b300x1", [Flavor("b300x1", "B300", 1)])
+        jobchecks.check_flavor(_recipes("int8wo"), "b300x1", [Flavor("b300x1", "B300", 1)])
 
 
 def _who(role: str, **grained: Any) -> dict[str, Any]:
@@ -138,14 +138,14 @@ def _who(role: str, **grained: Any) -> dict[str, Any]:
 
 
 def test_token_scope() -> None:
-    preflight.check_token_can_run_jobs(_who("write"), "alice")
+    jobchecks.check_token_can_run_jobs(_who("write"), "alice")
     ok = {"scoped": [{"entity": {"name": "alice", "type": "user"}, "permissions": ["repo.write", "job.write"]}]}
-    preflight.check_token_can_run_jobs(_who("fineGrained", **ok), "alice")
+    jobchecks.check_token_can_run_jobs(_who("fineGrained", **ok), "alice")
     with pytest.raises(TargetError, match="read-only"):
-        preflight.check_token_can_run_jobs(_who("read"), "alice")
+        jobchecks.check_token_can_run_jobs(_who("read"), "alice")
     other = {"scoped": [{"entity": {"name": "acme", "type": "org"}, "permissions": ["job.write"]}]}
     with pytest.raises(TargetError, match="no job.write permission on alice, so it cannot start Jobs in alice"):
-        preflight.check_token_can_run_jobs(_who("fineGrained", **other), "alice")
+        jobchecks.check_token_can_run_jobs(_who("fineGrained", **other), "alice")
 
 
 def test_cli_refuses_a_wrong_flavor_before_anything_is_submitted(cli: Any, hub: Any, flux_repo: str, tmp_path: Path) -> None:

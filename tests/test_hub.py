@@ -429,7 +429,7 @@ def test_unsafe_base_file_names_are_refused_before_download(cli: Any, hub: Any, 
 
     from publisher.errors import SourceError
     from publisher.handoffs.plan import Component, Source
-    from publisher.stages.plan import _base_files
+    from publisher.stages.planning import _base_files
 
     # A repo cannot even hold such a name: the client refuses it, and so does the (loopback) Hub.
     with pytest.raises(ValueError):

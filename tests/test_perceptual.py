@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from publisher.quality import perceptual
-from publisher.testing.quality import place_lpips_trunk
+from publisher.testing.evaldata import place_lpips_trunk
 
 
 @pytest.fixture

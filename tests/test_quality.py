@@ -11,28 +11,28 @@ from typing import Any
 import pytest
 
 from publisher.errors import QualityError, UsageError
-from publisher.quality import spec
+from publisher.quality import options
 
 
 def test_options_parse_and_name_what_is_wrong() -> None:
-    assert spec.DatasetSpec.parse("Salesforce/wikitext:wikitext-2-raw-v1:test") == spec.DatasetSpec(
+    assert options.DatasetSpec.parse("Salesforce/wikitext:wikitext-2-raw-v1:test") == options.DatasetSpec(
         "Salesforce/wikitext", "wikitext-2-raw-v1", "test")
-    assert spec.DatasetSpec.parse("me/text") == spec.DatasetSpec("me/text", None, "test")
-    assert spec.DatasetSpec.parse("me/text:cfg:validation").text() == "me/text:cfg:validation"
-    assert spec.Bound.parse("ppl-recovery=95%") == spec.Bound("ppl-recovery", 95.0)
-    assert spec.Bound.parse("PSNR=30dB") == spec.Bound("psnr", 30.0)
-    s = spec.settings(None, 512, "15m", ("ssim=0.9",), "a cat", 64, 2)
-    assert s.budget_s == 900 and not s.explicit_dataset and s.dataset.text() == spec.DEFAULT_DATASET
+    assert options.DatasetSpec.parse("me/text") == options.DatasetSpec("me/text", None, "test")
+    assert options.DatasetSpec.parse("me/text:cfg:validation").text() == "me/text:cfg:validation"
+    assert options.Bound.parse("ppl-recovery=95%") == options.Bound("ppl-recovery", 95.0)
+    assert options.Bound.parse("PSNR=30dB") == options.Bound("psnr", 30.0)
+    s = options.settings(None, 512, "15m", ("ssim=0.9",), "a cat", 64, 2)
+    assert s.budget_s == 900 and not s.explicit_dataset and s.dataset.text() == options.DEFAULT_DATASET
     assert s.budget_for(40_000_000_000) == 900  # a duration given is the bound, whatever the model
-    auto = spec.settings(None, 512, spec.DEFAULT_BUDGET, (), None, 64, 2)
-    assert spec.DEFAULT_BUDGET == "auto" and auto.budget_s is None and auto.enabled and auto.to_dict()["budget_s"] == "auto"
+    auto = options.settings(None, 512, options.DEFAULT_BUDGET, (), None, 64, 2)
+    assert options.DEFAULT_BUDGET == "auto" and auto.budget_s is None and auto.enabled and auto.to_dict()["budget_s"] == "auto"
     assert auto.budget_for(5_000_000) == pytest.approx(5.25)  # a tiny model: seconds
     assert auto.budget_for(2_500_000_000) == pytest.approx(130)  # Llama-3.2-1B's bf16 weights: about two minutes
     assert auto.budget_for(34_000_000_000) == 600  # FLUX.1-dev: at most ten minutes
-    assert spec.settings(None, 512, "AUTO", (), None, 64, 2).budget_s is None
-    assert not spec.settings(None, 512, "0", (), None, 64, 2).enabled
-    assert spec.settings("me/t", 512, "90", (), None, 64, 2).explicit_dataset
-    assert spec.seconds("1h") == 3600 and spec.seconds("0") == 0 and spec.seconds("soon") is None
+    assert options.settings(None, 512, "AUTO", (), None, 64, 2).budget_s is None
+    assert not options.settings(None, 512, "0", (), None, 64, 2).enabled
+    assert options.settings("me/t", 512, "90", (), None, 64, 2).explicit_dataset
+    assert options.seconds("1h") == 3600 and options.seconds("0") == 0 and options.seconds("soon") is None
     for args, message in [
         (("me/t:a:b:c", 16, "1m", ()), "--eval-dataset 'me/t:a:b:c' is not REPO[:CONFIG][:SPLIT]"),
         ((None, 16, "1m", ("ppl=3",)), "--min-quality 'ppl=3' is not METRIC=VALUE with METRIC one of ppl-recovery, psnr, ssim"),
@@ -42,23 +42,23 @@ def test_options_parse_and_name_what_is_wrong() -> None:
         (("me/t", 16, "0", ()), "--eval-dataset needs the quality evaluation"),
     ]:
         with pytest.raises(UsageError, match=message.replace("[", r"\[").replace("]", r"\]")):
-            spec.settings(*args, None, 64, 2)  # type: ignore[misc]
+            options.settings(*args, None, 64, 2)  # type: ignore[misc]
 
 
 def test_gate_names_the_figure_and_the_bound() -> None:
-    bounds = (spec.Bound("ppl-recovery", 95.0),)
-    spec.gate(bounds, {"ppl-recovery": 99.2}, {}, "int8wo")  # above: no error
+    bounds = (options.Bound("ppl-recovery", 95.0),)
+    options.gate(bounds, {"ppl-recovery": 99.2}, {}, "int8wo")  # above: no error
     with pytest.raises(QualityError, match=r"int8wo: ppl-recovery is 58.43%, below --min-quality ppl-recovery=95; nothing"):
-        spec.gate(bounds, {"ppl-recovery": 58.4337}, {}, "int8wo")
+        options.gate(bounds, {"ppl-recovery": 58.4337}, {}, "int8wo")
     with pytest.raises(QualityError, match=r"cannot be checked: ppl-recovery was not measured \(the dataset x could not"):
-        spec.gate(bounds, {"ppl-recovery": None}, {"ppl-recovery": "the dataset x could not be read"}, "int8wo")
-    spec.check_applicable(bounds, spec.CAUSAL_LM, "m")
+        options.gate(bounds, {"ppl-recovery": None}, {"ppl-recovery": "the dataset x could not be read"}, "int8wo")
+    options.check_applicable(bounds, options.CAUSAL_LM, "m")
     with pytest.raises(UsageError, match="psnr applies to a pipeline, and m is a causal language model; use ppl-recovery"):
-        spec.check_applicable((spec.Bound("psnr", 1),), spec.CAUSAL_LM, "m")
+        options.check_applicable((options.Bound("psnr", 1),), options.CAUSAL_LM, "m")
     with pytest.raises(UsageError, match="and m is neither; drop --min-quality"):
-        spec.check_applicable(bounds, None, "m")
-    assert spec.model_kind("transformers", "LlamaForCausalLM") == spec.CAUSAL_LM
-    assert spec.model_kind("transformers", "BertModel") is None and spec.model_kind("pipeline", "") == spec.PIPELINE
+        options.check_applicable(bounds, None, "m")
+    assert options.model_kind("transformers", "LlamaForCausalLM") == options.CAUSAL_LM
+    assert options.model_kind("transformers", "BertModel") is None and options.model_kind("pipeline", "") == options.PIPELINE
 
 
 def test_psnr_ssim_and_the_grid_image(tmp_path: Path) -> None:
@@ -288,7 +288,7 @@ def test_dataset_that_cannot_be_read(hub: Any) -> None:
     from publisher.errors import SourceError
     from publisher.quality.text import read_text
 
-    missing = spec.DatasetSpec("nobody/no-such-text", None, "test")
+    missing = options.DatasetSpec("nobody/no-such-text", None, "test")
     got = read_text(missing, 64, None, explicit=False)
     endpoint = os.environ["HF_ENDPOINT"]
     assert got.text is None and got.reason == f"the evaluation text nobody/no-such-text:test was not found on {endpoint} (or is private)"
@@ -300,7 +300,7 @@ def test_dataset_that_cannot_be_read(hub: Any) -> None:
 def test_dataset_rows_and_windows(wikitext_repo: str, tiny_llama_dir: Path) -> None:
     from publisher.quality.text import read_text, windows
 
-    got = read_text(spec.DatasetSpec.parse(spec.DEFAULT_DATASET), 300, None, explicit=True)
+    got = read_text(options.DatasetSpec.parse(options.DEFAULT_DATASET), 300, None, explicit=True)
     assert got.text is not None and got.text.startswith("\n\n = Section 0 = \n") and len(got.text) >= 300 * 8
     ids = windows(got.text, tiny_llama_dir, 300, 256)
     assert tuple(ids.shape) == (1, 256)  # the position table (256) bounds a window; 300 tokens make one whole window

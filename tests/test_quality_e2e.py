@@ -55,7 +55,7 @@ def test_llama_perplexity_continuation_and_gate(cli: Any, trained_llama_repo: st
     for key in ("base_ppl", "quantized_ppl", "base_text", "quantized_text"):
         assert figures["plain"][key] == figures["low-disk"][key], key
 
-    from publisher.testing.quality import zeroed_scales
+    from publisher.testing.evaldata import zeroed_scales
 
     # verifies bit for bit (the damage is in the saved bytes); only the gate can refuse it. The library path has no
     # in-pass observer: its perplexity runs after the pass, block by block from the saved files
@@ -77,7 +77,7 @@ def test_flux_grid_whole_and_offloaded(cli: Any, flux_repo: str, tmp_path: Path,
     from huggingface_hub import hf_hub_download
     from PIL import Image
 
-    from publisher.testing.quality import place_lpips_trunk
+    from publisher.testing.evaldata import place_lpips_trunk
 
     # LPIPS' AlexNet where torchvision's download would have put it (a seeded stand-in: nothing is downloaded); the
     # session's own TORCH_HOME stays empty, so the other publishes (the golden cards) say LPIPS was not computed

@@ -72,7 +72,7 @@ def _commits(repo_id: str, revision: str | None = None) -> list[Any]:
 def test_push_creates_the_repo_in_one_commit_with_the_folders_bytes(tmp_path: Path, repo_id: str) -> None:
     from huggingface_hub import HfApi, hf_hub_download
 
-    from publisher.handoffs.state import STATE_FILE
+    from publisher.handoffs.statefile import STATE_FILE
     from publisher.verify.commit_hashes import check_commit, git_blob_id
 
     folder, report, state = _folder(tmp_path)

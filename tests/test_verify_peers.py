@@ -16,7 +16,7 @@ from conftest import seed
 
 from publisher.errors import SourceError
 from publisher.testing.peers import CORPUS, FLUX_LAYER, LLAMA_LAYER, PEERS, Peer, build_peer
-from publisher.verify import against_base, layout
+from publisher.verify import against_base, target_layout
 from publisher.verify.target import base_row, check_files
 
 WITH_FILES = [p for p in CORPUS if p.name != "tf-undeclared"]
@@ -37,7 +37,7 @@ def corpus(tiny_flux_dir: Path, tiny_llama_dir: Path, tmp_path_factory: pytest.T
 
 def _files_verdict(folder: Path, name: str) -> tuple[list[Any], list[Any]]:
     """(components, content rows) of one checkpoint, checked in this process."""
-    comps = layout.components(folder, name)
+    comps = target_layout.components(folder, name)
     rows = []
     checks = []
     for comp in comps:
@@ -52,7 +52,7 @@ def test_files_against_the_declared_config(corpus: dict[str, Path], peer: Peer) 
     folder = corpus[peer.name]
     if peer.name == "tf-undeclared":
         with pytest.raises(SourceError, match=peer.says):
-            layout.components(folder, peer.name)
+            target_layout.components(folder, peer.name)
         return
     checks, rows = _files_verdict(folder, peer.name)
     if peer.layout == "pipeline":
@@ -92,7 +92,7 @@ def test_per_layer_configs_are_checked_layer_by_layer(corpus: dict[str, Path]) -
     found = stored.describe_files(folder, "safetensors")
     entry = found.tensors[f"{LLAMA_LAYER}.weight"]
     entry.data["block_size"] = [1, 64]
-    comp = layout.components(folder, "x")[0]
+    comp = target_layout.components(folder, "x")[0]
     from publisher.loadpath import meta_model
 
     result = declared.check(comp, decl, found, meta_model(comp.library, comp.class_name, comp.config))
@@ -161,7 +161,7 @@ def test_a_class_this_library_does_not_have_is_one_line(corpus: dict[str, Path],
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "_class_name": "FluxTransformer9DModel"}))
     with pytest.raises(SourceError, match="is a FluxTransformer9DModel, which diffusers .* has no model class for"):
-        layout.components(folder, str(folder))
+        target_layout.components(folder, str(folder))
 
 
 def test_pickled_weights_load_by_hand_with_weights_only(corpus: dict[str, Path]) -> None:

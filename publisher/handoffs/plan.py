@@ -1,6 +1,6 @@
 """The plan hand-off: the base, pinned (Source), and the whole job validated (Plan, its Components).
 
-Made by stages/source.py and stages/plan.py, read by every later stage and by verification.
+Made by stages/source.py and stages/planning.py, read by every later stage and by verification.
 """
 
 from __future__ import annotations

@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING
 
 from publisher.errors import RunFailed, TargetError, UsageError
 from publisher.flavors import Flavor
-from publisher.hfjobs import bootstrap, hardware, package, preflight
+from publisher.hfjobs import bootstrap, hardware, jobchecks, package
 from publisher.hfjobs.follow import Follower, JobFailed, RemoteOutcome, stage_name, terminate_as_interrupt
 from publisher.io import hub
 from publisher.job import make_plan, resolve_token
 from publisher.request import PublishRequest
-from publisher.stages.plan import parse_recipes
+from publisher.stages.planning import parse_recipes
 from publisher.stages.source import is_local
 
 if TYPE_CHECKING:
@@ -113,14 +113,14 @@ def publish(request: JobsRequest) -> list[RemoteOutcome]:
         raise TargetError("a publish on Hugging Face Jobs needs a Hub token that can write and start Jobs; set "
                           "HF_TOKEN (or pass --token)")
     flavors, source = hardware.available(token)
-    flavor = preflight.check_flavor(recipes, request.flavor, flavors)
+    flavor = jobchecks.check_flavor(recipes, request.flavor, flavors)
     log.info("flavor %s (from %s) fits %s", flavor.describe(), "the Hub's hardware list" if source == "hub"
              else "the built-in table", ", ".join(r.name for r in recipes))
     plan = make_plan(req, token, check_hardware=False)
     api = hub.client(token)
     who = hub.call(api.whoami, what="checking the token")
     namespace = str(who.get("name"))
-    preflight.check_token_can_run_jobs(who, namespace)
+    jobchecks.check_token_can_run_jobs(who, namespace)
     shipped = package.ship(namespace, token)
     outcomes: list[RemoteOutcome] = []
     follower = Follower(outcomes, namespace, token, keep_going=req.keep_going)

@@ -9,7 +9,7 @@ hands the quantization pass, what it computes after verification, and the gate t
     gate(settings, figures, recipe)                                                   # QualityError: exit 1
 
 Every recipe's evaluation has ``--eval-budget`` seconds (``auto``: by the size of the weights it runs,
-``spec.Settings.budget_for``) and keeps it: the grid checks the time before every denoiser step (``budget.py``), the
+``options.Settings.budget_for``) and keeps it: the grid checks the time before every denoiser step (``budget.py``), the
 continuation after every token, the perplexity between windows.
 
 Figures: ``lm.LmFigures`` for a causal language model, ``grid.GridFigures`` for a pipeline, None otherwise.
@@ -27,10 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 from publisher.errors import SourceError, UsageError
 from publisher.handoffs.plan import DENOISERS
-from publisher.quality import grid, lm, spec
+from publisher.quality import grid, lm, options
 from publisher.quality.budget import Deadline
+from publisher.quality.options import Settings
 from publisher.quality.sources import Weights, component_weights, local_shards
-from publisher.quality.spec import Settings
 from publisher.quality.text import MIN_WINDOW, EvalText
 from publisher.verify.streaming import BLOCK_BUDGET
 
@@ -49,7 +49,7 @@ NO_TOKENIZER = "no tokenizer in the base (the text is tokenized with the base's 
 
 def kind_of(plan: Plan) -> str | None:
     first = plan.quantized[0] if plan.quantized else None
-    return spec.model_kind(plan.kind, first.class_name if first else "")
+    return options.model_kind(plan.kind, first.class_name if first else "")
 
 
 def check_measurable(settings: Settings, plan: Plan, token: str | None) -> None:
@@ -58,7 +58,7 @@ def check_measurable(settings: Settings, plan: Plan, token: str | None) -> None:
     an evaluation text that cannot be read: one request) is a usage error (exit 2); so is a bound on LPIPS whose
     weights are not on this machine."""
     lpips_bound = [b for b in settings.bounds if b.metric == "lpips"]
-    if settings.enabled and lpips_bound and kind_of(plan) == spec.PIPELINE:
+    if settings.enabled and lpips_bound and kind_of(plan) == options.PIPELINE:
         from publisher.quality import perceptual
 
         try:
@@ -66,7 +66,7 @@ def check_measurable(settings: Settings, plan: Plan, token: str | None) -> None:
         except perceptual.Unavailable as exc:
             raise UsageError(f"--min-quality {lpips_bound[0].text()} cannot be checked: for LPIPS, {exc}; get them "
                              f"({perceptual.HOW_TO_GET}), or drop the bound") from None
-    if not settings.enabled or kind_of(plan) != spec.CAUSAL_LM:
+    if not settings.enabled or kind_of(plan) != options.CAUSAL_LM:
         return
     bounded = [b for b in settings.bounds if b.metric == "ppl-recovery"]
     if not plan.source.has_tokenizer:
@@ -91,7 +91,7 @@ def read_text(settings: Settings, plan: Plan, token: str | None) -> EvalText | N
     """The evaluation text of a causal LM (None for other models, with the evaluation off, or without a tokenizer)."""
     from publisher.quality.text import read_text as read
 
-    if not settings.enabled or kind_of(plan) != spec.CAUSAL_LM or not plan.source.has_tokenizer:
+    if not settings.enabled or kind_of(plan) != options.CAUSAL_LM or not plan.source.has_tokenizer:
         return None
     return read(settings.dataset, settings.tokens, token, settings.explicit_dataset)
 
@@ -128,14 +128,14 @@ class Evaluation:
         self.elsewhere = elsewhere
         self.configs = configs_folder(plan, base_dir, elsewhere, token, work) if self.kind else base_dir
         # the weights each evaluation runs: a pipeline's every model, a language model itself (bf16 bytes)
-        runs = plan.components if self.kind == spec.PIPELINE else plan.quantized
+        runs = plan.components if self.kind == options.PIPELINE else plan.quantized
         self.budget_s = settings.budget_for(sum(c.param_bytes for c in runs))
         self.ids: Any = None
         self.models: dict[str, Any] = {}
         self.limited = ""  # why fewer tokens than --eval-tokens are scored
         self.flops = grid.measured_flops() if self.kind else 0.0  # this CPU's bf16 matmul rate: what the budget buys
         self.text_reason = ""
-        if self.kind == spec.CAUSAL_LM:
+        if self.kind == options.CAUSAL_LM:
             self._windows()
 
     def _windows(self) -> None:
@@ -190,9 +190,9 @@ class Evaluation:
 
     def run(self, artifacts: Artifacts, base_sources: dict[str, Any], pass_seconds: float, recipe: Recipe) -> Any:
         deadline = Deadline(self.budget_s)
-        if self.kind == spec.CAUSAL_LM:
+        if self.kind == options.CAUSAL_LM:
             return self._lm(artifacts, base_sources, pass_seconds, recipe, deadline)
-        if self.kind == spec.PIPELINE:
+        if self.kind == options.PIPELINE:
             return self._grid(artifacts, base_sources, pass_seconds, recipe, deadline)
         return None
 
@@ -443,7 +443,7 @@ def gate(settings: Settings, figures: Any, recipe: str) -> None:
         values["lpips"] = max(figures.lpips) if figures.lpips else None
         missing["psnr"] = missing["ssim"] = figures.reason
         missing["lpips"] = figures.reason or f"LPIPS was not computed: {figures.lpips_reason}"
-    spec.gate(settings.bounds, values, missing, recipe)
+    options.gate(settings.bounds, values, missing, recipe)
 
 
 def to_json(figures: Any) -> dict[str, Any] | None:
@@ -452,8 +452,8 @@ def to_json(figures: Any) -> dict[str, Any] | None:
     data = asdict(figures)
     if isinstance(figures, lm.LmFigures):
         data["recovery_percent"] = figures.recovery
-        data["kind"] = spec.CAUSAL_LM
+        data["kind"] = options.CAUSAL_LM
     else:
-        data["kind"] = spec.PIPELINE
+        data["kind"] = options.PIPELINE
         data["psnr"] = [None if p == float("inf") else p for p in figures.psnr]  # JSON has no infinity
     return data

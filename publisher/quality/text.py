@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from publisher.errors import SourceError
-from publisher.quality.spec import DatasetSpec
+from publisher.quality.options import DatasetSpec
 
 log = logging.getLogger(__name__)
 

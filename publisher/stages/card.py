@@ -42,7 +42,7 @@ class CardInputs:
     variants: list[dict[str, Any]] = field(default_factory=list)  # sibling repos of a multi-recipe run
     produced_on: str = "cpu"
     quality: Any = None  # publisher.quality figures: lm.LmFigures, grid.GridFigures, or None
-    evaluation: Any = None  # publisher.quality.spec.Settings (None: the evaluation was off)
+    evaluation: Any = None  # publisher.quality.options.Settings (None: the evaluation was off)
     extra_notes: list[str] = field(default_factory=list)
     benchmark: dict[str, Any] | None = None  # publisher.stages.measure.measure()
     shard_note: str | None = None  # the output shards are not the library's default size

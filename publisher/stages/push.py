@@ -21,7 +21,7 @@ from publisher import __version__
 from publisher.errors import InputError, TargetError, VerificationError
 from publisher.handoffs.plan import Source
 from publisher.handoffs.report import VerifyReport
-from publisher.handoffs.state import STATE_FILE
+from publisher.handoffs.statefile import STATE_FILE
 from publisher.io import hub
 from publisher.io.jsonfile import read_object
 from publisher.verify.commit_hashes import CommitFile, check_uploaded, of_file

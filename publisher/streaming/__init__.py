@@ -9,7 +9,7 @@ adapter class per library), ``layout`` (every output name, dtype, shape, shard a
 """
 
 from publisher.streaming.convert import StreamResult, stream_quantize, supports
-from publisher.streaming.job import FolderInputs, FolderSink, OutputSink, ShardInputs, StreamJob, TensorObserver
+from publisher.streaming.streamjob import FolderInputs, FolderSink, OutputSink, ShardInputs, StreamJob, TensorObserver
 
 __all__ = ["FolderInputs", "FolderSink", "OutputSink", "ShardInputs", "StreamJob", "StreamResult", "TensorObserver",
            "supports", "stream_quantize"]

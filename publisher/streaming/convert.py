@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from publisher.errors import QuantizeError
-from publisher.streaming.job import FolderInputs, FolderSink, StreamJob
+from publisher.streaming.streamjob import FolderInputs, FolderSink, StreamJob
 
 if TYPE_CHECKING:
     from publisher.recipes import Recipe
-    from publisher.streaming.job import OutputSink, ShardInputs, TensorObserver
     from publisher.streaming.meta_model import LibraryAdapter
+    from publisher.streaming.streamjob import OutputSink, ShardInputs, TensorObserver
 
 __all__ = ["StreamJob", "StreamResult", "supports", "stream_quantize"]
 

@@ -29,7 +29,7 @@ from publisher.streaming.layout import Layout, OutFile, OutTensor, Work
 if TYPE_CHECKING:
     import torch
 
-    from publisher.streaming.job import ShardInputs, TensorObserver
+    from publisher.streaming.streamjob import ShardInputs, TensorObserver
 
 
 class _Writer:

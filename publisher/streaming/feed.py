@@ -35,7 +35,7 @@ from publisher.streaming.layout import Layout, Work
 if TYPE_CHECKING:
     import torch
 
-    from publisher.streaming.job import Shard, ShardInputs
+    from publisher.streaming.streamjob import Shard, ShardInputs
 
 
 @dataclass

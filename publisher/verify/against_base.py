@@ -29,7 +29,7 @@ from publisher.errors import QuantizeError, SourceError
 from publisher.handoffs.report import ContentCheck
 from publisher.verify import hashes as hashes_check
 from publisher.verify.declared import Declared
-from publisher.verify.layout import TargetComponent, read_json
+from publisher.verify.target_layout import TargetComponent, read_json
 
 log = logging.getLogger(__name__)
 

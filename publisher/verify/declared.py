@@ -31,8 +31,8 @@ from publisher.configs.probe import quantized_weight
 from publisher.errors import VerificationError
 from publisher.handoffs.report import Expected
 from publisher.verify import stored as stored_files
-from publisher.verify.layout import TargetComponent, weight_format
 from publisher.verify.stored import Stored, StoredSet, parse_flat
+from publisher.verify.target_layout import TargetComponent, weight_format
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from publisher import loadpath
 from publisher.errors import VerificationError
 from publisher.handoffs.artifacts import Artifacts
 from publisher.handoffs.report import PATHS, PLAIN_CLASSES, Expected, ForwardInputs, Mode, PathResult, VerifyReport
+from publisher.verify.closeness import quality_against_base
 from publisher.verify.inputs import token_inputs
-from publisher.verify.quality import quality_against_base
 from publisher.verify.workers import run_workers
 
 if TYPE_CHECKING:

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from publisher.handoffs.report import PassForward
 
 if TYPE_CHECKING:
-    from publisher.streaming.job import TensorObserver
+    from publisher.streaming.streamjob import TensorObserver
 
 log = logging.getLogger(__name__)
 

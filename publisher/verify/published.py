@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 
 from publisher.errors import VerificationError
 from publisher.handoffs.report import PathResult, VerifyReport
+from publisher.verify.closeness import quality_against_base
 from publisher.verify.commit_hashes import CommitFile, check_commit
 from publisher.verify.full import check_location
-from publisher.verify.quality import quality_against_base
 
 if TYPE_CHECKING:
     from publisher.handoffs.artifacts import Artifacts

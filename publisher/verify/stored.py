@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from publisher.verify.layout import PICKLE
+from publisher.verify.target_layout import PICKLE
 
 log = logging.getLogger(__name__)
 

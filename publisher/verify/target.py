@@ -1,6 +1,6 @@
 """`hf-ao-publish verify TARGET`: check any torchao-quantized checkpoint, whoever made it (docs/verification.md).
 
-Every layout users have (verify/layout.py): a pipeline, a standalone diffusers model folder, a transformers model;
+Every layout users have (verify/target_layout.py): a pipeline, a standalone diffusers model folder, a transformers model;
 safetensors or a pickle ``.bin`` (read with ``weights_only=True`` only). For each quantized component:
 
 1. what the files hold (verify/stored.py) against what the declared ``quantization_config`` makes of every layer
@@ -24,13 +24,13 @@ from publisher import recipe_args
 from publisher import recipes as recipe_registry
 from publisher.errors import UsageError
 from publisher.handoffs.report import PATHS, PLAIN_CLASSES, ContentCheck, Expected, ForwardInputs, PathResult, VerifyReport
-from publisher.handoffs.state import STATE_FILE
+from publisher.handoffs.statefile import STATE_FILE
 from publisher.io.localfiles import named_folder
 from publisher.loadpath import load_call
-from publisher.verify import against_base, capture, declared, layout, matrix, stored
+from publisher.verify import against_base, capture, declared, matrix, stored, target_layout
 from publisher.verify import hashes as hashes_check
 from publisher.verify.full import check_location, compare
-from publisher.verify.layout import TargetComponent
+from publisher.verify.target_layout import TargetComponent
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +52,10 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), compat
         local, sha, hashes = hashes_check.fetch_target_configs(target, revision, token, STATE_FILE)
         where, where_rev, revision = str(local), None, sha  # every later read sees the checked commit
     folder = Path(where)
-    comps = layout.components(folder, target)
+    comps = target_layout.components(folder, target)
     if not Path(target).is_dir():
         hashes_check.fetch_target_components(target, sha, hashes, [c.name for c in comps], token)
-    state = layout.read_json(folder, STATE_FILE)
+    state = target_layout.read_json(folder, STATE_FILE)
     report = VerifyReport(recipe=str(state.get("recipe")) if state and state.get("recipe") else "unknown", location=target,
                           passed=False)
     checks = {}
@@ -70,7 +70,7 @@ def verify_target(target: str, work: Path, *, envs: tuple[str, ...] = (), compat
         report.tensor_class = implied.pop()
     elif recipe is not None:
         report.tensor_class = recipe.tensor_class
-    chosen, why = against_base.find(base, *layout.declared_base(folder, state), state, token) if requantize else (
+    chosen, why = against_base.find(base, *target_layout.declared_base(folder, state), state, token) if requantize else (
         None, "--no-requantize")
     report.forward = _forward_inputs(target, comps, work, token, revision)
     # built before any load: a spec that cannot be built stops here
@@ -134,7 +134,7 @@ def check_files(comp: TargetComponent, folder: Path, target: str
     tensors, and the stored values. Returns the rebuilt config (None: unreadable), the layer check and the rows."""
     where = f"{target}/{comp.name + '/' if comp.name else ''}config.json"
     files = folder / comp.name if comp.name else folder
-    found = stored.describe_files(files, layout.weight_format(files))  # read once: a pickle is loaded whole
+    found = stored.describe_files(files, target_layout.weight_format(files))  # read once: a pickle is loaded whole
     decl, result = declared.check_saved(comp, found, where)
     if decl is None:
         return None, declared.DeclaredCheck(comp.name, "unreadable"), [ContentCheck(comp.name, "declared config", False,
@@ -244,7 +244,7 @@ def _forward_inputs(target: str, comps: list[TargetComponent], work: Path, token
 
         skip = [f"{c.name}/*.{ext}" if c.name else f"*.{ext}" for c in comps for ext in ("safetensors", "bin")]
         folder = Path(snapshot_download(target, revision=revision, token=token, ignore_patterns=skip))
-    index = layout.read_json(folder, "model_index.json")
+    index = target_layout.read_json(folder, "model_index.json")
     pipeline_class = index.get("_class_name") if index else None
     found = capture.for_components(folder, pipeline_class if isinstance(pipeline_class, str) else None,
                                    {c.name: (c.library, c.class_name) for c in comps}, work / "inputs")
