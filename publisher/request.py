@@ -5,13 +5,17 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from publisher.errors import TargetError
 from publisher.handoffs.report import Mode, VerifyReport
 from publisher.quality import stage as quality
 from publisher.runtime.heap import peak_rss
 from publisher.stages import planning
+
+if TYPE_CHECKING:  # types only
+    from publisher.quality.grid import GridFigures
+    from publisher.quality.lm import LmFigures
 
 Engine = Literal["auto", "streaming", "library"]
 
@@ -80,7 +84,7 @@ class Outcome:
     seconds: dict[str, float] = field(default_factory=dict)  # stage wall times
     rss_after: dict[str, int] = field(default_factory=dict)  # this process's peak RSS at the end of each stage
     benchmark: dict[str, Any] | None = None  # stages.measure result
-    quality: Any = None  # quality.stage figures (perplexity and continuation, or the grid)
+    quality: LmFigures | GridFigures | None = None  # quality.stage figures (perplexity and continuation, or the grid)
     copied: list[dict[str, Any]] = field(default_factory=list)  # --low-disk push: files copied Hub to Hub
 
     def target(self) -> str:  # the repo id a push writes to (a push always has one: it needs a token)

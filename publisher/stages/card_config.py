@@ -13,6 +13,7 @@ from typing import Any
 
 from publisher.configs.layers import resolve
 from publisher.configs.render import canonical
+from publisher.handoffs.artifacts import Artifacts
 from publisher.recipes import Recipe
 
 DEFAULT_WARNING = ("Loading it, torchao 0.18 warns `Config Deprecation: _default is deprecated` "
@@ -103,7 +104,7 @@ def _auto(component: Any) -> str:
     return "AutoModelForCausalLM" if component.class_name.endswith(("ForCausalLM", "LMHeadModel")) else "AutoModel"
 
 
-def section(recipe: Recipe, artifacts: Any, kind: str, base: str) -> ConfigSection:
+def section(recipe: Recipe, artifacts: Artifacts, kind: str, base: str) -> ConfigSection:
     """Everything the card's config section and hardware table say, from the recipe and what was made."""
     comps = artifacts.components
     stored = {c.name: c.quantization_config for c in comps}
