@@ -39,12 +39,13 @@ from action.workflow import (
 STDERR_TAIL = 400  # lines of the CLI's stderr kept to find its one-line error message
 
 
-def cli_command(python: str) -> list[str]:
-    """How to start the CLI: the console script next to `python`, else on PATH, else through `python -c`."""
+def cli_command(python: str, path: str | None = None) -> list[str]:
+    """How to start the CLI: the console script next to `python`, else on the step's PATH (``path``; default this
+    process's), else through `python -c`."""
     script = Path(python).parent / "hf-ao-publish"
     if script.exists():
         return [str(script)]
-    found = shutil.which("hf-ao-publish")
+    found = shutil.which("hf-ao-publish", path=path)
     if found:
         return [found]
     return [python, "-c", "import sys; sys.argv[0] = 'hf-ao-publish'; from publisher.cli import main; main()"]
@@ -185,7 +186,7 @@ def run(env: Mapping[str, str]) -> int:
     temp_root = Path(env.get("RUNNER_TEMP") or tempfile.gettempdir())
     temp_root.mkdir(parents=True, exist_ok=True)
     out_dir = Path(tempfile.mkdtemp(prefix="hf-ao-publish-out-", dir=str(temp_root)))
-    cli = cli_command(env.get("HFAO_PYTHON") or sys.executable)
+    cli = cli_command(env.get("HFAO_PYTHON") or sys.executable, env.get("PATH"))
     # run-on: hf-jobs: the repo folder is made (and removed) in the job; nothing is written on the runner
     argv = cli + req.args + ["--json", *([] if req.remote or req.recheck else [f"--output-dir={out_dir}"])]
     show = "+ " + shlex.join(["hf-ao-publish", *argv[len(cli):]])

@@ -312,8 +312,10 @@ MUTATIONS = [m_dtype, m_shape, m_offsets, m_duplicate, m_metadata, m_entry, m_js
 def repeats(case: Case) -> bool:
     """Whether the header gives a tensor name, or a key of one metadata object, twice: ``case.dup``, or what the header
     as written shows (a mutation can repeat a name another one made without saying so: m_duplicate's copy, then
-    m_json's deep127, found by this test)."""
-    if case.dup or case.text is not None or case.body is not None:
+    m_json's deep127, found by this test), and what it no longer shows (m_metadata's dup-key, then its null, which
+    replaces the object that held the repeat: found by this test on 2026-12-05). ``case.dup`` is trusted only where the
+    header's text is given whole."""
+    if case.text is not None or case.body is not None:
         return case.dup
     names = [k for k, _ in case.header.pairs if k != "__metadata__"]
     metas = [v.pairs for k, v in case.header.pairs if k == "__metadata__" and isinstance(v, Obj)]
@@ -447,3 +449,9 @@ def test_range_read_is_validated_like_a_local_file(tmp_path: Path) -> None:
     with pytest.raises(InputError, match=r"org/repo@0123/x.safetensors is not a valid safetensors file: tensor 'b'") as exc:
         read_header(Remote(blob))
     assert exc.value.kind == "offsets"
+
+
+def test_a_repeat_a_later_mutation_removed_is_not_one() -> None:
+    """m_metadata's dup-key, then its null: the header holds no repeat any more, whatever ``case.dup`` says."""
+    assert not repeats(Case(Obj([("__metadata__", Raw("null"))]), 0, dup=True))
+    assert repeats(Case(Obj([("__metadata__", Obj([("k", "1"), ("k", "2")]))]), 0))
