@@ -185,10 +185,11 @@ def run(env: Mapping[str, str]) -> int:
         return fail_early(env, model, str(exc), secrets, exc.code)
     temp_root = Path(env.get("RUNNER_TEMP") or tempfile.gettempdir())
     temp_root.mkdir(parents=True, exist_ok=True)
-    out_dir = Path(tempfile.mkdtemp(prefix="hf-ao-publish-out-", dir=str(temp_root)))
+    # the CLI's repo folder (a recheck makes none)
+    out_dir = None if req.recheck else Path(tempfile.mkdtemp(prefix="hf-ao-publish-out-", dir=str(temp_root)))
     cli = cli_command(env.get("HFAO_PYTHON") or sys.executable, env.get("PATH"))
     # run-on: hf-jobs: the repo folder is made (and removed) in the job; nothing is written on the runner
-    argv = cli + req.args + ["--json", *([] if req.remote or req.recheck else [f"--output-dir={out_dir}"])]
+    argv = cli + req.args + ["--json", *([] if req.remote or out_dir is None else [f"--output-dir={out_dir}"])]
     show = "+ " + shlex.join(["hf-ao-publish", *argv[len(cli):]])
     what = f"recheck {req.model}" if req.recheck else "; ".join(parse_quant(env.get("HFAO_QUANT")))
     try:
@@ -202,8 +203,7 @@ def run(env: Mapping[str, str]) -> int:
     if message:
         message = redact(message, secrets)
         error(message)
-    if req.recheck:
-        out_dir.rmdir()
+    if out_dir is None:  # a recheck
         return _rechecked(env, payload, message, cli_run.returncode, secrets)
     results = result.entries(payload)
     for r in results:

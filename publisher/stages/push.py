@@ -104,8 +104,9 @@ def up_to_date(repo_id: str, token: str | None, fingerprint: str, *, create_pr: 
     return PushResult(repo_id, url, head, f"{url}/discussions/{pr[0]}" if pr else None, True, False), previous
 
 
-def find_open_pr(repo_id: str, token: str | None) -> tuple[int, str] | None:
-    """Our open pull request on the target, if a previous --create-pr run opened one."""
+def find_open_pr(repo_id: str, token: str | None, title_prefix: str = "hf-ao-publish:") -> tuple[int, str] | None:
+    """Our open pull request on the target, if a previous --create-pr run opened one (or, with ``title_prefix``, a
+    previous run of another command: `recheck`'s)."""
     from huggingface_hub.errors import RepositoryNotFoundError
 
     api = hub.client(token)
@@ -117,7 +118,7 @@ def find_open_pr(repo_id: str, token: str | None) -> tuple[int, str] | None:
     except RepositoryNotFoundError:
         return None  # a new target: no PR yet
     for disc in discussions:
-        if disc.title.startswith("hf-ao-publish:"):
+        if disc.title.startswith(title_prefix):
             return disc.num, disc.git_reference or f"refs/pr/{disc.num}"
     return None
 

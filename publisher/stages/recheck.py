@@ -24,6 +24,7 @@ from publisher import __version__
 from publisher.handoffs.report import PATHS, REPORT_NAME, EnvRecord, PathResult, VerifyReport
 from publisher.io import hub
 from publisher.stages import card
+from publisher.stages.push import find_open_pr
 from publisher.verify import claims
 from publisher.verify.target import verify_target
 
@@ -32,7 +33,7 @@ log = logging.getLogger(__name__)
 CARD = "README.md"
 TITLE = "hf-ao-publish recheck"
 RECHECK_ENV = "recheck"  # the kind and name prefix of the rechecking environment's rows
-KEYED = ("torch", "torchao", "diffusers", "transformers", "accelerate", "safetensors")
+KEYED = (*claims.CORE, *claims.LIBRARIES, "accelerate")  # the versions that make an environment what it is
 
 
 @dataclass
@@ -159,16 +160,16 @@ def recheck(repo: str, work: Path, *, compat: tuple[str, ...] = (), token: str |
     libraries = {c for c in ("diffusers", "transformers") if any(c in r.versions for r in merged.results)}
     readme = Path(readme_file).read_text() if readme_file else ""
     new_readme = replace_section(readme, section(merged, published, libraries, len({r.component for r in merged.results})))
-    record = {**published, "compat": [{**asdict(r), "outcome": r.outcome} for r in merged.compat],
-              "environments": [asdict(e) for e in merged.environments],
+    rows = merged.to_dict()
+    record = {**published, "compat": rows["compat"], "environments": rows["environments"],
               "rechecks": [*published.get("rechecks", []), {"date": when, "tool": f"hf-ao-publish {__version__}",
                                                             "revision": sha, "changes": [asdict(c) for c in changes]}]}
     if not published:
-        record.update(recipe=merged.recipe, results=[{**asdict(r), "outcome": r.outcome} for r in now.results])
+        record.update(recipe=merged.recipe, results=now.to_dict()["results"])
     ops = [CommitOperationAdd(CARD, new_readme.encode()),
            CommitOperationAdd(REPORT_NAME, (json.dumps(record, indent=2, sort_keys=True) + "\n").encode())]
     message = f"{TITLE}: {len(changes)} compatibility row(s) changed"
-    open_pr = _open_pull_request(api, repo)
+    open_pr = find_open_pr(repo, token, title_prefix=f"{TITLE}:")
     if open_pr is not None:  # an earlier recheck's, not merged yet: updated, not a second one beside it
         num, ref = open_pr
         hub.call(api.create_commit, repo, ops, commit_message=message, commit_description=describe(changes), revision=ref,
@@ -179,15 +180,6 @@ def recheck(repo: str, work: Path, *, compat: tuple[str, ...] = (), token: str |
                         create_pr=True, parent_commit=sha, what=f"open a pull request on {repo}")
         result.pull_request = info.pr_url
     return result
-
-
-def _open_pull_request(api: Any, repo: str) -> tuple[int, str] | None:
-    discussions = hub.call(lambda: list(api.get_repo_discussions(repo, discussion_type="pull_request", discussion_status="open")),
-                           what=f"listing the pull requests of {repo}")
-    for disc in discussions:
-        if disc.title.startswith(f"{TITLE}:"):
-            return disc.num, disc.git_reference or f"refs/pr/{disc.num}"
-    return None
 
 
 def describe(changes: list[Change]) -> str:

@@ -170,7 +170,7 @@ def build(spec: EnvSpec, root: Path | None = None, *, heavy_torch: bool = True) 
              spec.text, ", ".join(spec.names), final)
     try:
         packages, downloads = _build_into(tmp, spec, heavy_torch)
-        import_error = _import_error(tmp, spec)
+        import_error = _import_error(tmp, {**installed_versions(), **packages})
         seconds = round(time.monotonic() - started, 1)
         record = {"spec": spec.text, "packages": packages, "seconds": seconds, "parent": sys.prefix,
                   "python": sys.version.split()[0], "built": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
@@ -266,7 +266,7 @@ def _build_into(folder: Path, spec: EnvSpec, heavy_torch: bool = True) -> tuple[
     if downloads:
         log.info("verification environment %s: pip installed %s (%s on disk)", spec.text,
                  "; ".join(f"{d['name']} {d['version']} from {d['source']}" for d in downloads),
-                 _mb(sum(f.stat().st_size for f in Path(own_site).rglob("*") if f.is_file())))
+                 f"{sum(f.stat().st_size for f in Path(own_site).rglob('*') if f.is_file()) / 1e6:,.0f} MB")
     return packages, downloads
 
 
@@ -288,11 +288,7 @@ def _downloads(report: Path) -> list[dict[str, str]]:
     return out
 
 
-def _mb(n: int) -> str:
-    return f"{n / 1e6:,.0f} MB"
-
-
-def _import_error(folder: Path, spec: EnvSpec) -> str:
+def _import_error(folder: Path, versions: dict[str, str]) -> str:
     """One line when the layer's torch and torchao cannot be imported together (a torch this torchao was not built
     for), else "": the matrix then shows that in one row instead of a crash in every load."""
     code = "import torch, torchao; print(torch.__version__, torchao.__version__)"
@@ -305,7 +301,6 @@ def _import_error(folder: Path, spec: EnvSpec) -> str:
         return ""
     lines = [line.strip() for line in proc.stderr.splitlines() if line.strip()]
     error = next((line for line in reversed(lines) if re.match(r"^[A-Za-z_.]*(Error|Exception)\b", line)), lines[-1] if lines else "no output")
-    versions = installed_versions([str(d) for d in folder.glob("lib/python*/site-packages")] + parent_site_dirs())
     return (f"torch {versions.get('torch', '?')} cannot import torchao {versions.get('torchao', '?')}: {error[:240]}")
 
 
