@@ -85,7 +85,7 @@ def test_the_cpu_index_then_the_build_the_sources_have(sources: dict[str, Path],
         heavy = envs.build(envs.parse_spec(f"torch=={FAKE}"), root=tmp_path / "other-envs")
     assert heavy.packages["torch"] == FAKE and "the CUDA build, about 0.5 GB" in caplog.text
     with pytest.raises(EnvBuildError, match=f"torch=={FAKE}"):  # unasked (the newest): never that download
-        envs.build(envs.parse_spec(f"torch=={FAKE}"), root=tmp_path / "third-envs", heavy_torch=False)
+        envs.build(envs.parse_spec(f"torch=={FAKE}"), root=tmp_path / "third-envs", unasked=True)
 
 
 def test_a_torch_that_cannot_import_torchao_is_one_failing_row(tmp_path: Path) -> None:

@@ -43,6 +43,8 @@ log = logging.getLogger(__name__)
 RECORD = "hf-ao-publish-env.json"
 PTH = "zz-hf-ao-publish-layer.pth"  # processed after the layer's own .pth files (alphabetical order)
 PIP_TIMEOUT_S = 1800
+UNBUILDABLE = "unbuildable.json"  # unasked specs that could not be built here, remembered for a day
+UNBUILDABLE_TTL_S = 24 * 3600
 _NAME = re.compile(r"^\s*[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -152,9 +154,11 @@ def layer_python(folder: Path) -> Path:
     return folder / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 
 
-def build(spec: EnvSpec, root: Path | None = None, *, heavy_torch: bool = True) -> BuiltEnv:
-    """The environment for ``spec``: reused from the cache when built before, else built now. ``heavy_torch`` False:
-    a torch only in its CPU build on a machine without CUDA (torch_sources), never PyPI's CUDA build."""
+def build(spec: EnvSpec, root: Path | None = None, *, unasked: bool = False) -> BuiltEnv:
+    """The environment for ``spec``: reused from the cache when built before, else built now. ``unasked`` (a version
+    nobody named, the matrix's newest releases): a torch only in its CPU build on a machine without CUDA
+    (torch_sources), never PyPI's CUDA build; and a failure is kept beside the entries for a day (UNBUILDABLE), so that
+    later runs do not try again."""
     root = root or envs_root()
     key = cache_key(spec)
     final = root / _folder_name(spec, key)
@@ -162,6 +166,46 @@ def build(spec: EnvSpec, root: Path | None = None, *, heavy_torch: bool = True) 
     if cached is not None:
         log.info("verification environment %s: reusing %s", spec.text, final)
         return cached
+    if not unasked:
+        return _build_new(spec, root, final)
+    remembered = _remembered_failure(root, spec, key)
+    if remembered:
+        raise EnvBuildError(f"cannot build the verification environment {spec.text}: {remembered}")
+    try:
+        return _build_new(spec, root, final, heavy_torch=False)
+    except EnvBuildError as exc:
+        _remember_failure(root, spec, key, str(exc).removeprefix(f"cannot build the verification environment {spec.text}: "))
+        raise
+
+
+def _remembered_failure(root: Path, spec: EnvSpec, key: str) -> str:
+    try:
+        entry = json.loads((root / UNBUILDABLE).read_text()).get(spec.text) or {}
+    except (OSError, ValueError):
+        return ""
+    if time.time() - float(entry.get("at", 0)) > UNBUILDABLE_TTL_S or entry.get("key") != key:
+        return ""
+    return f"{entry.get('reason', '')} (remembered from {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(entry['at']))})"
+
+
+def _remember_failure(root: Path, spec: EnvSpec, key: str, reason: str) -> None:
+    path = root / UNBUILDABLE
+    try:
+        data = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        data = {}
+    data[spec.text] = {"reason": reason, "at": time.time(), "key": key}
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.{os.getpid()}")
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+        tmp.replace(path)
+    except OSError:  # a read-only cache: the build is tried again next run
+        pass
+
+
+def _build_new(spec: EnvSpec, root: Path, final: Path, heavy_torch: bool = True) -> BuiltEnv:
+    """Build the entry in a temporary folder, then rename it into place with its record written last."""
     root.mkdir(parents=True, exist_ok=True)
     tmp = root / f".building-{final.name}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -12,7 +12,6 @@ built before anything is downloaded, so a spec that cannot be built stops the ru
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -33,8 +32,6 @@ log = logging.getLogger(__name__)
 DEFAULT = "default"
 NONE = "none"
 LATEST = "latest"  # the newest releases on the index alone (the default matrix includes them)
-UNBUILDABLE = "unbuildable.json"  # newest releases whose environment could not be built, remembered for a day
-UNBUILDABLE_TTL_S = 24 * 3600
 
 
 @dataclass
@@ -146,14 +143,11 @@ def _newest_envs(found: compat.Newest, installed: dict[str, str], done: set[str]
         why = compat.NEWEST_WHY.format(package=package)
         if spec in done:
             continue
-        reason = _remembered_failure(spec)
-        if not reason:
-            try:
-                out.append(_built(spec, gating=False, why=why, newest=True, asked=False))
-                continue
-            except EnvBuildError as exc:
-                reason = str(exc).removeprefix(f"cannot build the verification environment {spec}: ")
-                _remember_failure(spec, reason)
+        try:
+            out.append(_built(spec, gating=False, why=why, newest=True, asked=False))
+            continue
+        except EnvBuildError as exc:
+            reason = str(exc).removeprefix(f"cannot build the verification environment {spec}: ")
         line = f"{package} {version} (newest): not measured: {reason}"
         log.warning("compatibility matrix: %s", line)
         out.append(_skipped(spec, line))
@@ -164,40 +158,10 @@ def _skipped(name: str, reason: str) -> Env:
     return Env(EnvRecord(name, "spec", gating=False, why=reason, newest=True, skipped=reason), "")
 
 
-def _failures_file() -> Path:
-    return env_builder.envs_root() / UNBUILDABLE
-
-
-def _remembered_failure(spec: str) -> str:
-    try:
-        entry = json.loads(_failures_file().read_text()).get(spec) or {}
-    except (OSError, ValueError):
-        return ""
-    if time.time() - float(entry.get("at", 0)) > UNBUILDABLE_TTL_S or entry.get("key") != env_builder.cache_key(
-            env_builder.parse_spec(spec)):
-        return ""
-    return f"{entry.get('reason', '')} (remembered from {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(entry['at']))})"
-
-
-def _remember_failure(spec: str, reason: str) -> None:
-    path = _failures_file()
-    try:
-        data = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError):
-        data = {}
-    data[spec] = {"reason": reason, "at": time.time(), "key": env_builder.cache_key(env_builder.parse_spec(spec))}
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-        tmp.replace(path)
-    except OSError:  # a read-only cache: the lookup is tried again next run
-        pass
-
-
 def _built(spec: str, *, gating: bool, why: str, newest: bool = False, asked: bool = True) -> Env:
-    """``asked`` False (a newest release nobody named): a torch only in its CPU build where there is no CUDA."""
-    built = env_builder.build(env_builder.parse_spec(spec), heavy_torch=asked)
+    """``asked`` False (a newest release nobody named): envs.build's ``unasked`` (the CPU build of a torch or nothing, a
+    failure remembered for a day)."""
+    built = env_builder.build(env_builder.parse_spec(spec), unasked=not asked)
     record = EnvRecord(spec, "spec", gating=gating, packages=dict(built.packages), why=why,
                        build_seconds=None if built.reused else built.seconds, newest=newest, unusable=built.import_error)
     return Env(record, built.python)
