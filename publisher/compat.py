@@ -100,7 +100,9 @@ def newest_packages(libraries: set[str]) -> tuple[str, ...]:
 def offline() -> bool:
     """The user said offline (HF_HUB_OFFLINE): no package index is asked either. (pip's own ``--no-index`` with a
     folder of wheels is a source like any other: it is asked.)"""
-    return os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)  # huggingface_hub's own reading of the variable, as the rest of the run's
 
 
 def newest(libraries: set[str], installed: dict[str, str]) -> Newest:

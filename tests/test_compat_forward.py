@@ -120,7 +120,9 @@ def test_the_newest_releases_join_the_matrix(sources: dict[str, Path], caplog: p
 
 def test_offline_the_newest_releases_are_skipped_with_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     compat._look_up.cache_clear()
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)  # what HF_HUB_OFFLINE=1 makes of it when the CLI starts
     found = compat.newest({"diffusers"}, {})
     assert found.versions == {} and found.skipped == "the newest releases were not looked up: offline (HF_HUB_OFFLINE is set)"
     assert compat._look_up.cache_info().misses == 0  # no index asked
