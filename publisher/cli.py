@@ -19,7 +19,6 @@ from publisher import recipes as recipe_registry
 from publisher.compat import matrix_plan
 from publisher.quality import options as quality_options
 from publisher.recipe_table import recipes_text
-from publisher.stages.preflight import low_disk_conflict
 
 if TYPE_CHECKING:  # types only: the job and its stages are imported when a command runs
     from publisher.handoffs.report import Mode
@@ -214,55 +213,20 @@ def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | 
         _check_remote_options(ctx, hf_jobs_timeout)
     elif ctx.get_parameter_source("hf_jobs_timeout") is not click.core.ParameterSource.DEFAULT:
         raise click.UsageError("--hf-jobs-timeout applies to --on-hf-jobs; add --on-hf-jobs FLAVOR or drop it")
-    if verify_envs and verify_mode == "streaming":
-        raise click.UsageError("--verify-env reloads whole components in another interpreter; use --verify-mode full or auto with it")
-    if verify_mode == "streaming" and set(compat) - {"default", "none"}:
-        raise click.UsageError("--compat environments reload whole components in another interpreter; "
-                               "use --verify-mode full or auto with them")
-    conflict = low_disk and low_disk_conflict(benchmark=benchmark, verify_envs=bool(verify_envs), push=not no_push)
-    if conflict:
-        raise click.UsageError(f"{conflict}; drop one of them" + (", or add --no-push" if "--verify-env" in conflict else ""))
     evaluation = _run_mapped(debug, quality_options.settings, eval_dataset, eval_tokens, eval_budget, min_quality,
                              sample_prompt, sample_size, sample_steps, full_images)
-    if low_disk and engine == "library":
-        raise click.UsageError("--low-disk reads weights by HTTP range, which only the streaming engine does; drop --engine library")
-    if max_shard_size is not None:
-        _check_size(max_shard_size)
+    from publisher.request import BaseSpec, CheckSpec, MakeSpec, PublishRequest, TargetSpec
+
+    req = _run_mapped(debug, lambda: PublishRequest(  # every usage rule is the request's own (exit 2)
+        base=BaseSpec(model_id, revision, [c.strip() for c in components.split(",") if c.strip()] if components else None,
+                      list(exclude), trust_remote_code),
+        make=MakeSpec(list(quant), list(layer_config), engine, max_shard_size, allow_unquantized),
+        target=TargetSpec(repo_id, not no_push, private, create_pr, force, output_dir, low_disk, recheck_published),
+        checks=CheckSpec(verify_envs, compat, verify_mode, benchmark, sample_prompt, sample_steps, sample_size, evaluation),
+        token=token, keep_going=keep_going, command=_command_line(ctx)))
     _start(debug, quiet)
     from publisher.job import run
-    from publisher.request import PublishRequest
 
-    req = PublishRequest(
-        model=model_id,
-        quant=list(quant),
-        components=[c.strip() for c in components.split(",") if c.strip()] if components else None,
-        exclude=list(exclude),
-        layer_config=list(layer_config),
-        repo_id=repo_id,
-        revision=revision,
-        private=private,
-        token=token,
-        output_dir=output_dir,
-        push=not no_push,
-        create_pr=create_pr,
-        trust_remote_code=trust_remote_code,
-        keep_going=keep_going,
-        verify_envs=verify_envs,
-        compat=compat,
-        sample_prompt=sample_prompt,
-        sample_steps=sample_steps,
-        sample_size=sample_size,
-        engine=engine,
-        low_disk=low_disk,
-        verify_mode="full" if verify_envs and verify_mode == "auto" else verify_mode,
-        benchmark=benchmark,
-        allow_unquantized=allow_unquantized,
-        max_shard_size=max_shard_size,
-        recheck_published=recheck_published,
-        force=force,
-        command=_command_line(ctx),
-        evaluation=evaluation,
-    )
     if on_hf_jobs is not None:
         from publisher.hfjobs import remote
 
@@ -420,15 +384,6 @@ def recheck_cmd(repos: tuple[str, ...], token: str | None, compat: tuple[str, ..
                                              "exit_code": 1} if failed else {})})
     if failed:
         raise _Failure(f"{len(failed)} of {len(repos)} repos could not be rechecked", 1)
-
-
-def _check_size(value: str) -> None:
-    from publisher.stages.lowdisk_push import size_bytes
-
-    try:
-        size_bytes(value)
-    except ValueError:
-        raise click.UsageError(f"--max-shard-size {value!r} is not a size; give one such as 2GB, 500MB or 1000000000") from None
 
 
 def _command_line(ctx: click.Context) -> str:

@@ -55,23 +55,23 @@ def resolve_token(token: str | None) -> str | None:
 def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = True) -> planning.Plan:
     """Everything that can fail cheaply fails here, before any weight is downloaded. ``check_hardware=False``
     when the job runs elsewhere (Hugging Face Jobs: the flavor is checked instead of this machine)."""
-    units = planning.precheck_recipes(req.quant, req.layer_config, check_hardware=check_hardware)  # no torchao yet
-    components = planning.mapped_components(units, req.components)
-    components_from = "--quant" if components and not req.components else "--components"
-    matrix.check(req.verify_envs, req.compat)
-    if req.repo_id:
-        planning.check_target_id(req.repo_id.replace("{recipe}", "x"))
-    source_stage.check_named_folder(req.model)
+    units = planning.precheck_recipes(req.make.quant, req.make.layer_config, check_hardware=check_hardware)  # no torchao yet
+    components = planning.mapped_components(units, req.base.components)
+    components_from = "--quant" if components and not req.base.components else "--components"
+    matrix.check(req.checks.verify_envs, req.checks.compat)
+    if req.target.repo_id:
+        planning.check_target_id(req.target.repo_id.replace("{recipe}", "x"))
+    source_stage.check_named_folder(req.base.model)
     from huggingface_hub import constants
 
     offline = constants.HF_HUB_OFFLINE  # an air-gapped run: nothing of ours asks the Hub
-    if req.push and offline:
+    if req.target.push and offline:
         raise TargetError("HF_HUB_OFFLINE is set and pushing needs the Hub; unset HF_HUB_OFFLINE, or use --no-push")
-    if req.push and not token:
+    if req.target.push and not token:
         raise TargetError("pushing needs a Hub token with write access; set HF_TOKEN (or pass --token), or use --no-push")
-    if req.output_dir is not None:
-        unfinished.check_output_dir(req.output_dir)
-    src = source_stage.resolve(req.model, req.revision, token)
+    if req.target.output_dir is not None:
+        unfinished.check_output_dir(req.target.output_dir)
+    src = source_stage.resolve(req.base.model, req.base.revision, token)
     user, who = None, None  # before any file of the base is read: a gated base needs the token's gated access
     if token and not offline:  # offline (no push): no default repo id is asked for, the card says none was chosen
         from publisher.io import hub
@@ -81,21 +81,21 @@ def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = 
         user = who.get("name")
         if src.gated and src.repo_id and (reason := TokenRights.of(who).gated_reason(src.repo_id)) is not None:
             raise SourceError(reason)
-    planning.check_layout(src, components, token, req.trust_remote_code, components_from)  # model_index.json alone
-    recipes = planning.parse_recipes(req.quant, req.layer_config)  # torchao reads every config: one it rejects stops here
+    planning.check_layout(src, components, token, req.base.trust_remote_code, components_from)  # model_index.json alone
+    recipes = planning.parse_recipes(req.make.quant, req.make.layer_config)  # torchao reads every config: one it rejects stops here
     for recipe in recipes if check_hardware else ():
         recipe_registry.check_can_quantize(recipe)
-    targets = planning.target_ids(src, recipes, req.repo_id, user)
-    options = {"components": req.components, "exclude": req.exclude}
+    targets = planning.target_ids(src, recipes, req.target.repo_id, user)
+    options = {"components": req.base.components, "exclude": req.base.exclude}
     plan = planning.build_plan(
-        src, recipes, components=components, exclude=list(req.exclude), targets=targets, token=token,
-        trust_remote_code=req.trust_remote_code, options=options, components_from=components_from,
+        src, recipes, components=components, exclude=list(req.base.exclude), targets=targets, token=token,
+        trust_remote_code=req.base.trust_remote_code, options=options, components_from=components_from,
     )
     plan = replace(plan, options={**options, "card": req.card_options(plan.kind)})
-    if req.evaluation is not None:  # a bound on a figure this model has not, or cannot get: a usage error, before any download
-        quality.options.check_applicable(req.evaluation.bounds, quality.kind_of(plan), f"{req.model} ({plan.quantized[0].class_name})")
-        quality.check_measurable(req.evaluation, plan, token)
-    if req.push:  # after the base checks, in the order the preflight promises
+    if req.checks.evaluation is not None:  # a bound on a figure this model has not, or cannot get: a usage error, before any download
+        quality.options.check_applicable(req.checks.evaluation.bounds, quality.kind_of(plan), f"{req.base.model} ({plan.quantized[0].class_name})")
+        quality.check_measurable(req.checks.evaluation, plan, token)
+    if req.target.push:  # after the base checks, in the order the preflight promises
         for target in targets.values():
             pushing.check_writable(str(target), token, who)  # a push has a token, so every target is named
     return plan
@@ -148,30 +148,30 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
     if not todo:
         return outcomes
 
-    auto_dir = req.output_dir is None
+    auto_dir = req.target.output_dir is None
     from huggingface_hub import constants
 
-    text = quality.read_text(req.evaluation, plan, token) if req.evaluation else None  # one request, before the download
+    text = quality.read_text(req.checks.evaluation, plan, token) if req.checks.evaluation else None  # one request, before the download
 
-    if req.low_disk and plan.source.local_dir is not None:
+    if req.target.low_disk and plan.source.local_dir is not None:
         log.info("--low-disk has no effect on a local base folder: its weights are already on disk")
-    estimate = preflight.check(plan, req.output_dir or Path(tempfile.gettempdir()), Path(constants.HF_HUB_CACHE),
-                               req.engine, req.low_disk, req.push, req.max_shard_size)
-    preflight.check_low_disk(estimate.low_disk, req.push, benchmark=req.benchmark, verify_envs=bool(req.verify_envs))
+    estimate = preflight.check(plan, req.target.output_dir or Path(tempfile.gettempdir()), Path(constants.HF_HUB_CACHE),
+                               req.make.engine, req.target.low_disk, req.target.push, req.make.max_shard_size)
+    preflight.check_low_disk(estimate.low_disk, req.target.push, benchmark=req.checks.benchmark, verify_envs=bool(req.checks.verify_envs))
     remote = fetch.RemoteWeights(plan, token) if estimate.low_disk else None
     # Environments are built before the download: a spec that cannot be built stops the run while it is cheap.
-    gating, measured = matrix.prepare(req.verify_envs, req.compat, {r.recipe.name: r.recipe.tensor_classes for r in todo},
+    gating, measured = matrix.prepare(req.checks.verify_envs, req.checks.compat, {r.recipe.name: r.recipe.tensor_classes for r in todo},
                                       {c.library for c in plan.quantized},
-                                      measure=not ((estimate.low_disk and req.push) or req.verify_mode == "streaming"))
+                                      measure=not ((estimate.low_disk and req.target.push) or req.checks.verify_mode == "streaming"))
     for r in todo:
         r.compat_envs = measured.get(r.recipe.name, [])
-    shard_size, elsewhere = lowdisk_push.staging(plan, estimate.low_disk and req.push, req.max_shard_size)
+    shard_size, elsewhere = lowdisk_push.staging(plan, estimate.low_disk and req.target.push, req.make.max_shard_size)
     started = time.monotonic()
     base_dir = fetch.fetch(plan, token, skip=(remote.files if remote is not None else frozenset()) | elsewhere)
     for outcome in outcomes:
         outcome.seconds["download"] = round(time.monotonic() - started, 3)
         outcome.rss_after["download"] = peak_rss_bytes()
-    out_root = Path(tempfile.mkdtemp(prefix="hf-ao-publish-")) if auto_dir else req.output_dir
+    out_root = Path(tempfile.mkdtemp(prefix="hf-ao-publish-")) if auto_dir else req.target.output_dir
     assert out_root is not None
     existed = out_root.exists()
     work_dir = tempfile.TemporaryDirectory(prefix="hf-ao-verify-")
@@ -179,8 +179,8 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
     try:
         with _timed(outcomes[0], "inputs"):  # one derivation for every recipe: the same base, the same call
             inputs = capture.prepare(plan, base_dir, work / "inputs")
-            evaluation = (quality.Evaluation(req.evaluation, text, plan, base_dir, elsewhere, token, work)
-                          if req.evaluation is not None else None)
+            evaluation = (quality.Evaluation(req.checks.evaluation, text, plan, base_dir, elsewhere, token, work)
+                          if req.checks.evaluation is not None else None)
         shared = Shared(req, plan, token, base_dir, work, out_root, capability, remote, gating, inputs, evaluation,
                         shard_size, elsewhere)
         for r in todo:
@@ -199,7 +199,7 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
                 r.outcome.files = r.done[0].files()
             else:  # removed, or never finished: nothing there passes for a repo
                 r.outcome.folder = None
-        if req.push:
+        if req.target.push:
             for r in todo:
                 if r.done:
                     r.push(shared, todo)
@@ -212,7 +212,7 @@ def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outco
         raise
     finally:
         work_dir.cleanup()
-        if auto_dir and req.push:
+        if auto_dir and req.target.push:
             shutil.rmtree(out_root, ignore_errors=True)
             for outcome in outcomes:
                 outcome.folder = None
@@ -226,8 +226,8 @@ def _write_cards(shared: Shared, runs: Sequence[RecipeRun], only: str | None = N
     return card.write_cards(
         shared.plan, {r.recipe.name: r.result for r in built}, {r.recipe.name: r.outcome.quality for r in built},
         {r.recipe.name: r.outcome.benchmark for r in built}, command=req.command, endpoint=hub.endpoint(),
-        sample={"prompt": req.sample_prompt, "steps": req.sample_steps, "size": req.sample_size},
-        evaluation=req.evaluation, only=only, folders={r.recipe.name: r.folder for r in built if r.folder},
+        sample={"prompt": req.checks.sample_prompt, "steps": req.checks.sample_steps, "size": req.checks.sample_size},
+        evaluation=req.checks.evaluation, only=only, folders={r.recipe.name: r.folder for r in built if r.folder},
         shard_size=shared.shard_size)
 
 
@@ -255,10 +255,10 @@ class RecipeRun:
     def up_to_date(self, req: PublishRequest, token: str | None) -> bool:
         """A re-run with nothing changed is a no-op: checked before any download. Records the target's previous
         state (for the commit description) on the way; said once, by the CLI's summary line."""
-        if not req.push:
+        if not req.target.push:
             return False
         same, self.previous = pushing.up_to_date(self.outcome.target(), token, self.state["fingerprint"],
-                                                 create_pr=req.create_pr, force=req.force)
+                                                 create_pr=req.target.create_pr, force=req.target.force)
         if same is None or self.previous is None:
             return False
         outcome = self.outcome
@@ -271,9 +271,9 @@ class RecipeRun:
         --low-disk with a push: the output shards and the unchanged base files go to the target as the run goes
         (lowdisk_push), so the target repo exists from the start; one this run created goes again on failure."""
         self.folder = self.outcome.folder = prepare_output(shared.out_root, self.recipe, len(shared.plan.recipes) > 1)
-        if shared.remote is not None and shared.req.push:
+        if shared.remote is not None and shared.req.target.push:
             self.uploader, self.created = lowdisk_push.open_uploader(
-                shared.plan, self.outcome.target(), shared.token, shared.req.private,
+                shared.plan, self.outcome.target(), shared.token, shared.req.target.private,
                 partial_folder(self.folder, shared.out_root), self.recipe.tensor_classes, shared.shard_size,
                 shared.elsewhere)
         try:
@@ -292,19 +292,19 @@ class RecipeRun:
         with _timed(outcome, "quantize"):
             self.cache = ComponentCache(default_root(), bytes_key(self.state))
             artifacts = quantize_recipe(shared.plan, shared.base_dir, recipe, partial_folder(folder, shared.out_root),
-                                        device, engine=req.engine, cache=self.cache, remote=shared.remote,
+                                        device, engine=req.make.engine, cache=self.cache, remote=shared.remote,
                                         uploader=self.uploader, fingerprint=self.state["fingerprint"],
                                         max_shard_size=shared.shard_size, elsewhere=shared.elsewhere,
                                         inputs=shared.inputs,
                                         observer=shared.evaluation.observer if shared.evaluation else None)
         # nothing quantized is an error unless accepted
-        quantize_stage.report_layers(artifacts, shared.base_dir, req.allow_unquantized)
+        quantize_stage.report_layers(artifacts, shared.base_dir, req.make.allow_unquantized)
         outcome.components = [c.to_json(artifacts.layers[c.name].to_dict()) for c in artifacts.components]
         work = shared.work / recipe.name
         with _timed(outcome, "verify"):
             report = verify(artifacts, work, envs=[e.pair for e in shared.gating_envs], base_sources=shared.base_sources(),
                             token=shared.token, device=device,
-                            mode="streaming" if self.uploader is not None else req.verify_mode, inputs=shared.inputs)
+                            mode="streaming" if self.uploader is not None else req.checks.verify_mode, inputs=shared.inputs)
         outcome.report = report
         outcome.verified = report.passed
         require_passed(report)
@@ -313,16 +313,16 @@ class RecipeRun:
                            token=shared.token, device=device)
         building = artifacts.folder  # the .partial folder until finalize()
         pushing.write_repo_files(building, dict(self.state, verified=report.passed))
-        if device == "cuda" or req.benchmark:
+        if device == "cuda" or req.checks.benchmark:
             from publisher.stages.measure import measure
 
             with _timed(outcome, "benchmark"):
                 outcome.benchmark = measure(artifacts.components, report.expected, building, shared.base_dir, device)
-        if shared.evaluation is not None and req.evaluation is not None:  # the figures, then the gate: before any push
+        if shared.evaluation is not None and req.checks.evaluation is not None:  # the figures, then the gate: before any push
             with _timed(outcome, "evaluation"):
                 outcome.quality = shared.evaluation.run(artifacts, shared.base_sources(), outcome.seconds["quantize"],
                                                         recipe)
-            quality.gate(req.evaluation, outcome.quality, recipe.name)
+            quality.gate(req.checks.evaluation, outcome.quality, recipe.name)
         self.done = (artifacts, report)
 
     def failed(self, shared: Shared, exc: PublishError) -> None:
@@ -338,7 +338,7 @@ class RecipeRun:
         if self.done is None or self.folder is None:
             return
         unfinished.finish(*self.done, self.folder)
-        if not shared.req.push and self.cache is not None:  # nothing left to resume
+        if not shared.req.target.push and self.cache is not None:  # nothing left to resume
             self.cache.drop([c.name for c in shared.plan.quantized])
 
     def discard_created(self, token: str | None) -> None:
@@ -353,19 +353,19 @@ class RecipeRun:
         outcome, req = self.outcome, shared.req
         state = dict(self.state, verified=report.passed)
         message, description = pushing.commit_text(shared.plan.source, self.recipe.name, self.previous, state,
-                                                   forced=req.force)
+                                                   forced=req.target.force)
         started = time.monotonic()
         try:
             if isinstance(artifacts.uploader, lowdisk_push.ShardUploader):  # --low-disk: shards already uploaded
                 created, self.created = self.created, False
                 result = lowdisk_push.push_staged(
-                    artifacts.folder, report, artifacts.uploader, token=shared.token, create_pr=req.create_pr,
+                    artifacts.folder, report, artifacts.uploader, token=shared.token, create_pr=req.target.create_pr,
                     message=message, description=description, created=created,
                     check=lambda oid: self.check_pull_request(shared, siblings, oid))
             else:
                 result = pushing.push(
-                    artifacts.folder, report, repo_id=outcome.target(), token=shared.token, private=req.private,
-                    create_pr=req.create_pr, message=message, description=description, state=state, force=req.force,
+                    artifacts.folder, report, repo_id=outcome.target(), token=shared.token, private=req.target.private,
+                    create_pr=req.target.create_pr, message=message, description=description, state=state, force=req.target.force,
                 )
         except Exception as exc:  # re-raised: the outcome records the one-line reason for --json
             from publisher.messages import describe
@@ -378,12 +378,12 @@ class RecipeRun:
         outcome.seconds["push"] = round(time.monotonic() - started, 3)
         if self.cache is not None:  # published: nothing to resume
             self.cache.drop([c.name for c in shared.plan.quantized])
-        if outcome.pushed and not req.create_pr:
+        if outcome.pushed and not req.target.create_pr:
             with _timed(outcome, "published_check"):
                 try:
                     results = published.check_published(
                         report, outcome.target(), str(outcome.commit), shared.work / self.recipe.name, shared.token,
-                        files=result.files, recheck=req.recheck_published, forward_optional=artifacts.recipe.run.cuda)
+                        files=result.files, recheck=req.target.recheck_published, forward_optional=artifacts.recipe.run.cuda)
                 except published.PublishedMismatch as exc:
                     outcome.published_check, outcome.error = [asdict(r) for r in exc.results], str(exc)
                     raise

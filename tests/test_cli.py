@@ -508,7 +508,7 @@ def fake_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> list[PublishReq
         seen.append(req)
         logging.getLogger("publisher.job").info("info from the job")
         logging.getLogger("publisher.job").warning("warning from the job")
-        names = [n for value in req.quant for n in value.split(",")]
+        names = [n for value in req.make.quant for n in value.split(",")]
         return [Outcome(recipe=n, repo_id=f"alice/m-{n}", folder=tmp_path / n, verified=n != "broken",
                         error="injected" if n == "broken" else None) for n in names]
 
@@ -533,7 +533,7 @@ def test_publish_model_id(fake_run: list[PublishRequest], tmp_path: Path) -> Non
     for args in (["some/model"], ["publish", "some/model"]):
         result = invoke(*args, "--quant", "int8wo")
         assert result.exit_code == 0, result.output
-        assert fake_run[-1].model == "some/model"
+        assert fake_run[-1].base.model == "some/model"
         assert result.stdout == f"{tmp_path / 'int8wo'}\n"
         assert f"int8wo: verified repo folder at {tmp_path / 'int8wo'}" in result.stderr
     assert invoke("publish", "--quant", "int8wo").exit_code == 2
@@ -551,14 +551,14 @@ def test_publish_model_id_of_a_local_folder_in_the_card_command(fake_run: list[P
                          (str(base), "my-pipeline"), ("../alice/my-pipeline", "my-pipeline"), ("~/my-pipeline", "my-pipeline"),
                          ("my-pipeline/sub/..", "my-pipeline"), ("some/model", "some/model")):
         assert invoke(typed, "--quant", "int8wo").exit_code == 0
-        assert fake_run[-1].model == typed and fake_run[-1].command == f"hf-ao-publish {shown} --quant int8wo", typed
+        assert fake_run[-1].base.model == typed and fake_run[-1].command == f"hf-ao-publish {shown} --quant int8wo", typed
     monkeypatch.chdir(base)
     assert invoke(".", "--quant", "int8wo").exit_code == 0 and fake_run[-1].command.startswith("hf-ao-publish my-pipeline ")
 
 
 def test_publish_quant(fake_run: list[PublishRequest]) -> None:
     assert publish("--quant", "float8wo,int8dq").exit_code == 0
-    assert fake_run[-1].quant == ["int8wo", "float8wo,int8dq"]
+    assert fake_run[-1].make.quant == ["int8wo", "float8wo,int8dq"]
     result = invoke("some/model")
     assert result.exit_code == 2 and "Missing option '--quant'" in result.stderr
 
@@ -581,7 +581,7 @@ def test_publish_quant_takes_configs_and_mappings(fake_run: list[PublishRequest]
     # passed on as given: the job splits them on top-level commas only (tests/test_configs.py)
     call = "IntxWeightOnlyConfig(weight_dtype=torch.int4, granularity=PerGroup(32))"
     assert invoke("some/model", "--quant", call, "--quant", "transformer=float8wo,text_encoder_2=int8wo").exit_code == 0
-    assert fake_run[-1].quant == [call, "transformer=float8wo,text_encoder_2=int8wo"]
+    assert fake_run[-1].make.quant == [call, "transformer=float8wo,text_encoder_2=int8wo"]
 
 
 def test_publish_rejected_config_is_a_usage_error_with_the_working_form(tiny_flux_dir: Path, tmp_path: Path) -> None:
@@ -600,7 +600,7 @@ def test_publish_layer_config(fake_run: list[PublishRequest], tmp_path: Path) ->
     table = tmp_path / "layers.json"
     table.write_text('{"re:.*attn.*": "int8wo", "proj_out": null}')
     assert publish("--layer-config", str(table), "--layer-config", 'text_encoder_2={"re:.*": null}').exit_code == 0
-    assert fake_run[-1].layer_config == [str(table), 'text_encoder_2={"re:.*": null}']
+    assert fake_run[-1].make.layer_config == [str(table), 'text_encoder_2={"re:.*": null}']
 
 
 def test_publish_layer_config_that_is_no_object_is_a_usage_error(tmp_path: Path) -> None:
@@ -612,19 +612,19 @@ def test_publish_layer_config_that_is_no_object_is_a_usage_error(tmp_path: Path)
 
 
 def test_publish_components(fake_run: list[PublishRequest]) -> None:
-    assert publish().exit_code == 0 and fake_run[-1].components is None
+    assert publish().exit_code == 0 and fake_run[-1].base.components is None
     assert publish("--components", "transformer, text_encoder_2,").exit_code == 0
-    assert fake_run[-1].components == ["transformer", "text_encoder_2"]
+    assert fake_run[-1].base.components == ["transformer", "text_encoder_2"]
 
 
 def test_publish_exclude(fake_run: list[PublishRequest]) -> None:
     assert publish("--exclude", "proj_out", "--exclude", "norm_out.linear").exit_code == 0
-    assert fake_run[-1].exclude == ["proj_out", "norm_out.linear"]
+    assert fake_run[-1].base.exclude == ["proj_out", "norm_out.linear"]
 
 
 def test_publish_repo_id(fake_run: list[PublishRequest]) -> None:
     assert publish("--repo-id", "acme/m-{recipe}").exit_code == 0
-    assert fake_run[-1].repo_id == "acme/m-{recipe}"
+    assert fake_run[-1].target.repo_id == "acme/m-{recipe}"
 
 
 def test_publish_malformed_repo_id_is_a_usage_error() -> None:
@@ -635,12 +635,12 @@ def test_publish_malformed_repo_id_is_a_usage_error() -> None:
 
 def test_publish_revision(fake_run: list[PublishRequest]) -> None:
     assert publish("--revision", "refs/pr/1").exit_code == 0
-    assert fake_run[-1].revision == "refs/pr/1"
+    assert fake_run[-1].base.revision == "refs/pr/1"
 
 
 def test_publish_private(fake_run: list[PublishRequest]) -> None:
-    assert publish().exit_code == 0 and fake_run[-1].private is False
-    assert publish("--private").exit_code == 0 and fake_run[-1].private is True
+    assert publish().exit_code == 0 and fake_run[-1].target.private is False
+    assert publish("--private").exit_code == 0 and fake_run[-1].target.private is True
 
 
 def test_publish_token(fake_run: list[PublishRequest]) -> None:
@@ -660,7 +660,7 @@ def test_publish_without_a_token_cannot_push() -> None:
 
 def test_publish_output_dir(fake_run: list[PublishRequest], tmp_path: Path) -> None:
     assert publish("--output-dir", str(tmp_path / "out")).exit_code == 0
-    assert fake_run[-1].output_dir == tmp_path / "out"
+    assert fake_run[-1].target.output_dir == tmp_path / "out"
     assert "--output-dir" not in fake_run[-1].command  # a local path says nothing about the published bytes
 
 
@@ -674,18 +674,18 @@ def test_publish_output_dir_must_be_a_new_or_empty_folder(tmp_path: Path) -> Non
 
 
 def test_publish_no_push(fake_run: list[PublishRequest]) -> None:
-    assert publish().exit_code == 0 and fake_run[-1].push is True
-    assert publish("--no-push").exit_code == 0 and fake_run[-1].push is False
+    assert publish().exit_code == 0 and fake_run[-1].target.push is True
+    assert publish("--no-push").exit_code == 0 and fake_run[-1].target.push is False
 
 
 def test_publish_create_pr(fake_run: list[PublishRequest]) -> None:
-    assert publish().exit_code == 0 and fake_run[-1].create_pr is False
-    assert publish("--create-pr").exit_code == 0 and fake_run[-1].create_pr is True
+    assert publish().exit_code == 0 and fake_run[-1].target.create_pr is False
+    assert publish("--create-pr").exit_code == 0 and fake_run[-1].target.create_pr is True
 
 
 def test_publish_trust_remote_code(fake_run: list[PublishRequest]) -> None:
-    assert publish().exit_code == 0 and fake_run[-1].trust_remote_code is False
-    assert publish("--trust-remote-code").exit_code == 0 and fake_run[-1].trust_remote_code is True
+    assert publish().exit_code == 0 and fake_run[-1].base.trust_remote_code is False
+    assert publish("--trust-remote-code").exit_code == 0 and fake_run[-1].base.trust_remote_code is True
 
 
 def test_publish_keep_going(fake_run: list[PublishRequest]) -> None:
@@ -698,20 +698,20 @@ def test_publish_keep_going(fake_run: list[PublishRequest]) -> None:
 
 def test_publish_verify_env(fake_run: list[PublishRequest]) -> None:
     assert publish("--verify-env", "/venv-a/bin/python", "--verify-env", "/venv-b/bin/python").exit_code == 0
-    assert fake_run[-1].verify_envs == ("/venv-a/bin/python", "/venv-b/bin/python")
-    assert fake_run[-1].verify_mode == "full"  # whole reloads in the other interpreters
+    assert fake_run[-1].checks.verify_envs == ("/venv-a/bin/python", "/venv-b/bin/python")
+    assert fake_run[-1].checks.verify_mode == "full"  # whole reloads in the other interpreters
     result = publish("--verify-env", "/venv-a/bin/python", "--verify-mode", "streaming")
     assert result.exit_code == 2 and "--verify-env reloads whole components" in result.stderr
 
 
 def test_publish_compat(fake_run: list[PublishRequest]) -> None:
     assert publish().exit_code == 0
-    assert fake_run[-1].compat == ()  # the default matrix
-    assert publish(env={"HF_AO_PUBLISH_COMPAT": "none"}).exit_code == 0 and fake_run[-1].compat == ("none",)  # the variable
+    assert fake_run[-1].checks.compat == ()  # the default matrix
+    assert publish(env={"HF_AO_PUBLISH_COMPAT": "none"}).exit_code == 0 and fake_run[-1].checks.compat == ("none",)  # the variable
     assert "--compat" not in fake_run[-2].command  # the default: not in the card's command line
     assert "--compat" not in fake_run[-1].command  # nor the variable's value: not typed
     assert publish("--compat", "default", "--compat", "diffusers==0.40.0").exit_code == 0
-    assert fake_run[-1].compat == ("default", "diffusers==0.40.0")
+    assert fake_run[-1].checks.compat == ("default", "diffusers==0.40.0")
     assert "--compat default --compat diffusers==0.40.0" in fake_run[-1].command
     result = publish("--compat", "diffusers==0.40.0", "--verify-mode", "streaming")
     assert result.exit_code == 2 and "--compat environments reload whole components" in result.stderr
@@ -720,51 +720,51 @@ def test_publish_compat(fake_run: list[PublishRequest]) -> None:
 
 def test_publish_verify_env_takes_specs(fake_run: list[PublishRequest]) -> None:
     assert publish("--verify-env", "diffusers==0.39.0").exit_code == 0
-    assert fake_run[-1].verify_envs == ("diffusers==0.39.0",)
+    assert fake_run[-1].checks.verify_envs == ("diffusers==0.39.0",)
 
 
 def test_publish_sample_prompt(fake_run: list[PublishRequest]) -> None:
     assert publish("--sample-prompt", "a red fox").exit_code == 0
-    assert fake_run[-1].sample_prompt == "a red fox"
+    assert fake_run[-1].checks.sample_prompt == "a red fox"
 
 
 def test_publish_sample_steps(fake_run: list[PublishRequest]) -> None:
-    assert publish().exit_code == 0 and fake_run[-1].sample_steps == 28
-    assert publish("--sample-steps", "2").exit_code == 0 and fake_run[-1].sample_steps == 2
+    assert publish().exit_code == 0 and fake_run[-1].checks.sample_steps == 28
+    assert publish("--sample-steps", "2").exit_code == 0 and fake_run[-1].checks.sample_steps == 2
     result = publish("--sample-steps", "0")
     assert result.exit_code == 2 and "--sample-steps" in result.stderr
 
 
 def test_publish_sample_size(fake_run: list[PublishRequest]) -> None:
-    assert publish().exit_code == 0 and fake_run[-1].sample_size == 1024
-    assert publish("--sample-size", "64").exit_code == 0 and fake_run[-1].sample_size == 64
+    assert publish().exit_code == 0 and fake_run[-1].checks.sample_size == 1024
+    assert publish("--sample-size", "64").exit_code == 0 and fake_run[-1].checks.sample_size == 64
     result = publish("--sample-size", "8")
     assert result.exit_code == 2 and "--sample-size" in result.stderr
 
 
 def test_publish_eval_dataset(fake_run: list[PublishRequest]) -> None:
     assert publish().exit_code == 0
-    ev = fake_run[-1].evaluation
+    ev = fake_run[-1].checks.evaluation
     assert ev is not None and ev.dataset.text() == "Salesforce/wikitext:wikitext-2-raw-v1:test" and not ev.explicit_dataset
     assert publish("--eval-budget", "5m", "--eval-dataset", "me/text:cfg").exit_code == 0
-    ev = fake_run[-1].evaluation
+    ev = fake_run[-1].checks.evaluation
     assert ev is not None and ev.explicit_dataset and (ev.dataset.repo, ev.dataset.config, ev.dataset.split) == ("me/text", "cfg", "test")
     result = publish("--eval-budget", "5m", "--eval-dataset", "me/text::x")
     assert result.exit_code == 2 and "--eval-dataset 'me/text::x' is not REPO[:CONFIG][:SPLIT]" in result.stderr
 
 
 def test_publish_eval_tokens(fake_run: list[PublishRequest]) -> None:
-    assert publish().exit_code == 0 and fake_run[-1].evaluation.tokens == 1024  # type: ignore[union-attr]
-    assert publish("--eval-tokens", "256").exit_code == 0 and fake_run[-1].evaluation.tokens == 256  # type: ignore[union-attr]
+    assert publish().exit_code == 0 and fake_run[-1].checks.evaluation.tokens == 1024  # type: ignore[union-attr]
+    assert publish("--eval-tokens", "256").exit_code == 0 and fake_run[-1].checks.evaluation.tokens == 256  # type: ignore[union-attr]
     result = publish("--eval-tokens", "3")
     assert result.exit_code == 2 and "--eval-tokens" in result.stderr
 
 
 def test_publish_eval_budget(fake_run: list[PublishRequest]) -> None:
-    assert publish().exit_code == 0 and fake_run[-1].evaluation.budget_s is None  # type: ignore[union-attr]  # the default: auto
+    assert publish().exit_code == 0 and fake_run[-1].checks.evaluation.budget_s is None  # type: ignore[union-attr]  # the default: auto
     assert publish(env={"HF_AO_PUBLISH_EVAL_BUDGET": "0"}).exit_code == 0
-    assert fake_run[-1].evaluation.budget_s == 0  # type: ignore[union-attr]  # the variable's value
-    assert publish("--eval-budget", "1h").exit_code == 0 and fake_run[-1].evaluation.budget_s == 3600  # type: ignore[union-attr]
+    assert fake_run[-1].checks.evaluation.budget_s == 0  # type: ignore[union-attr]  # the variable's value
+    assert publish("--eval-budget", "1h").exit_code == 0 and fake_run[-1].checks.evaluation.budget_s == 3600  # type: ignore[union-attr]
     assert "--eval-budget" not in fake_run[-3].command and "--eval-budget" not in fake_run[-2].command  # default, variable
     assert "--eval-budget 1h" in fake_run[-1].command
     result = publish("--eval-budget", "soon")
@@ -774,9 +774,9 @@ def test_publish_eval_budget(fake_run: list[PublishRequest]) -> None:
 
 def test_publish_min_quality(fake_run: list[PublishRequest]) -> None:
     assert publish("--eval-budget", "5m", "--min-quality", "ppl-recovery=95", "--min-quality", "psnr=30").exit_code == 0
-    assert [b.text() for b in fake_run[-1].evaluation.bounds] == ["ppl-recovery=95", "psnr=30"]  # type: ignore[union-attr]
+    assert [b.text() for b in fake_run[-1].checks.evaluation.bounds] == ["ppl-recovery=95", "psnr=30"]  # type: ignore[union-attr]
     assert publish("--eval-budget", "5m", "--min-quality", "lpips=0.1").exit_code == 0  # an upper bound (lower is closer)
-    assert [b.text() for b in fake_run[-1].evaluation.bounds] == ["lpips=0.1"]  # type: ignore[union-attr]
+    assert [b.text() for b in fake_run[-1].checks.evaluation.bounds] == ["lpips=0.1"]  # type: ignore[union-attr]
     result = publish("--eval-budget", "5m", "--min-quality", "fid=3")
     assert result.exit_code == 2 and "'fid=3' is not METRIC=VALUE with METRIC one of ppl-recovery, psnr, ssim, lpips" in result.stderr
     for result in (publish("--eval-budget", "0", "--min-quality", "psnr=30"),
@@ -785,62 +785,62 @@ def test_publish_min_quality(fake_run: list[PublishRequest]) -> None:
 
 
 def test_publish_eval_full_images(fake_run: list[PublishRequest]) -> None:
-    assert publish().exit_code == 0 and fake_run[-1].evaluation.full_images is False  # type: ignore[union-attr]
-    assert publish("--eval-full-images").exit_code == 0 and fake_run[-1].evaluation.full_images is True  # type: ignore[union-attr]
+    assert publish().exit_code == 0 and fake_run[-1].checks.evaluation.full_images is False  # type: ignore[union-attr]
+    assert publish("--eval-full-images").exit_code == 0 and fake_run[-1].checks.evaluation.full_images is True  # type: ignore[union-attr]
     assert "--eval-full-images" in fake_run[-1].command  # the card's command line: it changes what the repo holds
     result = publish("--eval-full-images", "--eval-budget", "0")
     assert result.exit_code == 2 and "--eval-budget 0" in result.stderr
 
 
 def test_publish_allow_unquantized(fake_run: list[PublishRequest]) -> None:
-    assert publish().exit_code == 0 and fake_run[-1].allow_unquantized is False
-    assert publish("--allow-unquantized").exit_code == 0 and fake_run[-1].allow_unquantized is True
+    assert publish().exit_code == 0 and fake_run[-1].make.allow_unquantized is False
+    assert publish("--allow-unquantized").exit_code == 0 and fake_run[-1].make.allow_unquantized is True
     assert "--allow-unquantized" in fake_run[-1].command  # the card's command line says it was accepted
 
 
 def test_publish_benchmark(fake_run: list[PublishRequest]) -> None:
-    assert publish().exit_code == 0 and fake_run[-1].benchmark is False
-    assert publish("--benchmark").exit_code == 0 and fake_run[-1].benchmark is True
+    assert publish().exit_code == 0 and fake_run[-1].checks.benchmark is False
+    assert publish("--benchmark").exit_code == 0 and fake_run[-1].checks.benchmark is True
     result = publish("--benchmark", "--low-disk")
     assert result.exit_code == 2 and "--low-disk does not download" in result.stderr
 
 
 def test_publish_force(fake_run: list[PublishRequest]) -> None:
-    assert publish().exit_code == 0 and fake_run[-1].force is False
-    assert publish("--force").exit_code == 0 and fake_run[-1].force is True
+    assert publish().exit_code == 0 and fake_run[-1].target.force is False
+    assert publish("--force").exit_code == 0 and fake_run[-1].target.force is True
     assert "--force" not in fake_run[-1].command  # the card's command line: --force changes no published byte
 
 
 def test_publish_engine(fake_run: list[PublishRequest]) -> None:
-    assert publish().exit_code == 0 and fake_run[-1].engine == "auto"
-    assert publish("--engine", "library").exit_code == 0 and fake_run[-1].engine == "library"
+    assert publish().exit_code == 0 and fake_run[-1].make.engine == "auto"
+    assert publish("--engine", "library").exit_code == 0 and fake_run[-1].make.engine == "library"
     result = publish("--engine", "fast")
     assert result.exit_code == 2 and "'fast' is not one of 'auto', 'streaming', 'library'" in result.stderr
 
 
 def test_publish_low_disk(fake_run: list[PublishRequest]) -> None:
-    assert publish().exit_code == 0 and fake_run[-1].low_disk is None
-    assert publish("--low-disk").exit_code == 0 and fake_run[-1].low_disk is True
-    assert publish("--no-low-disk").exit_code == 0 and fake_run[-1].low_disk is False
+    assert publish().exit_code == 0 and fake_run[-1].target.low_disk is None
+    assert publish("--low-disk").exit_code == 0 and fake_run[-1].target.low_disk is True
+    assert publish("--no-low-disk").exit_code == 0 and fake_run[-1].target.low_disk is False
     result = publish("--low-disk", "--engine", "library")
     assert result.exit_code == 2 and "only the streaming engine does" in result.stderr
 
 
 def test_publish_max_shard_size(fake_run: list[PublishRequest]) -> None:
-    assert publish().exit_code == 0 and fake_run[-1].max_shard_size is None
-    assert publish("--max-shard-size", "500MB").exit_code == 0 and fake_run[-1].max_shard_size == "500MB"
+    assert publish().exit_code == 0 and fake_run[-1].make.max_shard_size is None
+    assert publish("--max-shard-size", "500MB").exit_code == 0 and fake_run[-1].make.max_shard_size == "500MB"
     result = publish("--max-shard-size", "huge")
     assert result.exit_code == 2 and "--max-shard-size 'huge' is not a size" in result.stderr
 
 
 def test_publish_recheck_published(fake_run: list[PublishRequest]) -> None:
-    assert publish().exit_code == 0 and fake_run[-1].recheck_published is False
-    assert publish("--recheck-published").exit_code == 0 and fake_run[-1].recheck_published is True
+    assert publish().exit_code == 0 and fake_run[-1].target.recheck_published is False
+    assert publish("--recheck-published").exit_code == 0 and fake_run[-1].target.recheck_published is True
 
 
 def test_publish_verify_mode(fake_run: list[PublishRequest]) -> None:
-    assert publish().exit_code == 0 and fake_run[-1].verify_mode == "auto"
-    assert publish("--verify-mode", "streaming").exit_code == 0 and fake_run[-1].verify_mode == "streaming"
+    assert publish().exit_code == 0 and fake_run[-1].checks.verify_mode == "auto"
+    assert publish("--verify-mode", "streaming").exit_code == 0 and fake_run[-1].checks.verify_mode == "streaming"
     assert publish("--verify-mode", "sometimes").exit_code == 2
 
 
@@ -904,7 +904,7 @@ def fake_remote(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
 
     def publish(request: remote.JobsRequest) -> list[RemoteOutcome]:
         seen.append(request)
-        return [outcome(n) for value in request.publish.quant for n in value.split(",")]
+        return [outcome(n) for value in request.publish.make.quant for n in value.split(",")]
 
     def attach(job_ids: list[str], token: str | None, keep_going: bool = True) -> list[RemoteOutcome]:
         seen.append((job_ids, token, keep_going))
@@ -919,7 +919,7 @@ def test_publish_on_hf_jobs(fake_remote: list[Any]) -> None:
     result = publish("--on-hf-jobs", "l4x1", "--components", "transformer", *SMALL, "--token", SECRET, "--quiet")
     assert result.exit_code == 0, result.output
     request = fake_remote[-1]
-    assert request.flavor == "l4x1" and request.publish.model == "some/model" and request.publish.quant == ["int8wo"]
+    assert request.flavor == "l4x1" and request.publish.base.model == "some/model" and request.publish.make.quant == ["int8wo"]
     # what every job's command repeats: no token, no recipe/target/revision (set per job), no local-only option
     assert request.options == ("--components", "transformer", "--sample-steps", "2", "--sample-size", "64", "--quiet")
     loud = publish("--on-hf-jobs", "l4x1", "--no-low-disk")

@@ -82,8 +82,8 @@ def _what_reaches_the_job(req: PublishRequest) -> tuple[Any, ...]:
             return {k: configs(v) for k, v in value.items() if k not in ("given", "source", "file", "origin")}
         return [configs(v) for v in value] if isinstance(value, list) else value
 
-    recipes = [(r.name, configs(r.quant_json()), r.python) for r in parse_recipes(req.quant, req.layer_config)]
-    return req.model, recipes, req.evaluation, req.compat
+    recipes = [(r.name, configs(r.quant_json()), r.python) for r in parse_recipes(req.make.quant, req.make.layer_config)]
+    return req.base.model, recipes, req.checks.evaluation, req.checks.compat
 
 
 @pytest.mark.parametrize("form", FORMS)
@@ -118,7 +118,7 @@ def test_the_same_request_reaches_the_job_from_every_entry_point(form: str, reco
 
 
     reached = []
-    for recipe in parse_recipes(jobs.publish.quant, jobs.publish.layer_config):  # one job per recipe
+    for recipe in parse_recipes(jobs.publish.make.quant, jobs.publish.make.layer_config):  # one job per recipe
         argv = remote.job_args(jobs, recipe, f"alice/x-{recipe.name}", "0" * 40)
         assert not any(a == str(file) for a in argv)  # no local file named: a job cannot read it
         _invoke(argv)  # the job's machine has none of our variables

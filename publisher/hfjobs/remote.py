@@ -97,17 +97,17 @@ def job_args(request: JobsRequest, recipe: Recipe, target: str, sha: str | None)
     """The command line of the job that publishes ``recipe``: the same request as this machine's, with the recipe's
     configs inline (no local file), the target and base commit checked here, every other option as given here (those
     read from an environment variable too: the job has none of this machine's)."""
-    return ["publish", request.publish.model, *recipe.job_args(), "--repo-id", target,
+    return ["publish", request.publish.base.model, *recipe.job_args(), "--repo-id", target,
             *(["--revision", sha] if sha else []), *request.options, "--json"]
 
 
 def publish(request: JobsRequest) -> list[RemoteOutcome]:
     """Check everything here, ship the code, start one job per recipe and follow them to their end."""
     req = request.publish
-    if is_local(req.model):
-        raise UsageError(f"{req.model} is a local folder, which a Job cannot read; upload it to the Hub first "
+    if is_local(req.base.model):
+        raise UsageError(f"{req.base.model} is a local folder, which a Job cannot read; upload it to the Hub first "
                          "(hf upload NAMESPACE/NAME FOLDER) and pass the repo id")
-    recipes = parse_recipes(req.quant, req.layer_config)
+    recipes = parse_recipes(req.make.quant, req.make.layer_config)
     token = resolve_token(req.token)
     if not token:
         raise TargetError("a publish on Hugging Face Jobs needs a Hub token that can write and start Jobs; set "
