@@ -27,10 +27,12 @@ from publisher.recipes import Recipe
 from publisher.request import Outcome, PublishRequest
 from publisher.runtime.gcfreeze import frozen_after
 from publisher.runtime.heap import bound_heap, peak_rss_bytes
-from publisher.stages import card, fetch, lowdisk_push, planning, preflight, unfinished
+from publisher.stages import card, fetch, planning, preflight, unfinished
 from publisher.stages import push as pushing
 from publisher.stages import quantize as quantize_stage
 from publisher.stages import source as source_stage
+from publisher.stages.output import OutputTarget, PushOptions, RecipeOutput
+from publisher.stages.output import choose as choose_output
 from publisher.stages.quantize import quantize_recipe
 from publisher.stages.unfinished import ComponentCache, default_root, partial_folder, prepare_output
 from publisher.state import bytes_key, state_for
@@ -38,6 +40,9 @@ from publisher.verify import capture, matrix, published
 from publisher.verify.full import verify
 
 if TYPE_CHECKING:
+    from publisher.quality.grid import GridFigures
+    from publisher.quality.lm import LmFigures
+    from publisher.stages.push import PushResult
     from publisher.streaming.shards import ShardSource
 
 log = logging.getLogger(__name__)
@@ -102,26 +107,28 @@ def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = 
 
 
 def run(req: PublishRequest) -> list[Outcome]:
+    """The publish: plan, then every recipe through the stages; each recipe's Outcome is made from what its stages
+    returned (RecipeRun.outcome)."""
     bound_heap()  # before any worker thread exists: they would each get a heap arena
     token = resolve_token(req.token)
     with frozen_after():  # the plan imports torch & co (runtime/gcfreeze.py)
         plan = make_plan(req, token)
-    outcomes = [Outcome(recipe=r.name, repo_id=plan.targets[r.name]) for r in plan.recipes]
+    runs = [RecipeRun(r, plan.targets[r.name], state_for(plan, r)) for r in plan.recipes]
     try:
-        return _run_plan(req, plan, token, outcomes)
+        todo = [r for r in runs if not r.up_to_date(req, token)]
+        if todo:
+            _run_recipes(req, plan, token, todo)
     except Exception as exc:  # re-raised as RunFailed, which carries the outcomes so far (for --json)
-        for outcome in outcomes:
-            if outcome.folder is not None and not outcome.folder.exists():
-                outcome.folder = None
-        raise RunFailed(exc, outcomes) from exc
+        raise RunFailed(exc, [r.outcome() for r in runs]) from exc
     except KeyboardInterrupt as exc:  # SIGINT / SIGTERM (publisher.runtime.signals): the cleanup ran; say what stays
         stop = exc if isinstance(exc, Interrupted) else Interrupted(signal.SIGINT)
         stop.left = unfinished.kept_for_resume(plan, [bytes_key(state_for(plan, r)) for r in plan.recipes]) + stop.left
         raise stop from None
+    return [r.outcome() for r in runs]
 
 
 @dataclass(frozen=True)
-class Shared:
+class RunContext:
     """What every recipe of one publish run reads: made once, after the download, before the first recipe."""
 
     req: PublishRequest
@@ -132,282 +139,280 @@ class Shared:
     out_root: Path
     capability: tuple[int, int] | None
     remote: fetch.RemoteWeights | None  # --low-disk: quantized components' weights read by HTTP range
+    output: OutputTarget  # a local folder, or the target staged shard by shard
     gating_envs: list[matrix.Env]  # --verify-env
     inputs: dict[str, ForwardInputs]  # forward-check inputs, derived once from the base
     evaluation: quality.Evaluation | None
-    shard_size: int | None  # output shard size in bytes (None: the library's default)
-    elsewhere: frozenset[str]  # unchanged base files copied Hub to Hub (--low-disk push)
 
     def base_sources(self) -> dict[str, ShardSource]:
         return fetch.base_sources(self.plan, self.base_dir, self.remote)
 
 
-def _run_plan(req: PublishRequest, plan: planning.Plan, token: str | None, outcomes: list[Outcome]) -> list[Outcome]:
-    runs = [RecipeRun(r, o, state_for(plan, r)) for r, o in zip(plan.recipes, outcomes)]
-    todo = [r for r in runs if not r.up_to_date(req, token)]
-    if not todo:
-        return outcomes
-
-    auto_dir = req.target.output_dir is None
+def _run_recipes(req: PublishRequest, plan: planning.Plan, token: str | None, todo: list[RecipeRun]) -> None:
+    """Preflight, environments, download, then build every recipe, write the cards, finish, push."""
     from huggingface_hub import constants
 
-    text = quality.read_text(req.checks.evaluation, plan, token) if req.checks.evaluation else None  # one request, before the download
-
-    if req.target.low_disk and plan.source.local_dir is not None:
+    checks, target = req.checks, req.target
+    text = quality.read_text(checks.evaluation, plan, token) if checks.evaluation else None  # one request, before the download
+    if target.low_disk and plan.source.local_dir is not None:
         log.info("--low-disk has no effect on a local base folder: its weights are already on disk")
-    estimate = preflight.check(plan, req.target.output_dir or Path(tempfile.gettempdir()), Path(constants.HF_HUB_CACHE),
-                               req.make.engine, req.target.low_disk, req.target.push, req.make.max_shard_size)
-    preflight.check_low_disk(estimate.low_disk, req.target.push, benchmark=req.checks.benchmark, verify_envs=bool(req.checks.verify_envs))
+    estimate = preflight.check(plan, target.output_dir or Path(tempfile.gettempdir()), Path(constants.HF_HUB_CACHE),
+                               req.make.engine, target.low_disk, target.push, req.make.max_shard_size)
+    preflight.check_low_disk(estimate.low_disk, target.push, benchmark=checks.benchmark, verify_envs=bool(checks.verify_envs))
     remote = fetch.RemoteWeights(plan, token) if estimate.low_disk else None
+    output = choose_output(plan, PushOptions(target.private, target.create_pr, target.force), token,
+                           staged=estimate.low_disk and target.push, max_shard_size=req.make.max_shard_size)
     # Environments are built before the download: a spec that cannot be built stops the run while it is cheap.
-    gating, measured = matrix.prepare(req.checks.verify_envs, req.checks.compat, {r.recipe.name: r.recipe.tensor_classes for r in todo},
+    gating, measured = matrix.prepare(checks.verify_envs, checks.compat, {r.recipe.name: r.recipe.tensor_classes for r in todo},
                                       {c.library for c in plan.quantized},
-                                      measure=not ((estimate.low_disk and req.target.push) or req.checks.verify_mode == "streaming"))
+                                      measure=output.verify_mode(checks.verify_mode) != "streaming")
     for r in todo:
         r.compat_envs = measured.get(r.recipe.name, [])
-    shard_size, elsewhere = lowdisk_push.staging(plan, estimate.low_disk and req.target.push, req.make.max_shard_size)
     started = time.monotonic()
-    base_dir = fetch.fetch(plan, token, skip=(remote.files if remote is not None else frozenset()) | elsewhere)
-    for outcome in outcomes:
-        outcome.seconds["download"] = round(time.monotonic() - started, 3)
-        outcome.rss_after["download"] = peak_rss_bytes()
-    out_root = Path(tempfile.mkdtemp(prefix="hf-ao-publish-")) if auto_dir else req.target.output_dir
-    assert out_root is not None
+    base_dir = fetch.fetch(plan, token, skip=(remote.files if remote is not None else frozenset()) | output.elsewhere)
+    for r in todo:
+        r.seconds["download"] = round(time.monotonic() - started, 3)
+        r.rss_after["download"] = peak_rss_bytes()
+    auto_dir = target.output_dir is None
+    out_root = Path(tempfile.mkdtemp(prefix="hf-ao-publish-")) if target.output_dir is None else target.output_dir
     existed = out_root.exists()
     work_dir = tempfile.TemporaryDirectory(prefix="hf-ao-verify-")
-    work, capability = Path(work_dir.name), recipe_registry.cuda_capability()
+    work = Path(work_dir.name)
     try:
-        with _timed(outcomes[0], "inputs"):  # one derivation for every recipe: the same base, the same call
+        with _timed(todo[0], "inputs"):  # one derivation for every recipe: the same base, the same call
             inputs = capture.prepare(plan, base_dir, work / "inputs")
-            evaluation = (quality.Evaluation(req.checks.evaluation, text, plan, base_dir, elsewhere, token, work)
-                          if req.checks.evaluation is not None else None)
-        shared = Shared(req, plan, token, base_dir, work, out_root, capability, remote, gating, inputs, evaluation,
-                        shard_size, elsewhere)
+            evaluation = (quality.Evaluation(checks.evaluation, text, plan, base_dir, output.elsewhere, token, work)
+                          if checks.evaluation is not None else None)
+        ctx = RunContext(req, plan, token, base_dir, work, out_root, recipe_registry.cuda_capability(), remote, output,
+                         gating, inputs, evaluation)
         for r in todo:
             try:
-                r.build(shared)
+                r.build(ctx)
             except PublishError as exc:
-                r.failed(shared, exc)
+                r.failed(ctx, exc)
                 if not req.keep_going:
                     raise
                 log.error("%s: %s (continuing: --keep-going)", r.recipe.name, exc)
-        _write_cards(shared, todo)
+        _write_cards(ctx, todo)
         for r in todo:
-            r.finish(shared)
-        for r in todo:
-            if r.done:
-                r.outcome.files = r.done[0].files()
-            else:  # removed, or never finished: nothing there passes for a repo
-                r.outcome.folder = None
-        if req.target.push:
-            for r in todo:
-                if r.done:
-                    r.push(shared, todo)
+            r.finish(ctx)
+        for r in todo if target.push else ():
+            if r.built is not None:
+                r.push(ctx, todo)
     except BaseException as exc:
-        for r in todo:  # --low-disk push: repos made for recipes never pushed
-            r.discard_created(token)
+        for r in todo:  # a staged target: repos made for recipes never pushed
+            r.abandon()
         if isinstance(exc, KeyboardInterrupt):
             unfinished.discard_unfinished(out_root, [r.folder for r in todo if r.folder is not None], auto_dir=auto_dir,
                                           existed=existed, exc=exc)
         raise
     finally:
         work_dir.cleanup()
-        if auto_dir and req.target.push:
+        if auto_dir and target.push:  # a temporary folder: nothing of it is the result
             shutil.rmtree(out_root, ignore_errors=True)
-            for outcome in outcomes:
-                outcome.folder = None
-    return outcomes
+            for r in todo:
+                r.folder_kept = False
 
 
-def _write_cards(shared: Shared, runs: Sequence[RecipeRun], only: str | None = None) -> list[Path]:
+def _write_cards(ctx: RunContext, runs: Sequence[RecipeRun], only: str | None = None) -> list[Path]:
     """The cards of every built recipe, each linking to its siblings (``only``: rewrite that recipe's card)."""
-    req = shared.req
-    built = [r for r in runs if r.done]
+    checks = ctx.req.checks
+    built = [r for r in runs if r.built is not None]
     return card.write_cards(
-        shared.plan, {r.recipe.name: r.result for r in built}, {r.recipe.name: r.outcome.quality for r in built},
-        {r.recipe.name: r.outcome.benchmark for r in built}, command=req.command, endpoint=hub.endpoint(),
-        sample={"prompt": req.checks.sample_prompt, "steps": req.checks.sample_steps, "size": req.checks.sample_size},
-        evaluation=req.checks.evaluation, only=only, folders={r.recipe.name: r.folder for r in built if r.folder},
-        shard_size=shared.shard_size)
+        ctx.plan, {r.recipe.name: r.result for r in built}, {r.recipe.name: r.quality for r in built},
+        {r.recipe.name: r.benchmark for r in built}, command=ctx.req.command, endpoint=hub.endpoint(),
+        sample=checks.sample, evaluation=checks.evaluation, only=only,
+        folders={r.recipe.name: r.folder for r in built if r.folder}, shard_size=ctx.output.shard_size)
 
 
 @dataclass
 class RecipeRun:
-    """One recipe's way through the stages, and what it holds on the way."""
+    """One recipe's way through the stages: what each stage returned, from which its Outcome is made."""
 
     recipe: Recipe
-    outcome: Outcome
+    repo_id: str | None  # its target (None: none chosen, --no-push without a token or --repo-id)
     state: dict[str, Any]  # publisher.state.state_for: what decides this recipe's repo
     previous: dict[str, Any] | None = None  # the target's state file before this run (for the commit description)
+    same: PushResult | None = None  # the target already holds this state: nothing to do
     compat_envs: list[matrix.Env] | None = field(default_factory=list)  # its compatibility matrix (None: --compat none)
     folder: Path | None = None  # its final repo folder, once prepared
+    folder_kept: bool = True  # False once a temporary output folder was removed
     cache: ComponentCache | None = None  # its resume cache, once quantizing began
-    uploader: lowdisk_push.ShardUploader | None = None  # --low-disk push: shards go to the target as they are made
-    created: bool = False  # --low-disk push: the target repo was created by this run and not yet pushed
-    done: tuple[Artifacts, VerifyReport] | None = None  # once built: verified, measured and gated
+    output: RecipeOutput | None = None  # where its files go, once its build began
+    artifacts: Artifacts | None = None  # quantized (and the report verified) ...
+    report: VerifyReport | None = None
+    built: tuple[Artifacts, VerifyReport] | None = None  # ... then measured and gated: ready for the card and push
+    finished: bool = False  # the folder took its final name
+    benchmark: dict[str, Any] | None = None  # stages.measure result
+    quality: LmFigures | GridFigures | None = None  # quality.stage figures
+    copied: list[dict[str, Any]] = field(default_factory=list)  # a staged push: files copied Hub to Hub
+    files: dict[str, int] = field(default_factory=dict)  # the repo's files and sizes, when finished and when pushed
+    pushed: PushResult | None = None
+    published_check: list[dict[str, Any]] = field(default_factory=list)
+    error: str | None = None
+    seconds: dict[str, float] = field(default_factory=dict)  # stage wall times
+    rss_after: dict[str, int] = field(default_factory=dict)  # this process's peak RSS at the end of each stage
 
     @property
     def result(self) -> tuple[Artifacts, VerifyReport]:
-        if self.done is None:
+        if self.built is None:
             raise RuntimeError(f"{self.recipe.name} was not built")  # a bug in the sequence, not a user error
-        return self.done
+        return self.built
+
+    def target(self) -> str:  # the repo id a push writes to (a push always has one: it needs a token)
+        if self.repo_id is None:
+            raise TargetError(f"{self.recipe.name}: {planning.NO_TARGET}")
+        return self.repo_id
+
+    def outcome(self) -> Outcome:
+        """What happened, from what the stages returned (the --json result and the summary line)."""
+        done = self.pushed or self.same
+        folder = self.folder if self.finished and self.folder_kept and self.folder and self.folder.exists() else None
+        return Outcome(
+            recipe=self.recipe.name, repo_id=self.repo_id, folder=folder,
+            url=done.url if done else None, commit=done.commit if done else None, pr_url=done.pr_url if done else None,
+            verified=(bool((self.previous or {}).get("verified", True)) if self.same is not None
+                      else self.report is not None and self.report.passed),
+            up_to_date=self.same is not None or bool(self.pushed and self.pushed.up_to_date),
+            pushed=bool(self.pushed and not self.pushed.up_to_date), error=self.error,
+            files=self.files,
+            components=([c.to_json(self.artifacts.layers[c.name].to_dict()) for c in self.artifacts.components]
+                        if self.artifacts is not None else []),
+            report=self.report, published_check=self.published_check, seconds=self.seconds, rss_after=self.rss_after,
+            benchmark=self.benchmark, quality=self.quality, copied=self.copied)
 
     def up_to_date(self, req: PublishRequest, token: str | None) -> bool:
         """A re-run with nothing changed is a no-op: checked before any download. Records the target's previous
         state (for the commit description) on the way; said once, by the CLI's summary line."""
         if not req.target.push:
             return False
-        same, self.previous = pushing.up_to_date(self.outcome.target(), token, self.state["fingerprint"],
+        same, self.previous = pushing.up_to_date(self.target(), token, self.state["fingerprint"],
                                                  create_pr=req.target.create_pr, force=req.target.force)
-        if same is None or self.previous is None:
-            return False
-        outcome = self.outcome
-        outcome.up_to_date, outcome.verified, outcome.commit = True, bool(self.previous.get("verified", True)), same.commit
-        outcome.url, outcome.pr_url = same.url, same.pr_url
-        return True
+        if same is not None and self.previous is not None:
+            self.same = same
+        return self.same is not None
 
-    def build(self, shared: Shared) -> None:
-        """The local stages: quantize, verify, compatibility, repo files, measurements, quality figures and gate.
-        --low-disk with a push: the output shards and the unchanged base files go to the target as the run goes
-        (lowdisk_push), so the target repo exists from the start; one this run created goes again on failure."""
-        self.folder = self.outcome.folder = prepare_output(shared.out_root, self.recipe, len(shared.plan.recipes) > 1)
-        if shared.remote is not None and shared.req.target.push:
-            self.uploader, self.created = lowdisk_push.open_uploader(
-                shared.plan, self.outcome.target(), shared.token, shared.req.target.private,
-                partial_folder(self.folder, shared.out_root), self.recipe.tensor_classes, shared.shard_size,
-                shared.elsewhere)
+    def build(self, ctx: RunContext) -> None:
+        """The local stages: quantize, verify, compatibility, repo files, measurements, quality figures and gate."""
+        self.folder = prepare_output(ctx.out_root, self.recipe, len(ctx.plan.recipes) > 1)
+        self.output = ctx.output.open(self.recipe, self.repo_id, partial_folder(self.folder, ctx.out_root))
         try:
-            self._build_stages(shared, self.folder)
-            if self.uploader is not None:
-                self.outcome.copied = self.uploader.finish_copy()
+            self._build_stages(ctx, self.folder)
+            self.copied = self.output.finish()
         except BaseException:
-            if self.uploader is not None:
-                self.uploader.close()
-                self.discard_created(shared.token)
+            self.abandon()
             raise
 
-    def _build_stages(self, shared: Shared, folder: Path) -> None:
-        req, outcome, recipe = shared.req, self.outcome, self.recipe
-        device = recipe_registry.device(recipe, shared.capability)
-        with _timed(outcome, "quantize"):
+    def _build_stages(self, ctx: RunContext, folder: Path) -> None:
+        req, recipe, output = ctx.req, self.recipe, self.output
+        assert output is not None
+        device = recipe_registry.device(recipe, ctx.capability)
+        with _timed(self, "quantize"):
             self.cache = ComponentCache(default_root(), bytes_key(self.state))
-            artifacts = quantize_recipe(shared.plan, shared.base_dir, recipe, partial_folder(folder, shared.out_root),
-                                        device, engine=req.make.engine, cache=self.cache, remote=shared.remote,
-                                        uploader=self.uploader, fingerprint=self.state["fingerprint"],
-                                        max_shard_size=shared.shard_size, elsewhere=shared.elsewhere,
-                                        inputs=shared.inputs,
-                                        observer=shared.evaluation.observer if shared.evaluation else None)
+            artifacts = quantize_recipe(ctx.plan, ctx.base_dir, recipe, partial_folder(folder, ctx.out_root),
+                                        device, engine=req.make.engine, cache=self.cache, remote=ctx.remote,
+                                        uploader=output.uploader, fingerprint=self.state["fingerprint"],
+                                        max_shard_size=ctx.output.shard_size, elsewhere=ctx.output.elsewhere,
+                                        inputs=ctx.inputs,
+                                        observer=ctx.evaluation.observer if ctx.evaluation else None)
         # nothing quantized is an error unless accepted
-        quantize_stage.report_layers(artifacts, shared.base_dir, req.make.allow_unquantized)
-        outcome.components = [c.to_json(artifacts.layers[c.name].to_dict()) for c in artifacts.components]
-        work = shared.work / recipe.name
-        with _timed(outcome, "verify"):
-            report = verify(artifacts, work, envs=[e.pair for e in shared.gating_envs], base_sources=shared.base_sources(),
-                            token=shared.token, device=device,
-                            mode="streaming" if self.uploader is not None else req.checks.verify_mode, inputs=shared.inputs)
-        outcome.report = report
-        outcome.verified = report.passed
+        quantize_stage.report_layers(artifacts, ctx.base_dir, req.make.allow_unquantized)
+        self.artifacts = artifacts
+        work = ctx.work / recipe.name
+        with _timed(self, "verify"):
+            self.report = report = verify(artifacts, work, envs=[e.pair for e in ctx.gating_envs],
+                                          base_sources=ctx.base_sources(), token=ctx.token, device=device,
+                                          mode=ctx.output.verify_mode(req.checks.verify_mode), inputs=ctx.inputs)
         require_passed(report)
-        with _timed(outcome, "compat"):
-            matrix.measure(report, str(artifacts.folder), None, work, self.compat_envs, shared.gating_envs,
-                           token=shared.token, device=device)
+        with _timed(self, "compat"):
+            matrix.measure(report, str(artifacts.folder), None, work, self.compat_envs, ctx.gating_envs,
+                           token=ctx.token, device=device)
         building = artifacts.folder  # the .partial folder until finalize()
         pushing.write_repo_files(building, dict(self.state, verified=report.passed))
         if device == "cuda" or req.checks.benchmark:
             from publisher.stages.measure import measure
 
-            with _timed(outcome, "benchmark"):
-                outcome.benchmark = measure(artifacts.components, report.expected, building, shared.base_dir, device)
-        if shared.evaluation is not None and req.checks.evaluation is not None:  # the figures, then the gate: before any push
-            with _timed(outcome, "evaluation"):
-                outcome.quality = shared.evaluation.run(artifacts, shared.base_sources(), outcome.seconds["quantize"],
-                                                        recipe)
-            quality.gate(req.checks.evaluation, outcome.quality, recipe.name)
-        self.done = (artifacts, report)
+            with _timed(self, "benchmark"):
+                self.benchmark = measure(artifacts.components, report.expected, building, ctx.base_dir, device)
+        settings = req.checks.evaluation
+        if ctx.evaluation is not None and settings is not None:  # the figures, then the gate: before any push
+            with _timed(self, "evaluation"):
+                self.quality = ctx.evaluation.run(artifacts, ctx.base_sources(), self.seconds["quantize"], recipe)
+            quality.gate(settings, self.quality, recipe.name)
+        self.built = (artifacts, report)
 
-    def failed(self, shared: Shared, exc: PublishError) -> None:
+    def failed(self, ctx: RunContext, exc: PublishError) -> None:
         """After a failed build: say why, never reuse what failed verification, leave nothing half-made behind."""
-        self.outcome.error = str(exc)
+        self.error = str(exc)
         if isinstance(exc, VerificationError) and self.cache is not None:
-            self.cache.drop([c.name for c in shared.plan.quantized])
+            self.cache.drop([c.name for c in ctx.plan.quantized])
         if self.folder is not None:
-            shutil.rmtree(partial_folder(self.folder, shared.out_root), ignore_errors=True)
+            shutil.rmtree(partial_folder(self.folder, ctx.out_root), ignore_errors=True)
 
-    def finish(self, shared: Shared) -> None:
+    def finish(self, ctx: RunContext) -> None:
         """The built folder takes its final name, with its report; without a push it is the result."""
-        if self.done is None or self.folder is None:
+        if self.built is None or self.folder is None:
             return
-        unfinished.finish(*self.done, self.folder)
-        if not shared.req.target.push and self.cache is not None:  # nothing left to resume
-            self.cache.drop([c.name for c in shared.plan.quantized])
+        unfinished.finish(*self.built, self.folder)
+        self.finished, self.files = True, self.built[0].files()
+        if not ctx.req.target.push and self.cache is not None:  # nothing left to resume
+            self.cache.drop([c.name for c in ctx.plan.quantized])
 
-    def discard_created(self, token: str | None) -> None:
-        """--low-disk push: a target repo this run created goes again (once; not after its push took it over)."""
-        if self.created:  # only then is there a target (--no-push may have none)
-            self.created = False
-            lowdisk_push.discard(self.outcome.target(), token, True)
+    def abandon(self) -> None:
+        """A staged target this run created goes again (once; not after its push took it over)."""
+        if self.output is not None:
+            self.output.abandon()
 
-    def push(self, shared: Shared, siblings: Sequence[RecipeRun]) -> None:
+    def push(self, ctx: RunContext, siblings: Sequence[RecipeRun]) -> None:
         """Publish the built folder; ``siblings``: every recipe of the run, for a card rewritten on the way."""
         artifacts, report = self.result
-        outcome, req = self.outcome, shared.req
+        assert self.output is not None
+        spec = ctx.req.target
         state = dict(self.state, verified=report.passed)
-        message, description = pushing.commit_text(shared.plan.source, self.recipe.name, self.previous, state,
-                                                   forced=req.target.force)
+        message, description = pushing.commit_text(ctx.plan.source, self.recipe.name, self.previous, state,
+                                                   forced=spec.force)
         started = time.monotonic()
         try:
-            if isinstance(artifacts.uploader, lowdisk_push.ShardUploader):  # --low-disk: shards already uploaded
-                created, self.created = self.created, False
-                result = lowdisk_push.push_staged(
-                    artifacts.folder, report, artifacts.uploader, token=shared.token, create_pr=req.target.create_pr,
-                    message=message, description=description, created=created,
-                    check=lambda oid: self.check_pull_request(shared, siblings, oid))
-            else:
-                result = pushing.push(
-                    artifacts.folder, report, repo_id=outcome.target(), token=shared.token, private=req.target.private,
-                    create_pr=req.target.create_pr, message=message, description=description, state=state, force=req.target.force,
-                )
+            result = self.output.publish(artifacts, report, message=message, description=description, state=state,
+                                         check=lambda oid: self.check_pull_request(ctx, siblings, oid))
         except Exception as exc:  # re-raised: the outcome records the one-line reason for --json
             from publisher.messages import describe
 
-            outcome.error = (describe(exc) or (f"{type(exc).__name__}: {exc}", 1))[0]
+            self.error = (describe(exc) or (f"{type(exc).__name__}: {exc}", 1))[0]
             raise
-        outcome.url, outcome.commit, outcome.pr_url = result.url, result.commit, result.pr_url
-        outcome.up_to_date, outcome.pushed = result.up_to_date, not result.up_to_date
-        outcome.files = artifacts.files()
-        outcome.seconds["push"] = round(time.monotonic() - started, 3)
+        self.pushed, self.files = result, artifacts.files()
+        self.seconds["push"] = round(time.monotonic() - started, 3)
         if self.cache is not None:  # published: nothing to resume
-            self.cache.drop([c.name for c in shared.plan.quantized])
-        if outcome.pushed and not req.target.create_pr:
-            with _timed(outcome, "published_check"):
+            self.cache.drop([c.name for c in ctx.plan.quantized])
+        if not result.up_to_date and not spec.create_pr:
+            with _timed(self, "published_check"):
                 try:
                     results = published.check_published(
-                        report, outcome.target(), str(outcome.commit), shared.work / self.recipe.name, shared.token,
-                        files=result.files, recheck=req.target.recheck_published, forward_optional=artifacts.recipe.run.cuda)
+                        report, self.target(), str(result.commit), ctx.work / self.recipe.name, ctx.token,
+                        files=result.files, recheck=spec.recheck_published, forward_optional=artifacts.recipe.run.cuda)
                 except published.PublishedMismatch as exc:
-                    outcome.published_check, outcome.error = [asdict(r) for r in exc.results], str(exc)
+                    self.published_check, self.error = [asdict(r) for r in exc.results], str(exc)
                     raise
-                outcome.published_check = [asdict(r) for r in results]
+                self.published_check = [asdict(r) for r in results]
 
-    def check_pull_request(self, shared: Shared, siblings: Sequence[RecipeRun], revision: str) -> list[Path]:
-        """--low-disk push: the forward check and quality figures on the pull request of a component whose forward
+    def check_pull_request(self, ctx: RunContext, siblings: Sequence[RecipeRun], revision: str) -> list[Path]:
+        """A staged push: the forward check and quality figures on the pull request of a component whose forward
         could not run during quantization; returns the rewritten card and report, which join the pull request."""
         artifacts, report = self.result
         if not published.needs_pull_request_check(artifacts, report):
             return []
         try:
-            published.check_pull_request(artifacts, report, self.outcome.target(), revision, shared.token,
-                                         shared.base_sources())
+            published.check_pull_request(artifacts, report, self.target(), revision, ctx.token, ctx.base_sources())
         finally:
-            self.outcome.report, self.outcome.verified = report, report.passed
-        return _write_cards(shared, siblings, only=self.recipe.name)
+            self.report = report
+        return _write_cards(ctx, siblings, only=self.recipe.name)
 
 
 @contextmanager
-def _timed(outcome: Outcome, stage: str) -> Iterator[None]:
+def _timed(run: RecipeRun, stage: str) -> Iterator[None]:
     started = time.monotonic()
     try:
         yield
     finally:
-        outcome.seconds[stage] = round(time.monotonic() - started, 3)
-        outcome.rss_after[stage] = peak_rss_bytes()
+        run.seconds[stage] = round(time.monotonic() - started, 3)
+        run.rss_after[stage] = peak_rss_bytes()

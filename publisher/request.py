@@ -7,12 +7,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from publisher.errors import TargetError, UsageError
+from publisher.errors import UsageError
 from publisher.handoffs.report import Mode, VerifyReport
 from publisher.quality import stage as quality
 from publisher.runtime.heap import peak_rss
 from publisher.stages import planning
 from publisher.stages.lowdisk_push import size_bytes
+from publisher.stages.preflight import low_disk_conflict
 
 if TYPE_CHECKING:  # types only
     from publisher.quality.grid import GridFigures
@@ -94,18 +95,6 @@ class CheckSpec:
         return {"prompt": self.sample_prompt, "steps": self.sample_steps, "size": self.sample_size}
 
 
-def low_disk_conflict(*, benchmark: bool, verify_envs: bool, push: bool) -> str | None:
-    """What cannot run when the base's weights are read by HTTP range and each output shard is uploaded and deleted as
-    it is made: the one rule, which the request says for --low-disk (a usage error) and the preflight when it chooses
-    low-disk because the download would not fit (a failure). None when nothing conflicts."""
-    if benchmark:
-        return "--benchmark runs the whole bf16 base, which --low-disk does not download"
-    if verify_envs and push:
-        return ("with --low-disk a push uploads and deletes each shard as it is made, so --verify-env has nothing to "
-                "reload")
-    return None
-
-
 @dataclass(frozen=True)
 class PublishRequest:
     """A publish as data: four groups (read, make, target, checks), the token, and how the run behaves. Every usage
@@ -165,11 +154,6 @@ class Outcome:
     benchmark: dict[str, Any] | None = None  # stages.measure result
     quality: LmFigures | GridFigures | None = None  # quality.stage figures (perplexity and continuation, or the grid)
     copied: list[dict[str, Any]] = field(default_factory=list)  # --low-disk push: files copied Hub to Hub
-
-    def target(self) -> str:  # the repo id a push writes to (a push always has one: it needs a token)
-        if self.repo_id is None:
-            raise TargetError(f"{self.recipe}: {planning.NO_TARGET}")
-        return self.repo_id
 
     def to_json(self) -> dict[str, Any]:
         return {

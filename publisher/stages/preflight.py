@@ -120,6 +120,18 @@ def check(plan: Plan, output_root: Path, cache_dir: Path, engine: str = "auto", 
     return est
 
 
+def low_disk_conflict(*, benchmark: bool, verify_envs: bool, push: bool) -> str | None:
+    """What cannot run when the base's weights are read by HTTP range and each output shard is uploaded and deleted as
+    it is made: the one rule, which the request says for --low-disk (a usage error) and the preflight when it chooses
+    low-disk because the download would not fit (a failure). None when nothing conflicts."""
+    if benchmark:
+        return "--benchmark runs the whole bf16 base, which --low-disk does not download"
+    if verify_envs and push:
+        return ("with --low-disk a push uploads and deletes each shard as it is made, so --verify-env has nothing to "
+                "reload")
+    return None
+
+
 def check_low_disk(low_disk: bool, push: bool, *, benchmark: bool, verify_envs: bool) -> None:
     """What needs the base or the output whole on disk cannot run when they do not fit (``low_disk`` chosen here):
     low_disk_conflict's rule, the one the CLI applies to --low-disk."""
