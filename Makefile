@@ -70,8 +70,8 @@ lint: setup
 	$(BIN)/ruff check publisher scripts benchmarks action tests
 	$(BIN)/mypy
 
-# Two workers. --dist loadscope with the scheduler of tests/conftest.py: a test file stays on one worker; the files that
-# share none (the family corpus, the publishes) are spread test by test, costliest first (tests/conftest.py).
+# Two workers. --dist loadscope with the scheduler of tests/scheduling.py: a test file stays on one worker; the files that
+# share none (the family corpus, the publishes) are spread test by test, costliest first (tests/scheduling.py).
 TEST_WORKERS ?= 2
 
 # The suite runs with Xet, as users' transfers do; the tests marked `transfer` run a second time with Xet off

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import scheduling
 
 
 def _free_port() -> int:
@@ -36,13 +37,6 @@ HUB_URL = f"http://127.0.0.1:{HUB_PORT}"
 for _var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HUB_OFFLINE", "HF_TOKEN_PATH", "HF_HUB_CACHE", "TRANSFORMERS_CACHE"):
     os.environ.pop(_var, None)
 os.environ["HF_ENDPOINT"] = HUB_URL
-TRANSFER = os.environ.get("HF_AO_TEST_TRANSFER", "xet")
-if TRANSFER not in ("xet", "lfs"):
-    raise RuntimeError(f"HF_AO_TEST_TRANSFER must be xet or lfs, not {TRANSFER!r}")
-if TRANSFER == "lfs":
-    os.environ["HF_HUB_DISABLE_XET"] = "1"
-else:
-    os.environ.pop("HF_HUB_DISABLE_XET", None)
 MULTIPART_THRESHOLD = 1 << 20  # the tiny FLUX transformer (2.1 MB) goes up in parts; its text encoders in one PUT
 os.environ["HF_HOME"] = str(_SESSION_DIR / "hf_home")
 # torch.hub's folder, where LPIPS looks for torchvision's AlexNet: empty unless a test places a trunk there, so that a
@@ -59,13 +53,17 @@ os.environ["TOKENIZERS_PARALLELISM"] = "false"
 # without it, 42 s (82 s of CPU) with it. Set before torch is imported anywhere (TORCH_BEFORE_CONFTEST, checked by
 # tests/test_makefile.py), so the workers' own OpenMP reads it too; every process the tests start inherits it.
 TORCH_BEFORE_CONFTEST = "torch" in sys.modules
-from publisher import compat  # noqa: E402  (no torch: the variables' names, as the CLI reads them)
-from publisher.quality import options as quality_options  # noqa: E402
-
-DEFAULTS_VARIABLES = (compat.VARIABLE, quality_options.BUDGET_VARIABLE)  # --compat and --eval-budget from the environment
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# What the test files share (tests/helpers.py): it imports neither huggingface_hub nor torch, so the variables they
+# read when imported (HF_HUB_DISABLE_XET below) may still be set after it
+from helpers import DEFAULTS_VARIABLES, FAST_TRIES, PROGRESS_VARS, TRANSFER, seed  # noqa: E402
+
+if TRANSFER == "lfs":  # HF_AO_TEST_TRANSFER (helpers.TRANSFER): Xet off, plain LFS and HTTP
+    os.environ["HF_HUB_DISABLE_XET"] = "1"
+else:
+    os.environ.pop("HF_HUB_DISABLE_XET", None)
 # The product's defaults run whatever the shell sets: a test that wants the matrix or the evaluation off says so on
-# its own command line (SKIP_EVAL_AND_MATRIX below); tests/test_makefile.py checks that no fixture sets them.
+# its own command line (helpers.SKIP_EVAL_AND_MATRIX); tests/test_makefile.py checks that no fixture sets them.
 for _var in DEFAULTS_VARIABLES:
     os.environ.pop(_var, None)
 # Environments built for --verify-env and the compatibility matrix are kept across test sessions (keyed by spec and by
@@ -79,23 +77,6 @@ MEASURED = Path(os.environ["HF_AO_PUBLISH_ENVS"]).parent / "measured"
 os.environ["HF_AO_PUBLISH_MEASURED"] = str(MEASURED)
 if TRANSFER == "xet" and not os.environ.get("PYTEST_XDIST_WORKER"):  # once, in the controller, before any worker
     shutil.rmtree(MEASURED, ignore_errors=True)
-
-FAST_TRIES = 3  # HF_AO_PUBLISH_RETRIES under the fast_retries fixture
-# For publishes whose subject is not the load paths (pushes, re-runs, Hub faults, integrity, resume, signals, quality
-# figures, configs, repo ids): verification in process (every saved tensor against the in-memory one, a block-by-block
-# forward) instead of the default's reloads in fresh interpreters, at about half the cost. The default stays where the
-# load paths are the subject (docs/development.md, "The tiers").
-IN_PROCESS = ["--verify-mode", "streaming"]
-# The product's defaults (the compatibility matrix: a few environments from PyPI, two reloads each; the quality
-# evaluation: perplexity, continuation, image grid) run in every test that does not pass these. A test that is not
-# about the evaluation or the matrix passes them on its own command line, for speed (docs/development.md, "The
-# tiers"); `verify` has no evaluation: it takes "--compat", "none" alone.
-SKIP_EVAL_AND_MATRIX = ["--eval-budget", "0", "--compat", "none"]
-# The fresh-interpreter reloads of a default verification read the saved folder on this disk, never the Hub: the
-# transfer mode changes nothing in them. Tests marked `transfer` that run them for other reasons (the token never
-# written, the CLI's output) keep them in the Xet session, the users' default, and verify in process in the LFS one,
-# where only the transfers differ. (test_job.py's pipeline publish keeps the default verification in both.)
-XET_DEFAULT_VERIFY = [] if TRANSFER == "xet" else IN_PROCESS
 
 
 @pytest.fixture
@@ -130,11 +111,6 @@ def _no_token(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("HF_TOKEN", raising=False)
 
 
-# The CLI run in-process (the cli fixture, CliRunner: stderr is no terminal) turns progress bars off for itself and
-# the processes it starts by setting these (publisher/runtime/progress.py); they end with the test that ran it.
-PROGRESS_VARS = ("HF_HUB_DISABLE_PROGRESS_BARS", "TQDM_DISABLE")
-
-
 @pytest.fixture(autouse=True)
 def _progress_vars_restored() -> Any:
     saved = {name: os.environ.get(name) for name in PROGRESS_VARS}
@@ -144,17 +120,6 @@ def _progress_vars_restored() -> Any:
             os.environ.pop(name, None)
         else:
             os.environ[name] = value
-
-
-# What progress bars leave in a log that is no terminal: carriage returns, escape codes, rates, tqdm's bar edge, and
-# the bars' own texts (huggingface_hub and hf_xet, transformers, diffusers, our streaming engine's).
-BAR_MARKS = ("\r", "\x1b", "it/s", "B/s", "%|", "Processing Files", "New Data Upload", "Validating", "LFS files",
-             "Loading weights", "Writing model shards", "Loading pipeline components", "Fetching", "quantize Flux")
-
-
-def progress_bars(stderr: str) -> list[str]:
-    """The lines of ``stderr`` (split on newlines only, so a bar's redraws stay in its line) a progress bar drew."""
-    return [line for line in stderr.split("\n") if any(mark in line for mark in BAR_MARKS)]
 
 
 @pytest.fixture(autouse=True)
@@ -184,62 +149,6 @@ def tiny_llama_dir() -> Path:
     from publisher.testing.tiny import build_tiny_llama
 
     return build_tiny_llama(_SESSION_DIR / "models" / "tiny-llama")
-
-
-def download_fault(hub: Any, how: str, match: str, *, at: int = 0, count: int = 1) -> str:
-    """Damage downloads where this session's downloads flow: hf_xet's CAS with Xet (the file's first xorb; ``at`` is
-    ignored), the HTTP body with Xet off (``at``: the byte flipped, or where the body is cut). ``how``: "flip" or
-    "truncate". Returns the fault kind that ``hub.faults_fired`` will count."""
-    if TRANSFER == "xet":
-        hub.set_fault(**{f"xet_{how}": True}, match=match, count=count)
-        return f"xet_{how}"
-    hub.set_fault(**{"flip_byte_at" if how == "flip" else "truncate_body_at": at}, match=match, count=count)
-    return how
-
-
-def distinct_copy(src: Path, dst: Path, salt: int) -> Path:
-    """A copy of a model folder whose safetensors weights differ from ``src``'s (one value changed per file), so that
-    no cache holds them yet: with Xet, huggingface_hub's cache-wide shared blob store deduplicates files by content
-    across repos, and a test of what a download does needs a download to happen."""
-    import safetensors.torch
-
-    shutil.copytree(src, dst)
-    for path in sorted(dst.rglob("*.safetensors")):
-        with safetensors.safe_open(str(path), "pt") as f:
-            metadata = f.metadata()
-        tensors = safetensors.torch.load_file(str(path))
-        name = next(k for k, t in sorted(tensors.items()) if t.is_floating_point() and t.numel() > 1)
-        tensors[name] = tensors[name].clone()
-        tensors[name].view(-1)[0] += salt * 2.0**-6
-        safetensors.torch.save_file(tensors, str(path), metadata=metadata)
-    return dst
-
-
-def run_snippet(code: str, cwd: Path, env: dict[str, str], timeout: float) -> Any:
-    """What ``python -c CODE`` in ``cwd`` gives (a ``subprocess.CompletedProcess``), as a user pastes a card snippet
-    into a new interpreter, forked from a zygote of this interpreter (publisher/runtime/zygotes.py, as the verify
-    workers are): it has imported torch and the libraries' model base classes (what every snippet imports first,
-    directly or through diffusers or transformers), and nothing else, so a snippet costs its own work and not those
-    imports again; what they print when imported is at the head of its stdout and stderr, as in a new interpreter.
-    The code is a file in ``cwd``, so ``sys.path[0]`` is ``cwd`` as with ``-c``."""
-    import hashlib
-    import sys
-
-    from publisher.runtime import zygotes
-
-    script = cwd / f"snippet_{hashlib.sha256(code.encode()).hexdigest()[:12]}.py"
-    script.write_text(code)
-    return zygotes.run(sys.executable, script, [], env=env, timeout=timeout, outputs=script.with_suffix(""), cwd=cwd,
-                       preload=zygotes.LIBRARIES)
-
-
-def seed(repo_id: str, folder: Path, token: str, **kwargs: Any) -> str:
-    """Upload a local model folder as a Hub repo; returns its commit sha."""
-    from huggingface_hub import HfApi
-
-    api = HfApi(token=token)
-    api.create_repo(repo_id, exist_ok=True, **kwargs)
-    return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message="seed").oid
 
 
 @pytest.fixture(scope="session")
@@ -317,53 +226,12 @@ def pytest_runtest_teardown(item: Any, nextitem: Any) -> None:
 
 
 # ---------------------------------------------------------------- how the suite spreads over the workers
-# `make test` runs `--dist loadscope`, with the scheduler below: a test file stays on one worker (its module-scoped
-# fixtures, a publish or a corpus, are built once), as `--dist loadfile` kept every file, except the files named in
-# SPREAD, which share nothing but session fixtures (each worker builds its own): their tests go one by one to
-# whichever worker is free (before, the 25 family publishes sat on one worker). xdist's own `loadgroup` marks do not
-# take effect with pytest 9 (the group suffix it writes into a test's node id is not read back), hence a scheduler.
-SPREAD = {"test_families", "test_job", "test_hub", "test_cli", "test_publish_configs", "test_family_failures",
-          "test_hfjobs_e2e", "test_action", "test_one_pass", "test_signals", "test_quality_e2e", "test_local_inputs",
-          "test_docs_commands", "test_quality_defaults"}
-# Files in the order their work is handed out, the costliest first (seconds on 2 cores, `--durations` of a full run), so
-# that no long test starts last and leaves the other worker idle; files not named here follow, in their usual order.
-# Every file of more than a few seconds is named: test_zygotes (some 30 s on one worker), which came last by name,
-# left the other worker idle for half a minute at the end of the run. test_verify_matrix as on a fresh clone (its
-# environments built from PyPI: 30 s more than from the cache).
-# The docs' commands first (minutes of publishes with the product's defaults, spread test by test); the Action's
-# workflows (docs/action.md, one test of a few minutes) after them, so that their publishes of the same bases and
-# recipes read the compatibility loads the commands measured (verify/memo.py) instead of measuring them again.
-COST_ORDER = ["test_docs_commands", "test_families", "test_stages_card", "test_docs_action", "test_quality_defaults",
-              "test_verify_full", "test_hfjobs_e2e", "test_job",
-              "test_hub", "test_cli", "test_signals", "test_quality_e2e", "test_verify_matrix", "test_action",
-              "test_scripts_gpu_check", "test_zygotes", "test_verify_streaming", "test_one_pass", "test_streaming_convert",
-              "test_verify_peers", "test_testing_tiny", "test_integrity", "test_hostile_input", "test_hf_extension",
-              "test_testing_hubserver", "test_publish_configs", "test_cli_bad_input", "test_action_run",
-              "test_family_failures", "test_verify_envs"]
-
-
-def _module(nodeid: str) -> str:
-    return Path(nodeid.split("::", 1)[0]).stem
-
-
+# `make test` runs `--dist loadscope` with the scheduler of tests/scheduling.py: a test file stays on one worker, the
+# files that share no module fixture are spread test by test, the costliest files first.
 @pytest.hookimpl(optionalhook=True)  # xdist's hook: absent with -p no:xdist
 def pytest_xdist_make_scheduler(config: Any, log: Any) -> Any:
-    """--dist loadscope with a scope per file, or per test for the files in SPREAD."""
-    if config.getoption("dist") != "loadscope":
-        return None
-    from xdist.scheduler import LoadScopeScheduling
-
-    # xdist would hand out the files with the most tests first, which puts the one-test scopes (the family publishes)
-    # last; keep the collection's order, the costliest first (pytest_collection_modifyitems below)
-    config.option.loadscopereorder = False
-
-    class FileOrTestScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:  # the hook LoadScopeScheduling's subclasses override (loadfile's too)
-            return nodeid if _module(nodeid) in SPREAD else nodeid.split("::", 1)[0]
-
-    return FileOrTestScheduling(config, log)
+    return scheduling.make_scheduler(config, log)
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
-    rank = {name: i for i, name in enumerate(COST_ORDER)}
-    items.sort(key=lambda item: rank.get(_module(item.nodeid), len(rank)))
+    scheduling.order(items)

@@ -22,7 +22,7 @@ from typing import Any
 import click
 import pytest
 from click.testing import CliRunner, Result
-from conftest import IN_PROCESS, PROGRESS_VARS, SKIP_EVAL_AND_MATRIX, progress_bars
+from helpers import IN_PROCESS, PROGRESS_VARS, SKIP_EVAL_AND_MATRIX, progress_bars
 
 from publisher import __version__
 from publisher import recipes as recipe_registry

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SKIP_EVAL_AND_MATRIX, run_snippet
+from helpers import SKIP_EVAL_AND_MATRIX, run_snippet
 
 from publisher.testing.demo import card_snippets
 from publisher.testing.families import FAMILIES
@@ -53,7 +53,7 @@ def usage_snippet(card: str) -> str:
 
 
 def run_snippets(card: str, cwd: Path) -> None:
-    """Every Python block of the card in its own fresh interpreter (conftest.run_snippet: the config block, usage,
+    """Every Python block of the card in its own fresh interpreter (helpers.run_snippet: the config block, usage,
     offload, the manual path), but the torch.compile block: its text is one template per kind (a pipeline's denoiser, an LM's forward) with the
     usage snippet's call, run as pasted for the tiny FLUX and Llama (tests/test_stages_card.py::
     test_every_card_snippet_runs); compiling each family's model again costs a minute or more of CPU per family."""

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import IN_PROCESS, SKIP_EVAL_AND_MATRIX
+from helpers import IN_PROCESS, SKIP_EVAL_AND_MATRIX
 
 SMALL = ["--sample-steps", "2", "--sample-size", "64"]
 

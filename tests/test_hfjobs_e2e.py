@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 from action_harness import assert_secret_absent, run_action
-from conftest import IN_PROCESS, SKIP_EVAL_AND_MATRIX
+from helpers import IN_PROCESS, SKIP_EVAL_AND_MATRIX
 from huggingface_hub import HfApi
 
 from publisher.hfjobs.bootstrap import EXIT_MARKER, RESULT_MARKER

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import seed
+from helpers import seed
 
 GiB = 1024**3
 # Measured here (tests/hostile_worker.py, VmHWM per case): 0.37-0.39 GiB for every case, torch, diffusers and

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FAST_TRIES, IN_PROCESS, SKIP_EVAL_AND_MATRIX, TRANSFER, XET_DEFAULT_VERIFY
+from helpers import FAST_TRIES, IN_PROCESS, SKIP_EVAL_AND_MATRIX, TRANSFER, XET_DEFAULT_VERIFY
 
 SMALL = ["--sample-steps", "2", "--sample-size", "64"]
 TRIES = FAST_TRIES
@@ -319,7 +319,7 @@ def test_hub_stopped_mid_commit_then_rerun_completes_and_token_is_never_written(
         cmd = _cli_cmd("meta/tiny-llama", "--quant", "int8wo", "--repo-id", repo, *SMALL, *SKIP_EVAL_AND_MATRIX)
         with open(tmp_path / "run1.out", "w+") as so, open(tmp_path / "run1.err", "w+") as se:
             # the first run's subject is the outage at its commit: it verifies in process (the re-run below keeps the
-            # default mode, the users' path end to end, in the Xet session: conftest.XET_DEFAULT_VERIFY)
+            # default mode, the users' path end to end, in the Xet session: helpers.XET_DEFAULT_VERIFY)
             cli_proc = subprocess.Popen([*cmd, "--output-dir", str(out1), *IN_PROCESS], env=env, stdout=so, stderr=se)
             try:
                 deadline = time.monotonic() + 180

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import FAST_TRIES, IN_PROCESS, SKIP_EVAL_AND_MATRIX, TRANSFER, distinct_copy, download_fault, seed
+from helpers import FAST_TRIES, IN_PROCESS, SKIP_EVAL_AND_MATRIX, TRANSFER, distinct_copy, download_fault, seed
 
 TRIES = FAST_TRIES
 WEIGHTS = "model.safetensors"

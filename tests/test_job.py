@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import IN_PROCESS, PROGRESS_VARS, SKIP_EVAL_AND_MATRIX, XET_DEFAULT_VERIFY, progress_bars
+from helpers import IN_PROCESS, PROGRESS_VARS, SKIP_EVAL_AND_MATRIX, XET_DEFAULT_VERIFY, progress_bars
 
 from publisher import recipes
 
@@ -58,7 +58,7 @@ def test_publish_flux_pipeline_and_load_it_back(cli: Any, flux_repo: str) -> Non
 
 # What a successful run may print besides our own lines: nothing from the libraries. These marks catch the
 # third-party lines seen on the Hub's transfer paths (huggingface_hub's Xet fallback, hf_xet); progress bars are
-# conftest.progress_bars'.
+# helpers.progress_bars'.
 THIRD_PARTY = ("Xet Storage", "Falling back", "hf_xet", "huggingface_hub", "Warning", "warning:", "deprecated",
                "Failed to load", "Unable to import", "Traceback")
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import IN_PROCESS, SKIP_EVAL_AND_MATRIX
+from helpers import IN_PROCESS, SKIP_EVAL_AND_MATRIX
 
 from publisher.errors import InputError, TargetError, UsageError
 from publisher.io import jsonfile

@@ -114,6 +114,18 @@ def test_the_lfs_pass_collects_every_file_that_marks_a_test_transfer() -> None:
     assert helpers and not [p.name for p in helpers if "add_marker" in p.read_text()]  # conftest marks nothing
 
 
+def test_the_scheduler_names_only_test_files_of_the_suite() -> None:
+    """`make test`'s scheduler (tests/scheduling.py, called by conftest's hooks) names files by hand: a renamed or
+    removed file would silently drop out of the spread or of the cost order (it would run last, by name)."""
+    import scheduling
+
+    files = {p.stem for p in (ROOT / "tests").glob("test_*.py")}
+    assert not scheduling.SPREAD - files and not set(scheduling.COST_ORDER) - files
+    assert len(set(scheduling.COST_ORDER)) == len(scheduling.COST_ORDER)
+    assert scheduling.scope("tests/test_families.py::test_x[a]") == "tests/test_families.py::test_x[a]"  # spread
+    assert scheduling.scope("tests/test_zygotes.py::test_x") == "tests/test_zygotes.py"  # one worker per file
+
+
 def test_the_workers_openmp_threads_sleep_when_idle() -> None:
     """tests/conftest.py sets OMP_WAIT_POLICY=PASSIVE before torch is first imported in a worker (libgomp reads it when
     torch loads it), so the worker's own idle threads sleep instead of spinning, and every process a test starts (load
@@ -133,11 +145,11 @@ def test_the_workers_openmp_threads_sleep_when_idle() -> None:
 
 def test_no_fixture_switches_a_product_default_off_for_the_session() -> None:
     """The compatibility matrix and the quality evaluation run in every test that does not turn them off on its own
-    command line (conftest.SKIP_EVAL_AND_MATRIX): no conftest, fixture or test module sets their variables, which
+    command line (helpers.SKIP_EVAL_AND_MATRIX): no conftest, fixture or test module sets their variables, which
     would turn them off for every test at once (tests/conftest.py did, for the whole session)."""
     import os
 
-    from conftest import DEFAULTS_VARIABLES as variables
+    from helpers import DEFAULTS_VARIABLES as variables
 
     assert variables == ("HF_AO_PUBLISH_COMPAT", "HF_AO_PUBLISH_EVAL_BUDGET")  # what the CLI reads (publish --help)
     assert [v for v in variables if v in os.environ] == []  # in a test, with the autouse fixtures active

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import IN_PROCESS, SKIP_EVAL_AND_MATRIX, TRANSFER, seed
+from helpers import IN_PROCESS, SKIP_EVAL_AND_MATRIX, TRANSFER, seed
 
 from publisher import recipes
 

@@ -13,7 +13,7 @@ import termios
 from typing import Any
 
 import pytest
-from conftest import PROGRESS_VARS
+from helpers import PROGRESS_VARS
 
 from publisher.runtime import progress
 

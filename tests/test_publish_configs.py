@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import IN_PROCESS, SKIP_EVAL_AND_MATRIX
+from helpers import IN_PROCESS, SKIP_EVAL_AND_MATRIX
 
 SMALL = ["--sample-steps", "2", "--sample-size", "64"]
 CALLS = ["Int8WeightOnlyConfig(granularity=PerGroup(128))", "Float8DynamicActivationFloat8WeightConfig(granularity=PerRow())"]

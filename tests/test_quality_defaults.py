@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import run_snippet
+from helpers import run_snippet
 
 SMALL = ["--sample-steps", "2", "--sample-size", "64"]
 

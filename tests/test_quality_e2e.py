@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import IN_PROCESS
+from helpers import IN_PROCESS
 
 EVAL = ["--eval-budget", "10m"]
 SMALL = ["--sample-steps", "2", "--sample-size", "64"]

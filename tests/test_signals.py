@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import IN_PROCESS, SKIP_EVAL_AND_MATRIX, seed
+from helpers import IN_PROCESS, SKIP_EVAL_AND_MATRIX, seed
 
 ROOT = Path(__file__).resolve().parents[1]
 

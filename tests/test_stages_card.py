@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import IN_PROCESS, SKIP_EVAL_AND_MATRIX, run_snippet
+from helpers import IN_PROCESS, SKIP_EVAL_AND_MATRIX, run_snippet
 
 GOLDEN = Path(__file__).parent / "golden"
 SMALL = ["--sample-steps", "2", "--sample-size", "64"]

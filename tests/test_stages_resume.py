@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import IN_PROCESS, SKIP_EVAL_AND_MATRIX
+from helpers import IN_PROCESS, SKIP_EVAL_AND_MATRIX
 
 
 def _interrupted_run(cli: Any, args: list[str], monkeypatch: pytest.MonkeyPatch, cache: Path) -> None:

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import TRANSFER, seed
+from helpers import TRANSFER, seed
 
 pytestmark = pytest.mark.slow  # a self-test of the test infrastructure
 

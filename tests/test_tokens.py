@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import seed
+from helpers import seed
 
 from publisher.io.tokens import TokenRights
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SKIP_EVAL_AND_MATRIX
+from helpers import SKIP_EVAL_AND_MATRIX
 
 from publisher import recipes
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import seed
+from helpers import seed
 
 from publisher.errors import SourceError
 from publisher.testing.peers import CORPUS, FLUX_LAYER, LLAMA_LAYER, PEERS, Peer, build_peer

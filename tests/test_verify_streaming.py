@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import SKIP_EVAL_AND_MATRIX, TRANSFER, seed
+from helpers import SKIP_EVAL_AND_MATRIX, TRANSFER, seed
 
 from publisher import recipes
 
