@@ -7,7 +7,6 @@ subcommands. Heavy libraries are imported inside the stages so `--help` is insta
 from __future__ import annotations
 
 import logging
-import re
 import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -211,7 +210,7 @@ def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | 
     _require(ctx, "quant", quant)
     assert model_id is not None
     if on_hf_jobs is not None:
-        _check_remote_options(ctx, hf_jobs_timeout)
+        clioptions.check_remote_options(ctx, hf_jobs_timeout)
     elif ctx.get_parameter_source("hf_jobs_timeout") is not click.core.ParameterSource.DEFAULT:
         raise click.UsageError("--hf-jobs-timeout applies to --on-hf-jobs; add --on-hf-jobs FLAVOR or drop it")
     if verify_envs and verify_mode == "streaming":
@@ -227,7 +226,7 @@ def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | 
     if low_disk and engine == "library":
         raise click.UsageError("--low-disk reads weights by HTTP range, which only the streaming engine does; drop --engine library")
     if max_shard_size is not None:
-        _check_size(max_shard_size)
+        clioptions.check_size(max_shard_size)
     _start(debug, quiet)
     from publisher.job import run
     from publisher.request import PublishRequest
@@ -266,7 +265,7 @@ def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | 
     if on_hf_jobs is not None:
         from publisher.hfjobs import remote
 
-        options = tuple(_command_args(ctx, _NOT_FOR_JOBS, from_environment=True))  # a job has none of our variables
+        options = tuple(clioptions.command_args(ctx, clioptions.NOT_FOR_JOBS, from_environment=True))  # a job has none of our variables
         jobs = remote.JobsRequest(req, on_hf_jobs, hf_jobs_timeout, options)
         _report(_run_failed_json(as_json, debug, remote.publish, jobs), as_json, keep_going, force)
         return
@@ -291,23 +290,6 @@ def _require(ctx: click.Context, name: str, value: Any) -> None:
     if not value:
         param = next(p for p in ctx.command.params if p.name == name)
         raise click.MissingParameter(ctx=ctx, param=param)
-
-
-# Options a job's command does not repeat: the job gets its own --quant/--repo-id/--revision/--json, and the
-# token only as a secret; local folders and interpreters do not exist there.
-_NOT_FOR_JOBS = {"model_id", "quant", "layer_config", "repo_id", "revision", "token", "as_json", "output_dir", "on_hf_jobs",
-                 "hf_jobs_timeout", "attach", "keep_going"}
-_LOCAL_ONLY = {"output_dir": "--output-dir", "no_push": "--no-push", "verify_envs": "--verify-env"}
-
-
-def _check_remote_options(ctx: click.Context, timeout: str) -> None:
-    for name, flag in _LOCAL_ONLY.items():
-        if ctx.params.get(name):
-            raise click.UsageError(f"{flag} needs this machine's disk or interpreters, which a job on Hugging Face Jobs "
-                                   f"does not have; drop {flag} or --on-hf-jobs")
-    if not re.fullmatch(r"\d+(\.\d+)?[smhd]?", timeout.strip()):
-        raise click.BadParameter(f"{timeout!r} is not a duration such as 45m, 2h or 5400", ctx=ctx,
-                                 param_hint="'--hf-jobs-timeout'")
 
 
 VERIFY_HELP = f"""Check a torchao-quantized checkpoint (Hub id or folder; a pipeline, a diffusers model or a transformers
@@ -422,53 +404,17 @@ def recheck_cmd(repos: tuple[str, ...], token: str | None, compat: tuple[str, ..
         raise _Failure(f"{len(failed)} of {len(repos)} repos could not be rechecked", 1)
 
 
-def _check_size(value: str) -> None:
-    from publisher.stages.lowdisk_push import size_bytes
-
-    try:
-        size_bytes(value)
-    except ValueError:
-        raise click.UsageError(f"--max-shard-size {value!r} is not a size; give one such as 2GB, 500MB or 1000000000") from None
-
-
 def _command_line(ctx: click.Context) -> str:
     """The card's command that made the repo, from the parsed options: reproducible, never a secret; defaults and
     values read from a variable (HF_AO_PUBLISH_COMPAT), which were not typed, left out."""
     from publisher.stages.source import shown
 
     skip = {"token", "debug", "quiet", "as_json", "output_dir", "hf_jobs_timeout", "attach", "force"}
-    args = _command_args(ctx, skip)
+    args = clioptions.command_args(ctx, skip)
     model_id = ctx.params.get("model_id")
     if model_id and args and args[0] == model_id:
         args[0] = shown(model_id)  # a local folder by its name unless typed as a path below the working directory
     return shlex.join(["hf-ao-publish", *args])
-
-
-def _command_args(ctx: click.Context, skip: set[str], *, from_environment: bool = False) -> list[str]:
-    """The parsed arguments and options, defaults, ``skip`` and (unless asked) values from variables left out."""
-    parts: list[str] = []
-    for param in ctx.command.params:
-        name = param.name or ""
-        value = ctx.params.get(name)
-        if name in skip or value == param.default:
-            continue
-        if value is False and isinstance(param, click.Option) and param.secondary_opts:  # --no-low-disk, given
-            parts.append(param.secondary_opts[0])
-            continue
-        if value in (None, False, ()):
-            continue
-        if ctx.get_parameter_source(name) == click.core.ParameterSource.ENVIRONMENT and not from_environment:
-            continue
-        if isinstance(param, click.Argument):
-            parts.append(str(value))
-        elif isinstance(value, bool):
-            parts.append(param.opts[0])
-        elif isinstance(value, tuple):
-            for item in value:
-                parts += [param.opts[0], str(item)]
-        else:
-            parts += [param.opts[0], str(value)]
-    return parts
 
 
 def _report(outcomes: list[Any], as_json: bool, keep_going: bool, force: bool = False) -> None:
