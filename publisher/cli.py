@@ -106,7 +106,7 @@ def recipes_cmd(as_json: bool) -> None:
 
 
 @main.command("publish")
-@click.argument("model_id", required=False, metavar="MODEL_ID")  # required unless --attach (checked below)
+@click.argument("model_id", nargs=-1, metavar="MODEL_ID...")  # required unless --attach; several: --on-hf-jobs
 @click.option("--quant", "quant", multiple=True, metavar="RECIPE|CONFIG",
               help=f"A recipe ({', '.join(recipe_registry.names())}), a torchao config written as its Python call "
                    "(read, never run), a config_to_dict JSON file, or COMPONENT=CONFIG pairs (one repo, a config per "
@@ -177,7 +177,7 @@ def recipes_cmd(as_json: bool) -> None:
 @clioptions.json_option
 @clioptions.debug_option
 @clioptions.quiet_option
-def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | None, exclude: tuple[str, ...],
+def publish_cmd(model_id: tuple[str, ...], quant: tuple[str, ...], components: str | None, exclude: tuple[str, ...],
                 layer_config: tuple[str, ...], repo_id: str | None,
                 revision: str | None, private: bool, token: str | None, output_dir: Path | None, no_push: bool,
                 create_pr: bool, trust_remote_code: bool, keep_going: bool, force: bool, verify_envs: tuple[str, ...],
@@ -186,7 +186,7 @@ def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | 
                 allow_unquantized: bool, benchmark: bool, engine: Engine, low_disk: bool | None,
                 max_shard_size: str | None, recheck_published: bool, verify_mode: Mode, on_hf_jobs: str | None,
                 hf_jobs_timeout: str, attach: tuple[str, ...], as_json: bool, debug: bool, quiet: bool) -> None:
-    """Quantize MODEL_ID (Hub repo id or local folder), verify, card and push it.
+    """Quantize MODEL_ID (Hub repo id or local folder), verify, card and push it; several with --on-hf-jobs.
 
     \b
     Example:
@@ -195,6 +195,7 @@ def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | 
       hf-ao-publish ./my-llama --quant 'Int8WeightOnlyConfig(granularity=PerGroup(128))'
       hf-ao-publish black-forest-labs/FLUX.1-dev --quant transformer=float8wo,text_encoder_2=int8wo
       hf-ao-publish black-forest-labs/FLUX.1-dev --quant int4wo --on-hf-jobs l4x1
+      hf-ao-publish meta-llama/Llama-3.2-1B Qwen/Qwen3-0.6B --quant int8wo,float8wo --on-hf-jobs cpu-upgrade
     """
     ctx = click.get_current_context()
     if attach:
@@ -208,7 +209,9 @@ def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | 
         return
     _require(ctx, "model_id", model_id)
     _require(ctx, "quant", quant)
-    assert model_id is not None
+    if len(model_id) > 1 and on_hf_jobs is None:
+        raise click.UsageError("several MODEL_IDs are published on Hugging Face Jobs, one job per model and recipe; add "
+                               "--on-hf-jobs FLAVOR, or publish one model per command")
     if on_hf_jobs is not None:
         clioptions.check_remote_options(ctx, hf_jobs_timeout)
     elif ctx.get_parameter_source("hf_jobs_timeout") is not click.core.ParameterSource.DEFAULT:
@@ -232,7 +235,7 @@ def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | 
     from publisher.request import PublishRequest
 
     req = PublishRequest(
-        model=model_id,
+        model=model_id[0],  # several: each job's own (publisher.hfjobs.many.for_model)
         quant=list(quant),
         components=[c.strip() for c in components.split(",") if c.strip()] if components else None,
         exclude=list(exclude),
@@ -267,6 +270,11 @@ def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | 
 
         options = tuple(clioptions.command_args(ctx, clioptions.NOT_FOR_JOBS, from_environment=True))  # a job has none of our variables
         jobs = remote.JobsRequest(req, on_hf_jobs, hf_jobs_timeout, options)
+        if len(model_id) > 1:
+            from publisher.hfjobs import many
+
+            _report(_run_failed_json(as_json, debug, many.publish, jobs, list(model_id)), as_json, keep_going, force)
+            return
         _report(_run_failed_json(as_json, debug, remote.publish, jobs), as_json, keep_going, force)
         return
     _report(_run_failed_json(as_json, debug, run, req), as_json, keep_going, force)
@@ -411,15 +419,17 @@ def _command_line(ctx: click.Context) -> str:
 
     skip = {"token", "debug", "quiet", "as_json", "output_dir", "hf_jobs_timeout", "attach", "force"}
     args = clioptions.command_args(ctx, skip)
-    model_id = ctx.params.get("model_id")
-    if model_id and args and args[0] == model_id:
-        args[0] = shown(model_id)  # a local folder by its name unless typed as a path below the working directory
+    model_id: tuple[str, ...] = ctx.params.get("model_id") or ()
+    if len(model_id) == 1 and args and args[0] == model_id[0]:
+        args[0] = shown(model_id[0])  # a local folder by its name unless typed as a path below the working directory
     return shlex.join(["hf-ao-publish", *args])
 
 
 def _report(outcomes: list[Any], as_json: bool, keep_going: bool, force: bool = False) -> None:
-    failed = [o for o in outcomes if o.error]
-    failure = _Failure(f"{len(failed)} of {len(outcomes)} recipes failed", 1) if failed else None
+    from publisher.hfjobs import many
+
+    failed, table = [o for o in outcomes if o.error], many.several_models(outcomes)  # several models: one table
+    failure = _Failure(f"{len(failed)} of {len(outcomes)} {'jobs' if table else 'recipes'} failed", 1) if failed else None
     if as_json:
         clijson.outcomes(outcomes, *((failure.message, failure.exit_code) if failure else ()))
     for o in outcomes:
@@ -433,8 +443,10 @@ def _report(outcomes: list[Any], as_json: bool, keep_going: bool, force: bool = 
             _say(f"published {o.repo_id}: {o.pr_url or o.url} (commit {o.commit})")
         else:
             _say(f"{o.recipe}: verified repo folder at {o.folder} (card: {o.folder}/README.md); not pushed")
-        if not as_json and not o.error:
+        if not as_json and not o.error and not table:
             click.echo(o.pr_url or o.url or str(o.folder))
+    if table and not as_json:
+        click.echo(many.table(outcomes))
     if failure is not None:
         raise failure
 

@@ -951,7 +951,7 @@ def test_publish_attach(fake_remote: list[Any]) -> None:
     assert json.loads(result.stdout)["commit"] == "c" * 40
     both = invoke("some/model", "--quant", "int8wo", "--attach", "j1")
     assert both.exit_code == 2 and "give it without MODEL_ID, --quant and --on-hf-jobs" in both.stderr
-    assert "Missing argument 'MODEL_ID'" in invoke("publish").stderr  # still required without --attach
+    assert "Missing argument 'MODEL_ID...'" in invoke("publish").stderr  # still required without --attach
 
 
 # ---------------------------------------------------------------- library noise
