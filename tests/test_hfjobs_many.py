@@ -83,7 +83,7 @@ def test_three_models_two_recipes_are_six_jobs_and_one_table(cli: Any, hub: Any,
         assert api.model_info(repo).sha == _result_in_log(hub, job_id)["commit"]  # type: ignore[index]
         assert f"[{model} {recipe}] " in result.stderr  # each log line prefixed with its model and recipe
     assert TOKEN not in result.output
-    print(f"six loopback jobs (3 models x 2 recipes): {took:.0f} s")
+    print(f"six loopback jobs (3 models x 2 recipes): {took:.0f} s\n{result.stdout}")
 
     again = cli(*[a for job_id, _, _ in jobs for a in ("--attach", job_id)], "--json", token=TOKEN)
     assert again.exit_code == 0, again.output
