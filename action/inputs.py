@@ -111,7 +111,7 @@ def parse_extra_args(value: str | None) -> list[str]:
     return args
 
 
-PUBLISH_ONLY = ("HFAO_MODEL", "HFAO_QUANT", "HFAO_COMPONENTS", "HFAO_EXCLUDE", "HFAO_REPO_ID", "HFAO_REVISION", "HFAO_HF_JOBS_FLAVOR")
+PUBLISH_ONLY = ("HFAO_MODEL", "HFAO_MODELS", "HFAO_QUANT", "HFAO_COMPONENTS", "HFAO_EXCLUDE", "HFAO_REPO_ID", "HFAO_REVISION", "HFAO_HF_JOBS_FLAVOR")
 
 
 def recheck_request(env: Mapping[str, str], repos: list[str]) -> Request:
@@ -138,16 +138,13 @@ def build_request(env: Mapping[str, str]) -> Request:
     repos = split_list(env.get("HFAO_RECHECK"))
     if repos:
         return recheck_request(env, repos)
-    model = env.get("HFAO_MODEL", "").strip()
-    if not model:
-        raise ActionInputError("input model is required (a Hub repo id such as black-forest-labs/FLUX.1-dev)")
-    if model.startswith("-"):  # click would read it as an option
-        raise ActionInputError(f"input model must be a repo id or a folder, not an option: {model!r}")
+    models = model_inputs(env)
+    model = ", ".join(models)
     quants = parse_quant(env.get("HFAO_QUANT"))
     if not quants:
         raise ActionInputError("input quant is required (one or several recipes, e.g. 'int8wo' or 'int8wo,float8wo')")
     # --name=value everywhere: a value that starts with '-' cannot be taken for an option.
-    args = ["publish", model]
+    args = ["publish", *models]
     args += [f"--quant={quant}" for quant in quants]
     components = split_list(env.get("HFAO_COMPONENTS"))
     if components:
@@ -171,7 +168,11 @@ def build_request(env: Mapping[str, str]) -> Request:
         push = False
     args += extra
     token = env.get("HFAO_TOKEN", "").strip() or env.get("HF_TOKEN", "").strip() or None
-    remote = _run_on(env, push, keep_output, model)
+    remote = _run_on(env, push, keep_output, models)
+    if len(models) > 1 and not remote:
+        raise ActionInputError("input models publishes several models on Hugging Face Jobs, one job per model and recipe: "
+                               "add run-on: hf-jobs and hf-jobs-flavor, or run one model per job with a matrix over model "
+                               "(docs/action.md)")
     if remote:
         args.append(f"--on-hf-jobs={remote}")
     if (push or remote) and not token:
@@ -181,7 +182,21 @@ def build_request(env: Mapping[str, str]) -> Request:
     return Request(model=model, args=args, push=push, keep_output=keep_output, token=token, remote=bool(remote))
 
 
-def _run_on(env: Mapping[str, str], push: bool, keep_output: bool, model: str) -> str:
+def model_inputs(env: Mapping[str, str]) -> list[str]:
+    """model (one repo id or folder), or models (repo ids separated by commas, spaces or newlines): not both."""
+    model, models = env.get("HFAO_MODEL", "").strip(), split_list(env.get("HFAO_MODELS"))
+    if model and models:
+        raise ActionInputError("give input model or input models, not both")
+    names = models or ([model] if model else [])
+    if not names:
+        raise ActionInputError("input model is required (a Hub repo id such as black-forest-labs/FLUX.1-dev)")
+    for name in names:
+        if name.startswith("-"):  # click would read it as an option
+            raise ActionInputError(f"input model must be a repo id or a folder, not an option: {name!r}")
+    return names
+
+
+def _run_on(env: Mapping[str, str], push: bool, keep_output: bool, models: list[str]) -> str:
     """The Jobs flavor when run-on is hf-jobs (checked against what a job can do), else ''."""
     run_on = (env.get("HFAO_RUN_ON") or "runner").strip().lower()
     flavor = (env.get("HFAO_HF_JOBS_FLAVOR") or "").strip()
@@ -199,7 +214,8 @@ def _run_on(env: Mapping[str, str], push: bool, keep_output: bool, model: str) -
                          "where nobody can read it")
     if keep_output:
         raise ActionInputError("run-on: hf-jobs leaves no repo folder on the runner; drop keep-output")
-    if model.startswith((".", "/", "~")) or Path(model).exists():  # the step runs in the workspace
-        raise ActionInputError(f"run-on: hf-jobs needs a Hub repo id as model (a job cannot read {model!r} from the "
-                         "workspace); upload the folder to the Hub first")
+    for model in models:
+        if model.startswith((".", "/", "~")) or Path(model).exists():  # the step runs in the workspace
+            raise ActionInputError(f"run-on: hf-jobs needs a Hub repo id as model (a job cannot read {model!r} from the "
+                                   "workspace); upload the folder to the Hub first")
     return flavor

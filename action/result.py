@@ -1,6 +1,7 @@
 """The CLI's `--json` result, and the action's outputs derived from it.
 
-One recipe prints one object; several print {"results": [...], "verified": ...}. The result is read
+One recipe prints one object; several print {"results": [...], "verified": ...}; several models (input models,
+on Hugging Face Jobs) a list with one object per job. The result is read
 defensively: the action must still write its outputs and summary when the CLI printed nothing, or
 something unexpected, so every access checks the type it gets.
 """
@@ -28,6 +29,8 @@ def entries(payload: object) -> list[dict[str, Any]]:
         return [r for r in payload["results"] if isinstance(r, dict)]
     if isinstance(payload, dict) and "repo_id" in payload:
         return [payload]
+    if isinstance(payload, list):  # jobs of several models (input models): one entry per job, naming its model
+        return [r for r in payload if isinstance(r, dict)]
     return []
 
 

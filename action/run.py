@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from action import result
-from action.inputs import ActionInputError, build_request, parse_quant, secret_values
+from action.inputs import ActionInputError, build_request, parse_quant, secret_values, split_list
 from action.summary import build_recheck_summary, build_summary
 from action.workflow import (
     TITLE,
@@ -175,7 +175,7 @@ def fail_early(env: Mapping[str, str], model: str, message: str, secrets: Sequen
 
 def run(env: Mapping[str, str]) -> int:
     """The step: mask, build the argv, run the CLI, then annotations, summary, the repo folder and outputs."""
-    model = env.get("HFAO_MODEL", "")
+    model = env.get("HFAO_MODEL", "") or ", ".join(split_list(env.get("HFAO_MODELS")))
     secrets = secret_values(env)
     for secret in secrets:
         mask(secret)

@@ -193,7 +193,8 @@ def build_summary(model: str, payload: object, error: str | None, returncode: in
     if len(results) > 1:
         lines += ["| recipe | repo | status | commit |", "|---|---|---|---|"]
         for r in results:
-            lines.append(f"| {cell(r.get('recipe'))} | {link(r.get('repo_id') or '', r.get('url'))} | {status(r)} | "
+            what = " ".join(str(r[k]) for k in ("model", "recipe") if r.get(k))  # several models: which one
+            lines.append(f"| {cell(what)} | {link(r.get('repo_id') or '', r.get('url'))} | {status(r)} | "
                          f"{cell((r.get('commit') or '')[:12])} |")
         lines.append("")
     for r in results:

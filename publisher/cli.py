@@ -7,7 +7,6 @@ subcommands. Heavy libraries are imported inside the stages so `--help` is insta
 from __future__ import annotations
 
 import logging
-import re
 import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -106,7 +105,7 @@ def recipes_cmd(as_json: bool) -> None:
 
 
 @main.command("publish")
-@click.argument("model_id", required=False, metavar="MODEL_ID")  # required unless --attach (checked below)
+@click.argument("model_id", nargs=-1, metavar="MODEL_ID...")  # required unless --attach; several: --on-hf-jobs
 @click.option("--quant", "quant", multiple=True, metavar="RECIPE|CONFIG",
               help=f"A recipe ({', '.join(recipe_registry.names())}), a torchao config written as its Python call "
                    "(read, never run), a config_to_dict JSON file, or COMPONENT=CONFIG pairs (one repo, a config per "
@@ -177,7 +176,7 @@ def recipes_cmd(as_json: bool) -> None:
 @clioptions.json_option
 @clioptions.debug_option
 @clioptions.quiet_option
-def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | None, exclude: tuple[str, ...],
+def publish_cmd(model_id: tuple[str, ...], quant: tuple[str, ...], components: str | None, exclude: tuple[str, ...],
                 layer_config: tuple[str, ...], repo_id: str | None,
                 revision: str | None, private: bool, token: str | None, output_dir: Path | None, no_push: bool,
                 create_pr: bool, trust_remote_code: bool, keep_going: bool, force: bool, verify_envs: tuple[str, ...],
@@ -186,7 +185,7 @@ def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | 
                 allow_unquantized: bool, benchmark: bool, engine: Engine, low_disk: bool | None,
                 max_shard_size: str | None, recheck_published: bool, verify_mode: Mode, on_hf_jobs: str | None,
                 hf_jobs_timeout: str, attach: tuple[str, ...], as_json: bool, debug: bool, quiet: bool) -> None:
-    """Quantize MODEL_ID (Hub repo id or local folder), verify, card and push it.
+    """Quantize MODEL_ID (Hub repo id or local folder), verify, card and push it; several with --on-hf-jobs.
 
     \b
     Example:
@@ -195,6 +194,7 @@ def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | 
       hf-ao-publish ./my-llama --quant 'Int8WeightOnlyConfig(granularity=PerGroup(128))'
       hf-ao-publish black-forest-labs/FLUX.1-dev --quant transformer=float8wo,text_encoder_2=int8wo
       hf-ao-publish black-forest-labs/FLUX.1-dev --quant int4wo --on-hf-jobs l4x1
+      hf-ao-publish meta-llama/Llama-3.2-1B Qwen/Qwen3-0.6B --quant int8wo,float8wo --on-hf-jobs cpu-upgrade
     """
     ctx = click.get_current_context()
     if attach:
@@ -208,9 +208,11 @@ def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | 
         return
     _require(ctx, "model_id", model_id)
     _require(ctx, "quant", quant)
-    assert model_id is not None
+    if len(model_id) > 1 and on_hf_jobs is None:
+        raise click.UsageError("several MODEL_IDs are published on Hugging Face Jobs, one job per model and recipe; add "
+                               "--on-hf-jobs FLAVOR, or publish one model per command")
     if on_hf_jobs is not None:
-        _check_remote_options(ctx, hf_jobs_timeout)
+        clioptions.check_remote_options(ctx, hf_jobs_timeout)
     elif ctx.get_parameter_source("hf_jobs_timeout") is not click.core.ParameterSource.DEFAULT:
         raise click.UsageError("--hf-jobs-timeout applies to --on-hf-jobs; add --on-hf-jobs FLAVOR or drop it")
     evaluation = _run_mapped(debug, quality_options.settings, eval_dataset, eval_tokens, eval_budget, min_quality,
@@ -218,7 +220,7 @@ def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | 
     from publisher.request import BaseSpec, CheckSpec, MakeSpec, PublishRequest, TargetSpec
 
     req = _run_mapped(debug, lambda: PublishRequest(  # every usage rule is the request's own (exit 2)
-        base=BaseSpec(model_id, revision, [c.strip() for c in components.split(",") if c.strip()] if components else None,
+        base=BaseSpec(model_id[0], revision, [c.strip() for c in components.split(",") if c.strip()] if components else None,
                       list(exclude), trust_remote_code),
         make=MakeSpec(list(quant), list(layer_config), engine, max_shard_size, allow_unquantized),
         target=TargetSpec(repo_id, not no_push, private, create_pr, force, output_dir, low_disk, recheck_published),
@@ -230,8 +232,13 @@ def publish_cmd(model_id: str | None, quant: tuple[str, ...], components: str | 
     if on_hf_jobs is not None:
         from publisher.hfjobs import remote
 
-        options = tuple(_command_args(ctx, _NOT_FOR_JOBS, from_environment=True))  # a job has none of our variables
+        options = tuple(clioptions.command_args(ctx, clioptions.NOT_FOR_JOBS, from_environment=True))  # a job has none of our variables
         jobs = remote.JobsRequest(req, on_hf_jobs, hf_jobs_timeout, options)
+        if len(model_id) > 1:
+            from publisher.hfjobs import many
+
+            _report(_run_failed_json(as_json, debug, many.publish, jobs, list(model_id)), as_json, keep_going, force)
+            return
         _report(_run_failed_json(as_json, debug, remote.publish, jobs), as_json, keep_going, force)
         return
     _report(_run_failed_json(as_json, debug, run, req), as_json, keep_going, force)
@@ -255,23 +262,6 @@ def _require(ctx: click.Context, name: str, value: Any) -> None:
     if not value:
         param = next(p for p in ctx.command.params if p.name == name)
         raise click.MissingParameter(ctx=ctx, param=param)
-
-
-# Options a job's command does not repeat: the job gets its own --quant/--repo-id/--revision/--json, and the
-# token only as a secret; local folders and interpreters do not exist there.
-_NOT_FOR_JOBS = {"model_id", "quant", "layer_config", "repo_id", "revision", "token", "as_json", "output_dir", "on_hf_jobs",
-                 "hf_jobs_timeout", "attach", "keep_going"}
-_LOCAL_ONLY = {"output_dir": "--output-dir", "no_push": "--no-push", "verify_envs": "--verify-env"}
-
-
-def _check_remote_options(ctx: click.Context, timeout: str) -> None:
-    for name, flag in _LOCAL_ONLY.items():
-        if ctx.params.get(name):
-            raise click.UsageError(f"{flag} needs this machine's disk or interpreters, which a job on Hugging Face Jobs "
-                                   f"does not have; drop {flag} or --on-hf-jobs")
-    if not re.fullmatch(r"\d+(\.\d+)?[smhd]?", timeout.strip()):
-        raise click.BadParameter(f"{timeout!r} is not a duration such as 45m, 2h or 5400", ctx=ctx,
-                                 param_hint="'--hf-jobs-timeout'")
 
 
 VERIFY_HELP = f"""Check a torchao-quantized checkpoint (Hub id or folder; a pipeline, a diffusers model or a transformers
@@ -392,43 +382,18 @@ def _command_line(ctx: click.Context) -> str:
     from publisher.stages.source import shown
 
     skip = {"token", "debug", "quiet", "as_json", "output_dir", "hf_jobs_timeout", "attach", "force"}
-    args = _command_args(ctx, skip)
-    model_id = ctx.params.get("model_id")
-    if model_id and args and args[0] == model_id:
-        args[0] = shown(model_id)  # a local folder by its name unless typed as a path below the working directory
+    args = clioptions.command_args(ctx, skip)
+    model_id: tuple[str, ...] = ctx.params.get("model_id") or ()
+    if len(model_id) == 1 and args and args[0] == model_id[0]:
+        args[0] = shown(model_id[0])  # a local folder by its name unless typed as a path below the working directory
     return shlex.join(["hf-ao-publish", *args])
 
 
-def _command_args(ctx: click.Context, skip: set[str], *, from_environment: bool = False) -> list[str]:
-    """The parsed arguments and options, defaults, ``skip`` and (unless asked) values from variables left out."""
-    parts: list[str] = []
-    for param in ctx.command.params:
-        name = param.name or ""
-        value = ctx.params.get(name)
-        if name in skip or value == param.default:
-            continue
-        if value is False and isinstance(param, click.Option) and param.secondary_opts:  # --no-low-disk, given
-            parts.append(param.secondary_opts[0])
-            continue
-        if value in (None, False, ()):
-            continue
-        if ctx.get_parameter_source(name) == click.core.ParameterSource.ENVIRONMENT and not from_environment:
-            continue
-        if isinstance(param, click.Argument):
-            parts.append(str(value))
-        elif isinstance(value, bool):
-            parts.append(param.opts[0])
-        elif isinstance(value, tuple):
-            for item in value:
-                parts += [param.opts[0], str(item)]
-        else:
-            parts += [param.opts[0], str(value)]
-    return parts
-
-
 def _report(outcomes: list[Any], as_json: bool, keep_going: bool, force: bool = False) -> None:
-    failed = [o for o in outcomes if o.error]
-    failure = _Failure(f"{len(failed)} of {len(outcomes)} recipes failed", 1) if failed else None
+    from publisher.hfjobs import many
+
+    failed, table = [o for o in outcomes if o.error], many.several_models(outcomes)  # several models: one table
+    failure = _Failure(f"{len(failed)} of {len(outcomes)} {'jobs' if table else 'recipes'} failed", 1) if failed else None
     if as_json:
         clijson.outcomes(outcomes, *((failure.message, failure.exit_code) if failure else ()))
     for o in outcomes:
@@ -442,8 +407,10 @@ def _report(outcomes: list[Any], as_json: bool, keep_going: bool, force: bool = 
             _say(f"published {o.repo_id}: {o.pr_url or o.url} (commit {o.commit})")
         else:
             _say(f"{o.recipe}: verified repo folder at {o.folder} (card: {o.folder}/README.md); not pushed")
-        if not as_json and not o.error:
+        if not as_json and not o.error and not table:
             click.echo(o.pr_url or o.url or str(o.folder))
+    if table and not as_json:
+        click.echo(many.table(outcomes))
     if failure is not None:
         raise failure
 

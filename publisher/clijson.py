@@ -41,7 +41,13 @@ def emit(payload: Any) -> None:
 
 def outcomes(results: list[Any], error: str | None = None, exit_code: int | None = None) -> None:
     """A publish's document: one recipe's result, or every recipe's; a failed run's also carries the error line and
-    the exit code (the one recipe's own error, when it has one)."""
+    the exit code (the one recipe's own error, when it has one). Jobs of several models: a list, one entry per job
+    naming its model and job, each with its own error (the exit code is the command's)."""
+    from publisher.hfjobs import many
+
+    if many.several_models(results):
+        emit([many.entry(o) for o in results])
+        return
     payload = results[0].to_json() if len(results) == 1 else {
         "results": [o.to_json() for o in results], "verified": all(o.verified for o in results),
     }

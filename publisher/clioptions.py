@@ -3,6 +3,7 @@ command) and the group that makes `publish` the default command. No command logi
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import click
@@ -63,3 +64,47 @@ def mistyped_command(word: str, commands: list[str]) -> str | None:
         return None
     close = difflib.get_close_matches(word.lower(), commands, n=1, cutoff=0.75)
     return close[0] if close else None
+
+
+# Options a job's command does not repeat: the job gets its own --quant/--repo-id/--revision/--json, and the
+# token only as a secret; local folders and interpreters do not exist there.
+NOT_FOR_JOBS = {"model_id", "quant", "layer_config", "repo_id", "revision", "token", "as_json", "output_dir", "on_hf_jobs",
+                "hf_jobs_timeout", "attach", "keep_going"}
+LOCAL_ONLY = {"output_dir": "--output-dir", "no_push": "--no-push", "verify_envs": "--verify-env"}
+
+
+def check_remote_options(ctx: click.Context, timeout: str) -> None:
+    for name, flag in LOCAL_ONLY.items():
+        if ctx.params.get(name):
+            raise click.UsageError(f"{flag} needs this machine's disk or interpreters, which a job on Hugging Face Jobs "
+                                   f"does not have; drop {flag} or --on-hf-jobs")
+    if not re.fullmatch(r"\d+(\.\d+)?[smhd]?", timeout.strip()):
+        raise click.BadParameter(f"{timeout!r} is not a duration such as 45m, 2h or 5400", ctx=ctx,
+                                 param_hint="'--hf-jobs-timeout'")
+
+
+def command_args(ctx: click.Context, skip: set[str], *, from_environment: bool = False) -> list[str]:
+    """The parsed arguments and options, defaults, ``skip`` and (unless asked) values from variables left out."""
+    parts: list[str] = []
+    for param in ctx.command.params:
+        name = param.name or ""
+        value = ctx.params.get(name)
+        if name in skip or value == param.default:
+            continue
+        if value is False and isinstance(param, click.Option) and param.secondary_opts:  # --no-low-disk, given
+            parts.append(param.secondary_opts[0])
+            continue
+        if value in (None, False, ()):
+            continue
+        if ctx.get_parameter_source(name) == click.core.ParameterSource.ENVIRONMENT and not from_environment:
+            continue
+        if isinstance(param, click.Argument):  # MODEL_ID...: every model typed
+            parts += [str(item) for item in value] if isinstance(value, tuple) else [str(value)]
+        elif isinstance(value, bool):
+            parts.append(param.opts[0])
+        elif isinstance(value, tuple):
+            for item in value:
+                parts += [param.opts[0], str(item)]
+        else:
+            parts += [param.opts[0], str(value)]
+    return parts

@@ -172,3 +172,18 @@ def test_recheck_instead_of_a_publish() -> None:
         with pytest.raises(ActionInputError, match=re.escape(message)):
             build_request({**env, **bad})
 
+
+
+def test_models_go_to_the_cli_with_run_on_hf_jobs() -> None:
+    env = {**_env(MODEL=""), "HFAO_MODELS": "org/a, org/b\norg/c", "HFAO_RUN_ON": "hf-jobs", "HFAO_HF_JOBS_FLAVOR": "l4x1"}
+    req = build_request(env)
+    assert req.args[:4] == ["publish", "org/a", "org/b", "org/c"] and req.args[-1] == "--on-hf-jobs=l4x1"
+    assert req.remote and req.model == "org/a, org/b, org/c"
+    assert build_request({**env, "HFAO_MODELS": "org/a"}).args[:3] == ["publish", "org/a", "--quant=int8wo"]
+    for bad, message in (({"HFAO_RUN_ON": "runner", "HFAO_HF_JOBS_FLAVOR": ""}, "add run-on: hf-jobs and hf-jobs-flavor, "
+                          "or run one model per job with a matrix over model"),
+                         ({"HFAO_MODEL": "org/x"}, "give input model or input models, not both"),
+                         ({"HFAO_MODELS": "org/a ./local"}, "a job cannot read './local'"),
+                         ({"HFAO_MODELS": "org/a --json"}, "not an option: '--json'")):
+        with pytest.raises(ActionInputError, match=re.escape(message)):
+            build_request({**env, **bad})

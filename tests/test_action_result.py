@@ -33,3 +33,14 @@ def test_parse_is_defensive() -> None:
     assert parse("") is None and parse("Traceback ...") is None
     assert entries(parse('{"results": [{"repo_id": "a/b"}, 3], "verified": false}')) == [{"repo_id": "a/b"}]
     assert entries({"error": "x"}) == [] and entries([1]) == []
+
+
+def test_outputs_for_several_models(tmp_path: Path) -> None:
+    """input models: the CLI prints a list, one object per job naming its model; each output has a line per job."""
+    listed = [{"model": "org/a", "job_id": "j1", **sample_result(repo_id="alice/a-int8wo")},
+              {"model": "org/b", "job_id": "j2", **sample_result(repo_id="alice/b-int8wo", commit="b" * 40)}]
+    out = outputs_for(listed, None, 0, None)
+    assert out["repo-id"] == "alice/a-int8wo\nalice/b-int8wo" and out["commit-sha"] == "a" * 40 + "\n" + "b" * 40
+    assert out["verified"] == "true" and json.loads(out["result-json"]) == listed
+    assert outputs_for(listed, "Error: 1 of 2 jobs failed", 1, None)["verified"] == "false"
+    assert entries([listed[0], 3]) == [listed[0]]

@@ -539,6 +539,21 @@ def test_publish_model_id(fake_run: list[PublishRequest], tmp_path: Path) -> Non
     assert invoke("publish", "--quant", "int8wo").exit_code == 2
 
 
+def test_publish_model_id_several_need_on_hf_jobs(fake_run: list[PublishRequest], monkeypatch: pytest.MonkeyPatch) -> None:
+    refused = invoke("some/model", "other/model", "--quant", "int8wo")
+    assert refused.exit_code == 2 and not fake_run
+    assert ("several MODEL_IDs are published on Hugging Face Jobs, one job per model and recipe; add --on-hf-jobs FLAVOR, "
+            "or publish one model per command") in refused.stderr
+    from publisher.hfjobs import remote
+
+    seen: list[Any] = []
+    monkeypatch.setattr(remote, "publish_all", lambda requests: seen.extend(requests) or [])
+    result = invoke("a/one", "b/two", "--quant", "int8wo", "--on-hf-jobs", "cpu-basic", "--repo-id", "alice/{model}-x")
+    assert result.exit_code == 0, result.output
+    assert [(r.publish.base.model, r.publish.target.repo_id, r.flavor) for r in seen] == [("a/one", "alice/one-x", "cpu-basic"),
+                                                                              ("b/two", "alice/two-x", "cpu-basic")]
+
+
 def test_publish_model_id_of_a_local_folder_in_the_card_command(fake_run: list[PublishRequest], tmp_path: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The card's command line names a local base as typed when that is a path below the working directory, else by
@@ -951,7 +966,7 @@ def test_publish_attach(fake_remote: list[Any]) -> None:
     assert json.loads(result.stdout)["commit"] == "c" * 40
     both = invoke("some/model", "--quant", "int8wo", "--attach", "j1")
     assert both.exit_code == 2 and "give it without MODEL_ID, --quant and --on-hf-jobs" in both.stderr
-    assert "Missing argument 'MODEL_ID'" in invoke("publish").stderr  # still required without --attach
+    assert "Missing argument 'MODEL_ID...'" in invoke("publish").stderr  # still required without --attach
 
 
 # ---------------------------------------------------------------- library noise

@@ -259,12 +259,13 @@ def _jobs(hub: Any, command: str, workspace: Path, *, via_hf: bool = False) -> s
     proc = subprocess.Popen(doc.argv, env=env, cwd=workspace, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        recipes = doc.argv[doc.argv.index("--quant") + 1].split(",")
+        models = doc.argv[2 if via_hf else 1:doc.argv.index("--quant")]  # one job per model and recipe
+        jobs = len(models) * len(doc.argv[doc.argv.index("--quant") + 1].split(","))
         deadline = time.monotonic() + 300
-        while len(set(hub.jobs.jobs) - before) < len(recipes) and proc.poll() is None and time.monotonic() < deadline:
+        while len(set(hub.jobs.jobs) - before) < jobs and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.2)
         started = sorted(set(hub.jobs.jobs) - before)
-        assert len(started) == len(recipes), proc.communicate(timeout=60)
+        assert len(started) == jobs, proc.communicate(timeout=60)
         time.sleep(1.0)  # following
         os.killpg(proc.pid, signal.SIGINT)
         out, err = proc.communicate(timeout=120)
@@ -318,6 +319,8 @@ CASES: dict[str, Any] = {
     "hf-ao-publish --attach JOB_ID": "jobs-attach",
     "hf-ao-publish black-forest-labs/FLUX.1-dev --quant int4wo,float8dq --on-hf-jobs l40sx1": "jobs-two",
     "hf ao-publish black-forest-labs/FLUX.1-dev --quant int4wo --on-hf-jobs l4x1": "jobs-hf",
+    "hf-ao-publish black-forest-labs/FLUX.1-dev meta-llama/Llama-3.2-1B --quant int8wo,float8wo --on-hf-jobs cpu-upgrade":
+        "jobs-many",
     "make demo": "demo",
 }
 
@@ -332,8 +335,9 @@ def test_a_docs_push(case: str, cli: Any, hub: Any, flux_repo: str, llama_repo: 
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["my-pipeline", "recipes", "jobs-attach", "jobs-two", "jobs-hf", "demo"])
-def test_a_docs_command(case: str, cli: Any, hub: Any, flux_repo: str, workspace: Path) -> None:
+@pytest.mark.parametrize("case", ["my-pipeline", "recipes", "jobs-attach", "jobs-two", "jobs-hf", "jobs-many", "demo"])
+def test_a_docs_command(case: str, cli: Any, hub: Any, flux_repo: str, workspace: Path,
+                        request: pytest.FixtureRequest) -> None:
     if case == "my-pipeline":
         _my_pipeline(cli)
     elif case == "recipes":
@@ -344,5 +348,9 @@ def test_a_docs_command(case: str, cli: Any, hub: Any, flux_repo: str, workspace
         _jobs(hub, "hf-ao-publish black-forest-labs/FLUX.1-dev --quant int4wo,float8dq --on-hf-jobs l40sx1", workspace)
     elif case == "jobs-hf":
         _jobs(hub, "hf ao-publish black-forest-labs/FLUX.1-dev --quant int4wo --on-hf-jobs l4x1", workspace, via_hf=True)
+    elif case == "jobs-many":
+        request.getfixturevalue("llama_repo")  # the second model
+        _jobs(hub, "hf-ao-publish black-forest-labs/FLUX.1-dev meta-llama/Llama-3.2-1B --quant int8wo,float8wo "
+                   "--on-hf-jobs cpu-upgrade", workspace)
     else:
         _make_demo()

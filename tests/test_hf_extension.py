@@ -62,6 +62,6 @@ def test_hf_dispatches_to_our_console_script(tmp_path: Path) -> None:
     recipes = _hf(tmp_path, NAME, "recipes")
     assert recipes.returncode == 0 and "int4wo" in recipes.stdout and "hf jobs" in recipes.stdout
     missing = _hf(tmp_path, NAME, "publish")  # our exit code and message come back through hf
-    assert missing.returncode == 2 and "Missing argument 'MODEL_ID'" in missing.stderr
+    assert missing.returncode == 2 and "Missing argument 'MODEL_ID...'" in missing.stderr
     listing = _hf(tmp_path, "--help")
     assert listing.returncode == 0 and NAME in listing.stdout and f"[extension {OWNER}/hf-ao-publish]" in listing.stdout

@@ -1,8 +1,8 @@
 """Follow running Jobs to their end: stream each log to stderr, read the result back, cancel on Ctrl-C.
 
 One reader thread per job iterates ``HfApi.fetch_job_logs(follow=True)`` and hands lines to the caller's
-thread, which prints them (prefixed with the recipe when several jobs run), keeps the marker lines of
-bootstrap.py out of the display and decodes the job's --json result from them. A dropped connection is
+thread, which prints them (prefixed `[recipe]` when several jobs run, `[model recipe]` for several models), keeps
+the marker lines of bootstrap.py out of the display and decodes the job's --json result from them. A dropped connection is
 followed again (the Hub replays the log from the start; the lines already shown are skipped). Ctrl-C
 cancels every job still running and says so.
 """
@@ -96,6 +96,7 @@ class RemoteOutcome:
     seen: int = 0  # log lines received so far (skipped when the log is followed again)
     rereads: int = 0  # times the log of the finished job was read again for its missing end
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=20), repr=False)
+    model: str = ""  # the base, when the command follows jobs of several models ("" otherwise: named nowhere)
 
     @property
     def done(self) -> bool:
@@ -119,8 +120,13 @@ class RemoteOutcome:
         return {"repo_id": self.repo_id, "url": None, "commit": None, "pr_url": None, "recipe": self.recipe,
                 "verified": False, "pushed": False, "up_to_date": False, "error": self.error}
 
+    @property
+    def name(self) -> str:
+        """What the job publishes, as messages and log prefixes name it: the recipe, after the model if several."""
+        return f"{self.model} {self.recipe}" if self.model else self.recipe
+
     def describe(self) -> str:
-        return f"job {self.job_id} ({self.recipe} on {self.flavor})"
+        return f"job {self.job_id} ({self.name} on {self.flavor})"
 
 
 def decode_result(outcome: RemoteOutcome) -> dict[str, Any] | None:
@@ -184,7 +190,7 @@ class Follower:
         if line.strip():
             outcome.last_line = line.strip()
             outcome.tail.append(outcome.last_line)
-        log.info("%s%s", f"[{outcome.recipe}] " if len(self.outcomes) > 1 else "", line)
+        log.info("%s%s", f"[{outcome.name}] " if len(self.outcomes) > 1 else "", line)
 
     # ---- settling --------------------------------------------------------------------------------
     def _inspect(self, outcome: RemoteOutcome) -> None:
@@ -270,7 +276,7 @@ class Follower:
                 self._settle(outcome)
                 del pending[outcome.job_id]
                 if outcome.error and not self.keep_going and pending:
-                    self.cancel(list(pending.values()), f"{outcome.recipe} failed, stopping the other jobs "
+                    self.cancel(list(pending.values()), f"{outcome.name} failed, stopping the other jobs "
                                                         "(--keep-going lets them finish)")
         except KeyboardInterrupt:
             raise self.interrupted() from None

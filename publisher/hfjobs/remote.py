@@ -103,48 +103,71 @@ def job_args(request: JobsRequest, recipe: Recipe, target: str, sha: str | None)
 
 def publish(request: JobsRequest) -> list[RemoteOutcome]:
     """Check everything here, ship the code, start one job per recipe and follow them to their end."""
-    req = request.publish
-    if is_local(req.base.model):
-        raise UsageError(f"{req.base.model} is a local folder, which a Job cannot read; upload it to the Hub first "
-                         "(hf upload NAMESPACE/NAME FOLDER) and pass the repo id")
-    recipes = parse_recipes(req.make.quant, req.make.layer_config)
-    token = resolve_token(req.token)
+    return publish_all([request])
+
+
+def publish_all(requests: list[JobsRequest]) -> list[RemoteOutcome]:
+    """One job per (model, recipe) of every request: every request is checked here before the first job is
+    submitted (a bad model fails the command with no job started), the code is shipped once, and the jobs are
+    followed together. The requests share their flavor, timeout, token and --keep-going."""
+    first = requests[0].publish
+    for request in requests:
+        if is_local(request.publish.base.model):
+            raise UsageError(f"{request.publish.base.model} is a local folder, which a Job cannot read; upload it to the "
+                             "Hub first (hf upload NAMESPACE/NAME FOLDER) and pass the repo id")
+    recipes = {r.name: r for request in requests for r in parse_recipes(request.publish.make.quant, request.publish.make.layer_config)}
+    token = resolve_token(first.token)
     if not token:
         raise TargetError("a publish on Hugging Face Jobs needs a Hub token that can write and start Jobs; set "
                           "HF_TOKEN (or pass --token)")
     flavors, source = hardware.available(token)
-    flavor = jobchecks.check_flavor(recipes, request.flavor, flavors)
+    flavor = jobchecks.check_flavor(list(recipes.values()), requests[0].flavor, flavors)
     log.info("flavor %s (from %s) fits %s", flavor.describe(), "the Hub's hardware list" if source == "hub"
-             else "the built-in table", ", ".join(r.name for r in recipes))
-    plan = make_plan(req, token, check_hardware=False)
+             else "the built-in table", ", ".join(recipes))
+    runs = [(request, make_plan(request.publish, token, check_hardware=False)) for request in requests]
+    _check_distinct_targets(runs)
     api = hub.client(token)
     who = hub.call(api.whoami, what="checking the token")
     namespace = str(who.get("name"))
     jobchecks.check_token_can_run_jobs(who, namespace)
     shipped = package.ship(namespace, token)
     outcomes: list[RemoteOutcome] = []
-    follower = Follower(outcomes, namespace, token, keep_going=req.keep_going)
+    follower = Follower(outcomes, namespace, token, keep_going=first.keep_going)
     with terminate_as_interrupt():
-        return _start_and_follow(follower, plan, request, flavor, shipped)
+        return _start_and_follow(follower, runs, flavor, shipped)
 
 
-def _start_and_follow(follower: Follower, plan: Plan, request: JobsRequest, flavor: Flavor,
+def _check_distinct_targets(runs: list[tuple[JobsRequest, Plan]]) -> None:
+    """Two jobs that would push to one repo would overwrite each other: refused before any is submitted."""
+    seen: dict[str, str] = {}
+    for request, plan in runs:
+        for recipe, target in plan.targets.items():
+            this = f"{request.publish.base.model} {recipe}"
+            if target is not None and seen.setdefault(target, this) != this:
+                raise UsageError(f"{seen[target]} and {this} would both publish to {target}; give each model its own "
+                                 "--repo-id (with several models, put {model} in it: NAMESPACE/{model}-{recipe})")
+
+
+def _start_and_follow(follower: Follower, runs: list[tuple[JobsRequest, Plan]], flavor: Flavor,
                       shipped: package.ShippedWheel) -> list[RemoteOutcome]:
-    """One job per recipe, then follow them all. Whatever stops this between two submissions cancels the jobs
-    already started: none runs on, billed, without someone following it."""
-    req, outcomes = request.publish, follower.outcomes
+    """One job per (model, recipe), then follow them all. Whatever stops this between two submissions cancels the
+    jobs already started: none runs on, billed, without someone following it."""
+    outcomes, several = follower.outcomes, len(runs) > 1
     api, namespace, token = follower.api, follower.namespace, follower.token
     try:
-        for recipe in plan.recipes:
-            target = plan.targets[recipe.name]
-            if target is None:  # a Job always pushes, so its token chose a target at plan time
-                raise TargetError(f"{recipe.name}: no target repo id was chosen; pass --repo-id NAMESPACE/NAME")
-            spec = {"endpoint": hub.endpoint(), "args": job_args(request, recipe, target, plan.source.sha),
-                    "torch": torch_for(flavor), "constraints": package.constraints(),
-                    "wheel": {"path": shipped.path, "sha256": shipped.sha256}}
-            job_id, url, stage = _submit(api, spec, recipe.name, flavor, request.timeout, namespace, token)
-            outcomes.append(RemoteOutcome(recipe.name, target, job_id, url, flavor.name, stage))
-            log.info("started job %s for %s on %s: %s", job_id, recipe.name, flavor.name, url)
+        for request, plan in runs:
+            for recipe in plan.recipes:
+                target = plan.targets[recipe.name]
+                if target is None:  # a Job always pushes, so its token chose a target at plan time
+                    raise TargetError(f"{recipe.name}: no target repo id was chosen; pass --repo-id NAMESPACE/NAME")
+                spec = {"endpoint": hub.endpoint(), "args": job_args(request, recipe, target, plan.source.sha),
+                        "torch": torch_for(flavor), "constraints": package.constraints(),
+                        "wheel": {"path": shipped.path, "sha256": shipped.sha256}}
+                job_id, url, stage = _submit(api, spec, recipe.name, flavor, request.timeout, namespace, token)
+                model = request.publish.base.model if several else ""  # named in messages only when several models run
+                outcomes.append(RemoteOutcome(recipe.name, target, job_id, url, flavor.name, stage, model=model))
+                log.info("started job %s for %s%s on %s: %s", job_id, f"{model} " if model else "", recipe.name,
+                         flavor.name, url)
     except KeyboardInterrupt:
         raise follower.interrupted() from None
     except BaseException:  # a later submission failed: the jobs already started must not run on, billed
@@ -153,7 +176,7 @@ def _start_and_follow(follower: Follower, plan: Plan, request: JobsRequest, flav
     try:
         log.info("following %d job(s); if this connection is lost, follow again with: hf-ao-publish %s",
                  len(outcomes), " ".join(f"--attach {o.job_id}" for o in outcomes))
-        return _settled(follower.run(), req.keep_going)
+        return _settled(follower.run(), follower.keep_going)
     except KeyboardInterrupt:  # before the follower's own handler was in place
         raise follower.interrupted() from None
 
@@ -174,19 +197,30 @@ def attach(job_ids: list[str], token: str | None, keep_going: bool = True) -> li
             raise UsageError(f"job {job_id} was not started by hf-ao-publish --on-hf-jobs (it has no recipe label); "
                              "follow it with `hf jobs logs` instead")
         outcomes.append(RemoteOutcome(labels["recipe"], _target(info), info.id, info.url, str(info.flavor or ""),
-                                      stage_name(info.status.stage)))
+                                      stage_name(info.status.stage), model=_model(info)))
+    if len({o.model for o in outcomes}) == 1:  # one model: reported as the command that started them reported it
+        for outcome in outcomes:
+            outcome.model = ""
     with terminate_as_interrupt():
         return _settled(Follower(outcomes, namespace, token, keep_going=keep_going).run(), keep_going)
 
 
-def _target(info: object) -> str:
-    """The target repo id, from the job's spec (the last element of its command)."""
+def _job_arg(info: object, after: str) -> str:
+    """The argument after ``after`` in the job's CLI command line (its spec is the last element of its command)."""
     command = getattr(info, "command", None) or []
     try:
         args = json.loads(command[-1]).get("args", [])
-        return str(args[args.index("--repo-id") + 1])
+        return str(args[args.index(after) + 1])
     except (ValueError, IndexError, AttributeError, TypeError):
         return "?"
+
+
+def _target(info: object) -> str:
+    return _job_arg(info, "--repo-id")
+
+
+def _model(info: object) -> str:
+    return _job_arg(info, "publish")  # `publish MODEL --quant ...` (job_args)
 
 
 def _settled(outcomes: list[RemoteOutcome], keep_going: bool) -> list[RemoteOutcome]:
