@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from publisher import recipe_args, recipes
+from publisher import adapters, recipe_args, recipes
 from publisher.configs import layers, render, spec, syntax
 from publisher.configs.facts import facts_for
 from publisher.errors import HardwareError, UsageError
@@ -239,13 +239,13 @@ def test_layer_tables_and_the_libraries_rules() -> None:
     config = layers.fqn_table(syntax.parse("Float8WeightOnlyConfig()").config, table)
     assert list(config.fqn_to_config) == ["re:.*attn.*", "proj_out", "x", "_default"]
     entries = {"a.weight": 1, "a": 2, "re:a.*": 3, "re:.*weight": 4, "_default": 5}
-    assert layers.resolve("diffusers", entries, "a.weight")[0] == 1
-    assert layers.resolve("diffusers", {"a": 2, "_default": 5}, "a.weight")[0] == 2
+    assert adapters.of("diffusers").resolve(entries, "a.weight")[0] == 1
+    assert adapters.of("diffusers").resolve({"a": 2, "_default": 5}, "a.weight")[0] == 2
     # diffusers tries every pattern on the parameter first; transformers each pattern on the parameter then the module
     patterns = {"re:b": 3, "re:.*weight": 4}
-    assert layers.resolve("diffusers", patterns, "b.weight")[0] == 4
-    assert layers.resolve("transformers", patterns, "b.weight")[0] == 3
-    assert layers.resolve("diffusers", {"c": 1}, "b.weight") == (None, "no entry and no _default")
+    assert adapters.of("diffusers").resolve(patterns, "b.weight")[0] == 4
+    assert adapters.of("transformers").resolve(patterns, "b.weight")[0] == 3
+    assert adapters.of("diffusers").resolve({"c": 1}, "b.weight") == (None, "no entry and no _default")
     for bad, said in (('{"_default": "int8wo"}', "drop _default"), ('{"re:(": null}', "not a valid regular expression"),
                       ('{"a": 3}', "is not a config"), ("[]", "JSON object"), ('{"a": null, "a": null}', "appears twice"),
                       ('{"a": "FqnToConfig({})"}', "cannot itself be a per-layer table")):

@@ -1,5 +1,6 @@
 """Per-layer configs: ``--layer-config [COMPONENT=]FILE`` (or an inline JSON object), written into the component's
-``quantization_config`` as torchao's ``FqnToConfig``, and the rule by which each library picks a layer's entry.
+``quantization_config`` as torchao's ``FqnToConfig`` (which entry each library applies to a layer is its adapter's
+rule: publisher/adapters).
 
 The file maps a layer to a config: the key is a module (or parameter) fqn, or ``re:`` and a pattern that must match the
 whole fqn; the value is a recipe name, a config call, a ``config_to_dict`` object, or ``null`` to leave the layer
@@ -147,47 +148,9 @@ def fqn_table(base: Any, table: LayerTable) -> Any:
         return FqnToConfig(entries)
 
 
-def resolve(library: str, table: Mapping[str, Any], param: str) -> tuple[Any, str]:
-    """(config, where it comes from): see ``resolve_key``."""
-    key = resolve_key(library, table, param)
-    if key is None:
-        return None, "no entry and no _default"
-    return table[key], ("its _default" if key == "_default" else f"its pattern {key!r}" if key.startswith("re:")
-                        else f"its entry {key!r}")
-
-
-def resolve_key(library: str, table: Mapping[str, Any], param: str) -> str | None:
-    """The key of the ``FqnToConfig`` table entry the library applies to ``param`` (None: none applies): the exact
-    parameter fqn, the exact module fqn, the ``re:`` patterns, then ``_default``; a None config leaves the layer alone.
-    transformers tries each pattern on the parameter then the module; diffusers every pattern on the parameter
-    first (their own code: transformers/integrations/torchao.py, diffusers' _resolve_fqn_to_config)."""
-    module = param.rsplit(".", 1)[0] if "." in param else ""
-    for fqn in (param, module):
-        if fqn in table:
-            return fqn
-    patterns = [p for p in table if p.startswith("re:")]
-    order = ([(p, f) for p in patterns for f in (param, module)] if library == "transformers"
-             else [(p, f) for f in (param, module) for p in patterns])
-    for pattern, fqn in order:
-        if re.fullmatch(pattern[3:], fqn):
-            return pattern
-    return "_default" if "_default" in table else None
-
-
 def leaf_configs(config: Any) -> list[Any]:
     """The plain configs an ``FqnToConfig`` holds (the config itself otherwise), None entries left out."""
     table = getattr(config, "fqn_to_config", None)
     if type(config).__name__ in ("FqnToConfig", "ModuleFqnToConfig", "AOPerModuleConfig") and isinstance(table, Mapping):
         return [c for c in table.values() if c is not None]
     return [config]
-
-
-def kept_by_library(library: str, param_name: str, patterns: list[str]) -> bool:
-    """Whether the library keeps ``param_name`` out of quantization given its not-to-convert ``patterns``
-    (--exclude, and transformers' defaults such as lm_head): each library's own rule."""
-    if library == "transformers":
-        from transformers.quantizers.quantizers_utils import should_convert_module
-
-        return not should_convert_module(param_name, patterns)
-    # diffusers' TorchAoHfQuantizer.check_if_quantized_param rule
-    return any((key + "." in param_name) or key == param_name for key in patterns)

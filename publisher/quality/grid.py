@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from publisher import adapters
 from publisher.quality.sources import Weights
 
 log = logging.getLogger(__name__)
@@ -174,13 +175,12 @@ class Offloaded:
 
 def loader_cast(library: str, class_name: str) -> Any:
     """``cast`` for an unquantized component read tensor by tensor: what ``from_pretrained(dtype=torch.bfloat16)``
-    gives, bf16 floats except the modules the class keeps in float32 (diffusers: ``_keep_in_fp32_modules``;
-    transformers: ``_keep_in_fp32_modules_strict``, its other list being for float16 only)."""
+    gives, bf16 floats except the modules the class keeps in float32 (the list its adapter's ``keep_fp32_attr``
+    names)."""
     import torch
 
     cls = getattr(__import__(library), class_name, None)
-    attr = "_keep_in_fp32_modules" if library == "diffusers" else "_keep_in_fp32_modules_strict"
-    keep = list(getattr(cls, attr, None) or [])
+    keep = list(getattr(cls, adapters.of(library).keep_fp32_attr, None) or [])
 
     def cast(name: str, t: Any) -> Any:
         if type(t) is not torch.Tensor or not t.is_floating_point():

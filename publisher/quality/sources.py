@@ -37,16 +37,16 @@ def saved(source: ShardSource) -> Weights:
 
 class Requantize:
     """``cast`` for base tensors: the library's loader dtype for each, and the recipe's quantization for the weights its
-    quantizer converts (streaming/meta_model.py, the engine's own library adapter)."""
+    quantizer converts (publisher/adapters: the streaming engine's own library adapter)."""
 
     def __init__(self, library: str, class_name: str, config_dir: Path, recipe: Recipe, exclude: list[str],
                  component: str) -> None:
+        from publisher import adapters
         from publisher.recipes import build_config
-        from publisher.streaming.meta_model import adapter
 
         self.recipe = recipe
         # the config this component got (a per-component --quant gives each its own; "" is a transformers model)
-        self.comp = adapter(library, config_dir, build_config(recipe, component), list(exclude), class_name)
+        self.comp = adapters.of(library)(config_dir, build_config(recipe, component), list(exclude), class_name)
 
     def base(self, name: str, t: Any) -> Any:
         import torch
@@ -108,12 +108,12 @@ def local_shards(folder: Path) -> ShardSource | None:
 def load_whole(model: Any, weights: Weights, library: str) -> Any:
     """Every tensor of ``weights`` into the meta-device ``model`` (the manual load path: ``load_into``), for a component
     small enough to stay in memory while the evaluation runs."""
-    from publisher import loadpath
+    from publisher import adapters, loadpath
     from publisher.streaming.shards import TensorReader, build_index
 
     index = build_index(weights.source)
     with TensorReader(weights.source, index) as reader:
         state = {name: weights.cast(name, reader.read(name)) for name in index.parts}
-    if library == "transformers":
+    if adapters.of(library).renames_checkpoint_keys:
         state = loadpath.convert_checkpoint_keys(model, state)
     return loadpath.load_into(model, state).eval()

@@ -25,6 +25,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from publisher import adapters
 from publisher.errors import SourceError, UsageError
 from publisher.handoffs.plan import DENOISERS
 from publisher.quality import grid, lm, options
@@ -174,7 +175,7 @@ class Evaluation:
 
     def observer(self, comp: Any, config: dict[str, Any]) -> Any:
         """The in-pass perplexity observer for a streamed causal LM (None otherwise)."""
-        if self.ids is None or comp.library != "transformers":
+        if self.ids is None or not adapters.of(comp.library).token_inputs:
             return None
         from publisher.verify.streaming import BLOCK_BUDGET
 

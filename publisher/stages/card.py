@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from publisher import __version__
+from publisher import __version__, adapters
 from publisher.handoffs.artifacts import Artifacts
 from publisher.handoffs.plan import DENOISERS, Plan
 from publisher.handoffs.report import VerifyReport
@@ -161,7 +161,7 @@ def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str |
     first = artifacts.components[0]
     template = environment().get_template(TEMPLATE_NAME)
     config = card_config.section(recipe, artifacts, plan.kind, plan.source.name)
-    causal = plan.kind == "transformers" and first.class_name.endswith(("ForCausalLM", "LMHeadModel"))
+    causal = plan.kind != "pipeline" and adapters.of(first.library).causal_lm(first.class_name)
     manual = [r for r in report.results if r.path == "manual" and r.component == first.name and r.env == "current"]
     compat = claims.summarise(report, {c.library for c in artifacts.components})
     text = template.render(

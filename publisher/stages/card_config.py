@@ -11,7 +11,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from publisher.configs.layers import resolve
+from publisher import adapters
 from publisher.configs.render import canonical
 from publisher.handoffs.artifacts import Artifacts
 from publisher.recipes import Recipe
@@ -58,16 +58,17 @@ def python(recipe: Recipe, components: list[Any], kind: str, base: str, stored: 
     head = imports_for(tuple(sorted(torchao_names)), any(s.uses_torch for s in specs)) if all(s.call for s in specs) else (
         "\n".join(dict.fromkeys(line for s in specs for line in s.imports().splitlines() if line))
         + ("\nfrom torchao.quantization import FqnToConfig" if recipe.layers else ""))
-    libraries = {c.library for c in components}
+    in_pipeline = kind == "pipeline"
+    used = [adapters.of(library) for library in sorted({c.library for c in components})]
     plain = [line for line in head.splitlines() if line.startswith("import ") and line != "import torch"]  # json
     lines = [*plain, *([""] if plain else []), "import torch"]
-    if kind == "pipeline":
+    if in_pipeline:
         lines.append("from diffusers import DiffusionPipeline, PipelineQuantizationConfig" +
-                     (", TorchAoConfig" if "diffusers" in libraries else ""))
+                     "".join(a.card_pipeline_names for a in used))
     lines += [line for line in head.splitlines() if line.startswith("from ")]
-    if kind == "pipeline" and "transformers" in libraries:
-        lines.append("from transformers import TorchAoConfig as TransformersTorchAoConfig")
-    elif kind != "pipeline":
+    if in_pipeline:
+        lines += [a.card_pipeline_import for a in used if a.card_pipeline_import]
+    else:
         lines.append(f"from transformers import {_auto(components[0])}, TorchAoConfig")
     body: list[str] = []
     variables: dict[str, str] = {}
@@ -85,7 +86,7 @@ def python(recipe: Recipe, components: list[Any], kind: str, base: str, stored: 
             body += extra
         skip = stored.get(c.name, {}).get("modules_to_not_convert")
         args = expr + (f", modules_to_not_convert={json.dumps(list(skip))}" if skip else "")
-        cls = "TorchAoConfig" if kind != "pipeline" or c.library == "diffusers" else "TransformersTorchAoConfig"
+        cls = adapters.of(c.library).card_config_class(in_pipeline)
         wrapped[c.name] = f"{cls}({args})"
     if kind == "pipeline":
         body += ["quantization_config = PipelineQuantizationConfig(quant_mapping={",
@@ -101,7 +102,7 @@ def python(recipe: Recipe, components: list[Any], kind: str, base: str, stored: 
 
 
 def _auto(component: Any) -> str:
-    return "AutoModelForCausalLM" if component.class_name.endswith(("ForCausalLM", "LMHeadModel")) else "AutoModel"
+    return "AutoModelForCausalLM" if adapters.of(component.library).causal_lm(component.class_name) else "AutoModel"
 
 
 def section(recipe: Recipe, artifacts: Artifacts, kind: str, base: str) -> ConfigSection:
@@ -137,7 +138,7 @@ def hardware_rows(recipe: Recipe, comps: list[Any]) -> list[dict[str, str]]:
         config = recipe.config_for(c.name)
         table = getattr(config, "fqn_to_config", None) if recipe.table_for(c.name) is not None else None
         for layer in c.quantized:
-            leaf = resolve(c.library, table, f"{layer}.weight")[0] if table is not None else config
+            leaf = adapters.of(c.library).resolve(table, f"{layer}.weight")[0] if table is not None else config
             if leaf is None:
                 continue
             key = canonical(leaf)

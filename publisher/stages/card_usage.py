@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from publisher import loadpath
+from publisher import adapters, loadpath
 
 CPU_SIZE, CPU_STEPS, CPU_FRAMES = 256, 4, 9  # a CPU run in minutes for a multi-billion-parameter model
 GPU_FRAMES = 49  # valid for CogVideoX, Wan and LTX-Video ((n - 1) divisible by 8)
@@ -66,6 +66,6 @@ def usage(pipeline_class: str | None, size: int, steps: int) -> Usage:
 def manual_functions(library: str) -> str:
     """The source of the functions the manual load path runs in verification, for the card (the same code)."""
     functions: list[Callable[..., Any]] = [loadpath.read_checkpoint, loadpath.load_into]
-    if library == "transformers":
+    if adapters.of(library).renames_checkpoint_keys:
         functions.insert(1, loadpath.convert_checkpoint_keys)
     return "\n\n".join(inspect.getsource(f).rstrip() for f in functions)

@@ -15,8 +15,8 @@ import re
 from dataclasses import replace
 from typing import Any
 
-from publisher import recipe_args
-from publisher.configs.layers import LayerTable, kept_by_library, resolve, resolve_key
+from publisher import adapters, recipe_args
+from publisher.configs.layers import LayerTable
 from publisher.errors import UsageError
 from publisher.recipes import Recipe
 
@@ -36,7 +36,7 @@ def bind(recipe: Recipe, quantized: list[Any]) -> Recipe:
     for table in bound.layers:
         comp = next(c for c in quantized if c.name == table.component)
         guards: list[str] = []
-        if comp.library == "transformers":
+        if adapters.of(comp.library).entries_apply_to_whole_module:
             biased = {p.rsplit(".", 1)[0] for p in comp.param_names if p.endswith(".bias")}
             if biased & set(comp.linear_names):
                 guards.append(BIAS_GUARD)
@@ -46,9 +46,9 @@ def bind(recipe: Recipe, quantized: list[Any]) -> Recipe:
 
 
 def _excluded(comp: Any, module: str, exclude: list[str]) -> bool:
-    """Whether the library keeps ``module`` out of quantization (--exclude, and transformers' default skips)."""
-    skips = comp.default_skips if comp.library == "transformers" else ()
-    return kept_by_library(comp.library, f"{module}.weight", sorted(set(exclude) | set(skips)))
+    """Whether the library keeps ``module`` out of quantization (--exclude, and its default skips: the plan's
+    ``default_skips``, empty where the library has none)."""
+    return adapters.of(comp.library).kept(f"{module}.weight", sorted(set(exclude) | set(comp.default_skips)))
 
 
 def check_table(comp: Any, table: LayerTable) -> None:
@@ -73,33 +73,32 @@ def check_table(comp: Any, table: LayerTable) -> None:
             raise UsageError(f"{where}: {key!r} {what} of {comp.class_name}"
                              + (f" (did you mean {close[0]!r}?)" if close else "")
                              + "; per-layer configs apply to nn.Linear layers")
+    library = adapters.of(comp.library)
     table_map = {k: (s.config if s else None) for k, s in table.entries}
     guards = dict.fromkeys(table.guards)
-    used = {resolve_key(comp.library, {**guards, **table_map}, f"{n}.weight") for n in linears}
+    used = {library.resolve_key({**guards, **table_map}, f"{n}.weight") for n in linears}
     idle = [k for k in table_map if k not in used]
     if idle:
-        order = ("transformers tries each pattern on the parameter fqn, then the module fqn" if comp.library == "transformers"
-                 else "diffusers tries every pattern on the parameter fqn (….weight) before any on the module fqn")
         raise UsageError(f"{where}: entry {idle[0]!r} applies to no layer: every layer it matches takes an earlier or "
-                         f"more exact entry ({order}, exact names first); reorder or narrow the entries")
+                         f"more exact entry ({library.pattern_order}, exact names first); reorder or narrow the entries")
     # Both libraries write config.json with sorted keys, so the stored table's patterns come back in sorted order: the
     # first matching pattern must be the same in both orders, or the stored config would not describe the files.
     ordered = {**guards, **table_map}
     by_name = dict(sorted(ordered.items()))
     for n in sorted(linears):
-        given, stored = (resolve_key(comp.library, t, f"{n}.weight") for t in (ordered, by_name))
+        given, stored = (library.resolve_key(t, f"{n}.weight") for t in (ordered, by_name))
         if given != stored:
             raise UsageError(f"{where}: layer {n} matches both {given!r} and {stored!r}; config.json stores the table with "
                              "sorted keys, so which pattern comes first would change; make the patterns disjoint")
-    if comp.library != "transformers":
-        return  # diffusers quantizes Linear weights only, whatever the table names
+    if not library.entries_apply_to_whole_module:
+        return  # the library quantizes Linear weights only, whatever the table names
     for param in comp.param_names:
         module, _, leaf = param.rpartition(".")
         if leaf == "weight" and module in linears:
             continue
-        config, why = resolve("transformers", {**guards, **table_map}, param)
+        config, why = library.resolve({**guards, **table_map}, param)
         if config is not None:
-            raise UsageError(f"{where}: {why} also matches {param}, which transformers would then quantize (it applies "
+            raise UsageError(f"{where}: {why} also matches {param}, which {library.library} would then quantize (it applies "
                              "an entry to every parameter of the module it matches); narrow it to Linear layers")
 
 
@@ -118,7 +117,7 @@ def check(recipe: Recipe, quantized: list[Any], exclude: list[str]) -> None:
         for name, out_f, in_f in comp.linear_shapes:
             if _excluded(comp, name, exclude):
                 continue
-            leaf = resolve(comp.library, entries, f"{name}.weight")[0] if entries is not None else config
+            leaf = adapters.of(comp.library).resolve(entries, f"{name}.weight")[0] if entries is not None else config
             if leaf is None or _gpu_only(leaf):
                 continue
             key = (out_f, in_f, canonical(leaf))

@@ -12,7 +12,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from publisher import recipe_args
+from publisher import adapters, recipe_args
 from publisher.errors import SourceError, UsageError
 from publisher.handoffs.plan import DENOISERS, Component, Plan, Source
 from publisher.io.jsonfile import weight_map
@@ -111,7 +111,7 @@ def detect_layout(source: Source, token: str | None, trust_remote_code: bool) ->
             library, class_name = value
             if not isinstance(library, str) or not isinstance(class_name, str):
                 raise SourceError(f"{where}: component {name} is {value!r}, not [library, class name]; fix the file")
-            if library not in ("diffusers", "transformers"):
+            if library not in adapters.LIBRARIES:
                 _refuse_remote_code(source, f"component {name} from {library!r}", trust_remote_code)
             comps.append((name, library, class_name))
         return "pipeline", pipeline_class, comps
@@ -144,16 +144,9 @@ def _refuse_remote_code(source: Source, what: str, trust: bool) -> None:
 
 
 def _model_class(library: str, class_name: str) -> Any:
-    """The torch model class of a component, or None when it is not a model (tokenizer, scheduler...)."""
-    if library == "diffusers":
-        import diffusers
-
-        cls = getattr(diffusers, class_name, None)
-        return cls if isinstance(cls, type) and issubclass(cls, diffusers.ModelMixin) else None
-    import transformers
-
-    cls = getattr(transformers, class_name, None)
-    return cls if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel) else None
+    """The torch model class of a component, or None when it is not a model (tokenizer, scheduler, a class of a
+    library we have no adapter for)."""
+    return adapters.of(library).model_class(class_name) if library in adapters.LIBRARIES else None
 
 
 def weight_files(source: Source, folder: str) -> tuple[str, ...]:
@@ -187,7 +180,7 @@ def build_plan(
     # an already-quantized base is refused first, by its configs (its weights' headers are read below)
     prequantized.refuse_quantized_configs(source, [name for name, _, _ in found], token)
     model_comps = {name: (lib, cls) for name, lib, cls in found if _model_class(lib, cls) is not None}
-    if kind == "transformers":
+    if kind != "pipeline":  # one model, quantized whole
         if not model_comps:
             hint = ("models whose classes live in remote code are not supported yet" if trust_remote_code
                     else "upgrade transformers")
@@ -258,7 +251,7 @@ def check_component_names(source: Source, kind: str, names: list[str], component
     seconds, before the libraries are imported to tell models from tokenizers and schedulers."""
     if not components:
         return
-    if kind == "transformers":
+    if kind != "pipeline":
         raise UsageError(f"{what} applies to diffusers pipelines; {source.display} is a transformers model (it is quantized "
                          "whole: give --quant one config)")
     import difflib
@@ -284,28 +277,18 @@ def _check_excludes(exclude: list[str], quantized: list[Component]) -> None:
 def _with_meta_structure(source: Source, comp: Component, token: str | None) -> Component:
     """Build the component on the meta device to learn its modules without reading weights."""
     import torch
-    from accelerate import init_empty_weights
 
-    cls = _model_class(comp.library, comp.class_name)
+    library = adapters.of(comp.library)
+    cls = library.model_class(comp.class_name)
     assert cls is not None  # checked by the caller
     config_path = f"{comp.name}/config.json" if comp.name else "config.json"
-    config_dict = source.read_json(config_path, token)
-    with init_empty_weights():
-        if comp.library == "diffusers":
-            model = cls.from_config(config_dict)
-        else:
-            config = cls.config_class.from_dict(config_dict)
-            model = cls._from_config(config, dtype=torch.bfloat16)
+    model = library.build_meta(cls, source.read_json(config_path, token))
     linears = tuple(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear))
     modules = frozenset(n for n, _ in model.named_modules() if n)
     # bf16 is the load dtype for every quantized component (2 bytes per parameter)
     nbytes = sum(p.numel() * 2 for p in model.parameters())
     shapes = tuple((n, m.out_features, m.in_features) for n, m in model.named_modules() if isinstance(m, torch.nn.Linear))
-    skips: tuple[str, ...] = ()
-    if comp.library == "transformers":
-        from transformers.quantizers.base import get_keys_to_not_convert
-
-        skips = tuple(sorted(get_keys_to_not_convert(model)))
+    skips = library.default_skip_modules(model)
     return Component(
         name=comp.name, library=comp.library, class_name=comp.class_name, quantize=True,
         linear_names=linears, module_names=modules, param_bytes=nbytes, weight_files=comp.weight_files,

@@ -16,7 +16,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from publisher.configs.layers import kept_by_library
+from publisher import adapters
 from publisher.errors import QuantizeError
 from publisher.handoffs.artifacts import Artifacts, QuantizedComponent
 from publisher.handoffs.plan import Component, Plan
@@ -112,16 +112,14 @@ def _kept_on_purpose(recipe: Recipe, comp: Component, qc: QuantizedComponent, ex
     """Whose decision each layer left alone on purpose was: layers a per-layer table maps to None were kept by the user
     ("layer-config"), not skipped by torchao; excluded layers an --exclude pattern names (the library's own rule) too
     ("exclude"); the rest the library kept by its defaults (output heads, tied embeddings)."""
-    from publisher.configs.layers import resolve
-
     if recipe.table_for(comp.name) is not None:
         table = recipe.config_for(comp.name).fqn_to_config
-        kept = [n for n in qc.skipped if resolve(comp.library, table, f"{n}.weight")[0] is None]
+        kept = [n for n in qc.skipped if adapters.of(comp.library).resolve(table, f"{n}.weight")[0] is None]
         qc.skipped = [n for n in qc.skipped if n not in kept]
         qc.excluded = sorted(set(qc.excluded) | set(kept))
         qc.kept_by.update(dict.fromkeys(kept, "layer-config"))
     for name in qc.excluded:
-        if name not in qc.kept_by and exclude and kept_by_library(qc.library, f"{name}.weight", list(exclude)):
+        if name not in qc.kept_by and exclude and adapters.of(qc.library).kept(f"{name}.weight", list(exclude)):
             qc.kept_by[name] = "exclude"
 
 
@@ -265,7 +263,6 @@ def _copy_unchanged(plan: Plan, base_dir: Path, out: Path, elsewhere: frozenset[
 
 def _quantize_component(plan: Plan, base_dir: Path, comp: Component, recipe: Recipe, out: Path,
                         device: str, max_shard_size: int | str | None = None) -> tuple[Any, QuantizedComponent]:
-    import torch
 
     from publisher.fp8cpu import cpu_quantization_context
 
@@ -277,29 +274,8 @@ def _quantize_component(plan: Plan, base_dir: Path, comp: Component, recipe: Rec
     exclude = list(plan.exclude) or None
     src = base_dir / comp.name if comp.name else base_dir
     try:
-        if comp.library == "diffusers":
-            import diffusers
-
-            cls = getattr(diffusers, comp.class_name)
-            qconf = diffusers.TorchAoConfig(config, modules_to_not_convert=exclude)
-            with context:
-                model = cls.from_pretrained(src, quantization_config=qconf, torch_dtype=torch.bfloat16, **placement)
-            model.register_to_config(_name_or_path=plan.source.name)  # not the folder read (a cache or local path)
-        else:
-            import transformers
-            from accelerate import init_empty_weights
-            from transformers.quantizers.base import get_keys_to_not_convert
-
-            cls = getattr(transformers, comp.class_name)
-            if exclude:
-                # transformers drops its default skips (lm_head, tied embeddings) once a list is
-                # given; keep them, as the user only asked for more exclusions
-                with init_empty_weights():
-                    meta = cls._from_config(cls.config_class.from_pretrained(src))
-                exclude = sorted(set(get_keys_to_not_convert(meta)) | set(exclude))
-            qconf = transformers.TorchAoConfig(config, modules_to_not_convert=exclude)
-            with context:
-                model = cls.from_pretrained(src, quantization_config=qconf, dtype=torch.bfloat16, **placement)
+        model = adapters.of(comp.library).quantized_from_pretrained(comp.class_name, src, config, exclude, placement,
+                                                                    context, plan.source.name)
         model.eval()
         dst = out / comp.name if comp.name else out
         shard = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
@@ -338,7 +314,7 @@ def summarize(model: Any, comp: Component, recipe: Recipe, folder: Path) -> Quan
     # What the library itself decided to keep (user exclusions plus its defaults such as lm_head),
     # matched with the library's own rule, so "excluded" and "skipped by torchao" are told apart.
     patterns = getattr(getattr(model, "hf_quantizer", None), "modules_to_not_convert", None) or qconfig.get("modules_to_not_convert") or []
-    excluded = [n for n in plain if kept_by_library(comp.library, f"{n}.weight", patterns)]
+    excluded = [n for n in plain if adapters.of(comp.library).kept(f"{n}.weight", patterns)]
     skipped = [n for n in plain if n not in excluded]
     after = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
     return QuantizedComponent(

@@ -12,9 +12,9 @@ then reads, quantizes and writes one tensor at a time.
     else:
         ...  # library path; log `reason`
 
-Modules: ``job`` (the job and the observer / sink protocols), ``meta_model`` (the libraries' own loaders and
-quantizers on a meta model, one adapter class per library), ``layout`` (names, layout, headers), ``engine`` (the
-read/quantize/write loop), ``safetensors_io`` (headers and plain reads/writes).
+Modules: ``job`` (the job and the observer / sink protocols), ``layout`` (names, layout, headers), ``engine`` (the
+read/quantize/write loop), ``safetensors_io`` (headers and plain reads/writes). The libraries' own loaders and
+quantizers on a meta-device model are publisher/adapters' (one adapter class per library).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ from publisher.errors import QuantizeError
 from publisher.streaming.streamjob import FolderInputs, FolderSink, StreamJob
 
 if TYPE_CHECKING:
+    from publisher.adapters import LibraryAdapter
     from publisher.recipes import Recipe
-    from publisher.streaming.meta_model import LibraryAdapter
     from publisher.streaming.streamjob import OutputSink, ShardInputs, TensorObserver
 
 __all__ = ["StreamJob", "StreamResult", "supports", "stream_quantize"]
@@ -51,10 +51,11 @@ class StreamResult:
 
 def _static_reason(library: str, src_dir: Path, recipe: Recipe, device: str) -> str | None:
     """Checks that need no model: library, folder, device and hardware."""
+    from publisher import adapters
     from publisher.recipes import cuda_capability
 
-    if library not in ("diffusers", "transformers"):
-        return f"library {library!r} is not diffusers or transformers"
+    if library not in adapters.LIBRARIES:
+        return f"library {library!r} is not {' or '.join(adapters.LIBRARIES)}"
     if device != "cpu" and not device.startswith("cuda"):
         return f"device {device!r} is not cpu or cuda"
     if not (src_dir / "config.json").is_file():
@@ -105,10 +106,10 @@ def _component(library: str, src_dir: Path, recipe: Recipe, exclude: Sequence[st
                component: str = "") -> LibraryAdapter:
     """The meta-device component, prepared with the config ``component`` is quantized with (its own, per-component
     and per-layer included)."""
+    from publisher import adapters
     from publisher.recipes import build_config
-    from publisher.streaming.meta_model import adapter
 
-    return adapter(library, src_dir, build_config(recipe, component), list(exclude), class_name)
+    return adapters.of(library)(src_dir, build_config(recipe, component), list(exclude), class_name)
 
 
 def _checkpoint_keys(src_dir: Path, comp: LibraryAdapter, inputs: ShardInputs | None) -> dict[str, str] | None:

@@ -18,7 +18,7 @@ from publisher.streaming import safetensors_io as stio
 if TYPE_CHECKING:
     import torch
 
-    from publisher.streaming.meta_model import LibraryAdapter
+    from publisher.adapters import LibraryAdapter
 
 
 @dataclass

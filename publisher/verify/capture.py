@@ -18,7 +18,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from publisher import loadpath
+from publisher import adapters, loadpath
 from publisher.handoffs.plan import DENOISERS, Plan
 from publisher.handoffs.report import ForwardInputs
 from publisher.verify.inputs import token_inputs
@@ -50,7 +50,7 @@ def for_components(folder: Path, pipeline_class: str | None, quantized: dict[str
     for name, (library, class_name) in quantized.items():
         if name in out:
             continue
-        if library != "transformers":
+        if not adapters.of(library).token_inputs:
             why = (f"the {pipeline_class} run does not call {name}'s forward before its denoiser" if pipeline_class else
                    f"a standalone {class_name} has no pipeline whose call could be recorded for it")
             out[name] = ForwardInputs(None, "", why)

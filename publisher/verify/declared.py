@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from publisher.configs.layers import resolve
+from publisher import adapters
 from publisher.configs.probe import quantized_weight
 from publisher.errors import VerificationError
 from publisher.handoffs.report import Expected
@@ -46,6 +46,10 @@ class Declared:
     library: str
     qconfig: Any  # the library's TorchAoConfig
     config: Any  # its quant_type: a torchao AOBaseConfig (an FqnToConfig for per-layer configs)
+
+    @property
+    def adapter(self) -> type[adapters.LibraryAdapter]:
+        return adapters.of(self.library)
 
     @property
     def per_layer(self) -> bool:
@@ -85,34 +89,12 @@ def _first(exc: BaseException) -> str:
     return (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
 
 
-def quantizer(declared: Declared, model: Any) -> Any:
-    """The library's own quantizer, prepared on the meta-device ``model`` as its loader would prepare it."""
-    if declared.library == "transformers":
-        from transformers.quantizers import AutoHfQuantizer
-
-        q = AutoHfQuantizer.from_config(declared.qconfig, pre_quantized=False)
-        q.preprocess_model(model, checkpoint_files=None)
-        return q
-    from diffusers.quantizers import DiffusersAutoQuantizer
-
-    q = DiffusersAutoQuantizer.from_config(declared.qconfig, pre_quantized=False)
-    q.preprocess_model(model, device_map=None, keep_in_fp32_modules=list(getattr(model, "_keep_in_fp32_modules", None) or []))
-    return q
-
-
-def quantizes(declared: Declared, q: Any, model: Any, param: str) -> bool:
-    """Whether the library would quantize ``param`` while loading an unquantized base."""
-    if declared.library == "transformers":
-        return bool(q.param_needs_quantization(model, param))
-    return bool(q.check_if_quantized_param(model, None, param, {}, param_device=None))
-
-
 def layer_config(declared: Declared, param: str) -> tuple[Any, str]:
     """(the torchao config the library applies to ``param``, where it comes from); None: left unquantized. The rule
-    is configs/layers.py's, which the quantize stage and the streaming engine follow too."""
+    is the library adapter's, which the quantize stage and the streaming engine follow too."""
     if not declared.per_layer:
         return declared.config, "the quant_type"
-    return resolve(declared.library, declared.config.fqn_to_config, param)
+    return declared.adapter.resolve(declared.config.fqn_to_config, param)
 
 
 _PROBES: dict[tuple[Any, ...], Stored | None | str] = {}
@@ -141,7 +123,8 @@ def _probe(kind: str, shape: tuple[int, ...], dtype: str, config: Any, library: 
 
     # transformers applies an FqnToConfig entry to the lone module with filter_fn "always"; every other call (and
     # diffusers) uses quantize_'s default filter (Linear layers only)
-    weight = quantized_weight(config, shape, dtype, kind=kind, every_module=library == "transformers" and per_layer)
+    every_module = adapters.of(library).entries_apply_to_whole_module and per_layer
+    weight = quantized_weight(config, shape, dtype, kind=kind, every_module=every_module)
     if type(weight).__name__ in ("Parameter", "Tensor"):
         return None
     flat, metadata = flatten_tensor_state_dict({"p.weight": weight})
@@ -218,7 +201,8 @@ def check(comp: TargetComponent, declared: Declared, stored: StoredSet, model: A
         return result
     modules = dict(model.named_modules())
     try:
-        q = quantizer(declared, model)
+        # the library's own quantizer, prepared on the meta-device model as its loader would prepare it
+        q = declared.adapter.loader_quantizer(declared.qconfig, model)
     except (ValueError, TypeError, AttributeError, ImportError, KeyError) as exc:
         result.problems.append(f"{comp.label}: {comp.library}'s own quantizer cannot be prepared for its declared "
                                f"{declared.text} ({type(exc).__name__}: {_first(exc)}), so no layer could be checked")
@@ -235,7 +219,7 @@ def check(comp: TargetComponent, declared: Declared, stored: StoredSet, model: A
             result.notes.append(f"{name} is a {s.kind} on a {type(module).__name__ if module else 'missing'} module; "
                                 "its format was not derived from the config")
             continue
-        config, why = layer_config(declared, name) if quantizes(declared, q, model, name) else (None, "")
+        config, why = layer_config(declared, name) if declared.adapter.quantizes(q, model, name) else (None, "")
         shape = tuple(module.weight.shape)
         if config is None:
             if s.quantized:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from publisher import loadpath
+from publisher import adapters, loadpath
 from publisher.errors import VerificationError
 from publisher.handoffs.artifacts import Artifacts
 from publisher.handoffs.report import PATHS, PLAIN_CLASSES, Expected, ForwardInputs, Mode, PathResult, VerifyReport
@@ -40,7 +40,7 @@ def default_inputs(artifacts: Artifacts, work: Path) -> dict[str, ForwardInputs]
 
     out: dict[str, ForwardInputs] = {}
     for comp in artifacts.components:
-        if comp.library != "transformers":
+        if not adapters.of(comp.library).token_inputs:
             out[comp.name] = ForwardInputs(None, "", "no pipeline run recorded this component's call")
             continue
         folder = artifacts.folder / comp.name if comp.name else artifacts.folder

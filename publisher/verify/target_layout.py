@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from publisher import adapters
 from publisher.errors import SourceError
 from publisher.io.jsonfile import read_object
 from publisher.io.localfiles import allowed_roots, plain_name
@@ -77,7 +78,7 @@ def components(folder: Path, target: str) -> list[TargetComponent]:
     models: list[str] = []  # every model folder, to say what the target holds when nothing is torchao
     if index:
         for name, value in index.items():
-            if name.startswith("_") or not isinstance(value, list) or len(value) != 2 or value[0] not in ("diffusers", "transformers"):
+            if name.startswith("_") or not isinstance(value, list) or len(value) != 2 or value[0] not in adapters.LIBRARIES:
                 continue
             if not plain_name(name) or not isinstance(value[1], str):
                 raise SourceError(f"{target}/model_index.json names a component {name!r} ({value!r}) that is not a "
