@@ -51,9 +51,25 @@ from collections.abc import Iterator
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from publisher.errors import QuantizeError
+
+
+class _Needs(Protocol):
+    @property
+    def cuda(self) -> bool: ...
+
+
+class CpuRecipe(Protocol):
+    """What this module reads of a recipe (publisher.recipes.Recipe, which builds on this module and so is not
+    imported here): whether torchao needs a GPU to quantize it, and whether this module makes it on a CPU."""
+
+    @property
+    def quantize(self) -> _Needs: ...
+
+    @property
+    def cpu_producible(self) -> bool: ...
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -93,9 +109,8 @@ def _patch_targets() -> tuple[Any, Any]:
     return quant_api, float8_tensor
 
 
-def cpu_quantize_supported(recipe: Any) -> bool:
-    """True when ``recipe`` (a publisher.recipes.Recipe: this module never imports the registry, which builds on it)
-    can be quantized on a CPU: natively, or through this module."""
+def cpu_quantize_supported(recipe: CpuRecipe) -> bool:
+    """True when ``recipe`` can be quantized on a CPU: natively, or through this module."""
     if not recipe.quantize.cuda:
         return True
     if not recipe.cpu_producible:  # the registry says which recipes this module makes on a CPU
@@ -107,12 +122,12 @@ def cpu_quantize_supported(recipe: Any) -> bool:
     return True
 
 
-def needs_cpu_bypass(recipe: Any) -> bool:
+def needs_cpu_bypass(recipe: CpuRecipe) -> bool:
     """True when quantizing ``recipe`` on a CPU needs ``allow_cpu_float8_quantization``."""
     return bool(recipe.cpu_producible)
 
 
-def cpu_quantization_context(recipe: Any) -> ContextManager[None]:
+def cpu_quantization_context(recipe: CpuRecipe) -> ContextManager[None]:
     """The context to quantize ``recipe`` on a CPU in (a no-op for recipes torchao allows there)."""
     return allow_cpu_float8_quantization() if needs_cpu_bypass(recipe) else nullcontext()
 

@@ -13,7 +13,7 @@ from typing import Any
 
 from publisher import adapters
 from publisher.configs.render import canonical
-from publisher.handoffs.artifacts import Artifacts
+from publisher.handoffs.artifacts import Artifacts, QuantizedComponent
 from publisher.recipes import Recipe
 
 DEFAULT_WARNING = ("Loading it, torchao 0.18 warns `Config Deprecation: _default is deprecated` "
@@ -101,7 +101,7 @@ def python(recipe: Recipe, components: list[Any], kind: str, base: str, stored: 
     return "\n".join([*lines, "", *body])
 
 
-def _auto(component: Any) -> str:
+def _auto(component: QuantizedComponent) -> str:
     return "AutoModelForCausalLM" if adapters.of(component.library).causal_lm(component.class_name) else "AutoModel"
 
 

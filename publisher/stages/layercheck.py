@@ -18,6 +18,7 @@ from typing import Any
 from publisher import adapters, recipe_args
 from publisher.configs.layers import LayerTable
 from publisher.errors import UsageError
+from publisher.handoffs.plan import Component
 from publisher.recipes import Recipe
 
 log = logging.getLogger(__name__)
@@ -45,13 +46,13 @@ def bind(recipe: Recipe, quantized: list[Any]) -> Recipe:
     return replace(bound, layers=tuple(tables))
 
 
-def _excluded(comp: Any, module: str, exclude: list[str]) -> bool:
+def _excluded(comp: Component, module: str, exclude: list[str]) -> bool:
     """Whether the library keeps ``module`` out of quantization (--exclude, and its default skips: the plan's
     ``default_skips``, empty where the library has none)."""
     return adapters.of(comp.library).kept(f"{module}.weight", sorted(set(exclude) | set(comp.default_skips)))
 
 
-def check_table(comp: Any, table: LayerTable) -> None:
+def check_table(comp: Component, table: LayerTable) -> None:
     """Every key of the file names a Linear layer of ``comp`` (a pattern matches at least one), and no entry makes
     transformers quantize a parameter other than a Linear weight."""
     linears = set(comp.linear_names)
