@@ -114,5 +114,14 @@ class Artifacts:
             local.update(self.uploader.sizes)
         return dict(sorted(local.items()))
 
+    def uploaded(self, component: str) -> int:
+        """How many tensors of ``component`` were checked before its shards were uploaded and deleted (0: its
+        shards are in the folder)."""
+        return self.uploader.checked.get(component, 0) if self.uploader is not None else 0
+
+    def uploaded_layers(self, component: str) -> int:
+        """The quantized layers of the recipe's class among those checked before upload."""
+        return self.uploader.classes.get(component, 0) if self.uploader is not None else 0
+
     def release_models(self) -> None:
         self.models.clear()

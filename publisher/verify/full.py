@@ -163,20 +163,19 @@ def verify(
             "Streaming verification" + (f" ({why})" if why else " (--verify-mode streaming)") + ": every tensor was "
             "rebuilt from the saved files and compared with the quantization's in-memory tensor, and one forward "
             "pass ran with one block's weights loaded at a time; no whole-component reload was run.")
-        uploader = artifacts.uploader
         for exp in expected:
             folder = artifacts.folder / exp.component if exp.component else artifacts.folder
-            if uploader is not None and uploader.checked.get(exp.component):
+            if artifacts.uploaded(exp.component):
                 # --low-disk push: checked tensor by tensor before each shard was uploaded and deleted; the forward
                 # ran during quantization on those very tensors (or, failing that, runs on the pull request before
                 # it is merged: published.check_pull_request)
                 ran = exp.output is not None
                 report.results.append(PathResult(
                     exp.component, "streaming", "current, before upload", loadpath.versions(), True,
-                    f"{uploader.checked[exp.component]} tensors equal before upload; "
+                    f"{artifacts.uploaded(exp.component)} tensors equal before upload; "
                     + ("forward during quantization" if ran else "forward pending on the pull request"),
-                    quantized_layers=uploader.classes.get(exp.component, 0),
-                    tensors_checked=uploader.checked[exp.component], forward_checked=ran))
+                    quantized_layers=artifacts.uploaded_layers(exp.component),
+                    tensors_checked=artifacts.uploaded(exp.component), forward_checked=ran))
                 continue
             report.results.append(vs.streaming_check(exp, LocalShards(folder), artifacts.recipe.tensor_class,
                                                      forward_optional=artifacts.recipe.run.cuda))
@@ -209,7 +208,7 @@ def verify(
             report.notes.append("--verify-env runs the whole-component reloads only (full verification).")
     if base_sources or any(e.base_output is not None for e in expected):
         saved: dict[str, ShardSource] = {e.component: LocalShards(artifacts.folder / e.component if e.component else artifacts.folder)
-                 for e in expected if artifacts.uploader is None or not artifacts.uploader.checked.get(e.component)}
+                 for e in expected if not artifacts.uploaded(e.component)}
         report.quality = quality_against_base(expected, base_sources or {}, saved)
     report.passed = bool(report.results) and not report.failures()
     report.expected = expected
@@ -222,9 +221,8 @@ def _declared_classes(artifacts: Artifacts, expected: list[Expected]) -> None:
     saved files against their declared quantization_config); a layer stored otherwise fails here."""
     from publisher.verify.declared import apply_to_expected
 
-    uploader = artifacts.uploader
     folders = {e.component: artifacts.folder / e.component if e.component else artifacts.folder for e in expected
-               if uploader is None or not uploader.checked.get(e.component)}
+               if not artifacts.uploaded(e.component)}
     made = {c.name: c.layer_classes for c in artifacts.components}
     problems = apply_to_expected(expected, folders, made)
     if problems:

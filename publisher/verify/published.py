@@ -27,8 +27,7 @@ if TYPE_CHECKING:
 
 def needs_pull_request_check(artifacts: Artifacts, report: VerifyReport) -> bool:
     """Whether some uploaded component still needs its forward pass (it could not run during quantization)."""
-    checked = artifacts.uploader.checked if artifacts.uploader is not None else {}
-    return any(checked.get(e.component) and e.output is None for e in report.expected)
+    return any(artifacts.uploaded(e.component) and e.output is None for e in report.expected)
 
 
 def check_pull_request(artifacts: Artifacts, report: VerifyReport, repo_id: str, revision: str, token: str | None,
@@ -39,8 +38,7 @@ def check_pull_request(artifacts: Artifacts, report: VerifyReport, repo_id: str,
     from publisher.streaming.shards import HubShards
     from publisher.verify.streaming import streaming_check
 
-    checked = artifacts.uploader.checked if artifacts.uploader is not None else {}
-    todo = {e.component for e in report.expected if checked.get(e.component) and e.output is None}
+    todo = {e.component for e in report.expected if artifacts.uploaded(e.component) and e.output is None}
     results = []
     for exp in report.expected:
         if exp.component in todo:
