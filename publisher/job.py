@@ -31,12 +31,13 @@ from publisher.stages import card, fetch, planning, preflight, unfinished
 from publisher.stages import push as pushing
 from publisher.stages import quantize as quantize_stage
 from publisher.stages import source as source_stage
+from publisher.stages.measure import Bf16Rows
 from publisher.stages.output import OutputTarget, PushOptions, RecipeOutput
 from publisher.stages.output import choose as choose_output
 from publisher.stages.quantize import quantize_recipe
 from publisher.stages.unfinished import ComponentCache, default_root, partial_folder, prepare_output
 from publisher.state import bytes_key, state_for
-from publisher.verify import capture, matrix, published
+from publisher.verify import capture, matrix, published, workers
 from publisher.verify.full import verify
 
 if TYPE_CHECKING:
@@ -143,6 +144,7 @@ class RunContext:
     gating_envs: list[matrix.Env]  # --verify-env
     inputs: dict[str, ForwardInputs]  # forward-check inputs, derived once from the base
     evaluation: quality.Evaluation | None
+    bf16_rows: Bf16Rows = field(default_factory=Bf16Rows)  # the benchmark's bf16 rows: measured once per run
 
     def base_sources(self) -> dict[str, ShardSource]:
         return fetch.base_sources(self.plan, self.base_dir, self.remote)
@@ -307,6 +309,10 @@ class RecipeRun:
         req, recipe, output = ctx.req, self.recipe, self.output
         assert output is not None
         device = recipe_registry.device(recipe, ctx.capability)
+        # the verification's interpreters import torch & co while this recipe quantizes (none for the next recipes:
+        # the zygote serves them all)
+        workers.start_early(ctx.token, device, ctx.output.verify_mode(req.checks.verify_mode),
+                            max((c.param_bytes for c in ctx.plan.quantized), default=0))
         with _timed(self, "quantize"):
             self.cache = ComponentCache(default_root(), bytes_key(self.state))
             artifacts = quantize_recipe(ctx.plan, ctx.base_dir, recipe, partial_folder(folder, ctx.out_root),
@@ -333,7 +339,8 @@ class RecipeRun:
             from publisher.stages.measure import measure
 
             with _timed(self, "benchmark"):
-                self.benchmark = measure(artifacts.components, report.expected, building, ctx.base_dir, device)
+                self.benchmark = measure(artifacts.components, report.expected, building, ctx.base_dir, device,
+                                         bf16=ctx.bf16_rows, recipe=recipe.name)
         settings = req.checks.evaluation
         if ctx.evaluation is not None and settings is not None:  # the figures, then the gate: before any push
             with _timed(self, "evaluation"):

@@ -143,3 +143,60 @@ def test_the_grid_keeps_its_budget_and_says_so_while_it_runs(cli: Any, flux_repo
         assert "Asked: 1024 px and 28 steps (`--sample-size`, `--sample-steps`)" in card
     else:  # a machine too busy for even one pair in 8 s: the card says so, and how to get one
         assert "--eval-budget" in ev["reason"] and f"No comparison grid: {ev['reason']}" in card
+
+
+def _base_lines(stderr: str, pattern: str) -> int:
+    return len(re.findall(pattern, stderr))
+
+
+@pytest.mark.slow
+def test_two_recipes_make_the_base_reference_once(cli: Any, trained_llama_repo: str, wikitext_repo: str,
+                                                   tmp_path: Path) -> None:
+    """Issue 41 item 2: the bf16 side (the benchmark's bf16 row, the base's NLL per window, its greedy continuation)
+    is made by the first recipe and reused by the next, and equals what a run of the second recipe alone computes.
+    The library engine has no in-pass observer: its perplexity runs after the pass, window by window."""
+    common = ["--no-push", "--compat", "none", "--engine", "library", "--benchmark", "--eval-budget", "10m",
+              "--eval-tokens", "512", "--verify-mode", "streaming", "--json"]
+    two = cli(trained_llama_repo, "--quant", "int8wo,float8wo", "--output-dir", str(tmp_path / "two"), *common)
+    assert two.exit_code == 0, two.output
+    first, second = json.loads(two.stdout)["results"]
+    assert first["benchmark"]["rows"][0]["bf16"] == second["benchmark"]["rows"][0]["bf16"]
+    for key in ("base_ppl", "base_text", "windows", "new_tokens"):
+        assert first["evaluation"][key] == second["evaluation"][key], key
+    err = two.stderr
+    assert _base_lines(err, r"measuring \S+ \(bf16\)") == 1 and _base_lines(err, r"measuring \S+ \(quantized\)") == 2
+    assert re.search(r"benchmark: \S+ \(bf16\) reused: measured once this run, for int8wo", err)
+    assert "perplexity: the bf16 base's NLL of 2 of 2 windows reused (computed once per run, for int8wo)" in err
+    assert "perplexity: window 1 of 2 (256 tokens, quantized; the base's reused): " in err
+    assert _base_lines(err, r"perplexity: window 1 of 2 \(256 tokens, base and quantized\)") == 1
+    assert "continuation: the bf16 base's 16 new tokens reused (computed once per run, for int8wo)" in err
+    assert _base_lines(err, r"continuation: base model, token 1 of 16") == 1
+    assert _base_lines(err, r"continuation: quantized model, token 1 of 16") == 2
+
+    alone = cli(trained_llama_repo, "--quant", "float8wo", "--output-dir", str(tmp_path / "alone"), *common)
+    assert alone.exit_code == 0, alone.output
+    single = json.loads(alone.stdout)
+    assert "reused" not in alone.stderr
+    for key in ("base_ppl", "base_text", "quantized_ppl", "quantized_text"):
+        assert single["evaluation"][key] == second["evaluation"][key], key
+
+
+@pytest.mark.slow
+def test_two_recipes_share_the_grids_base_images(cli: Any, flux_repo: str, tmp_path: Path) -> None:
+    """The grid's base images (same prompts, seeds, size and steps) are made once per run; the second recipe's
+    pairs compare with them, as a run of that recipe alone does."""
+    common = ["--no-push", "--compat", "none", "--eval-budget", "60", *SMALL, "--verify-mode", "streaming", "--json"]
+    two = cli(flux_repo, "--quant", "int8wo,float8wo", "--output-dir", str(tmp_path / "two"), *common)
+    assert two.exit_code == 0, two.output
+    first, second = (r["evaluation"] for r in json.loads(two.stdout)["results"])
+    assert first["image"] and second["image"], (first["reason"], second["reason"])
+    assert (first["size"], first["steps"], first["prompts"]) == (second["size"], second["steps"], second["prompts"])
+    assert re.search(r"grid: the bf16 base's \d images? \(64 px, 2 steps\) reused \(computed once per run, for int8wo\)",
+                     two.stderr)
+    assert _base_lines(two.stderr, r"grid: base image 1 of") == 1
+    assert _base_lines(two.stderr, r"grid: quantized image 1 of") == 2
+    alone = cli(flux_repo, "--quant", "float8wo", "--output-dir", str(tmp_path / "alone"), *common)
+    assert alone.exit_code == 0, alone.output
+    single = json.loads(alone.stdout)["evaluation"]
+    if (single["size"], single["steps"], single["prompts"]) == (second["size"], second["steps"], second["prompts"]):
+        assert single["psnr"] == second["psnr"] and single["ssim"] == second["ssim"]

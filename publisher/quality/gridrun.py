@@ -18,6 +18,7 @@ from typing import Any
 from publisher.quality import budget, images, memory
 from publisher.quality.budget import Deadline, Model, OutOfTime, Timer
 from publisher.quality.grid import CPU_SIZES, CPU_STEPS, MIN_SIZE, GridFigures, image
+from publisher.quality.reference import GridReference
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +151,27 @@ class GridRun:
                 self.prompts -= 1
                 f.cut = f"{self.prompts} of {len(f.prompts)} prompts: the rest did not fit --eval-budget"
         self.prompts = min(self.prompts, len(self.base_images))
+
+    # ---------------------------------------------------------------- the base, once per run
+    def reference(self, recipe: str) -> GridReference:
+        """What the base's part of this grid decided and made, for the run's next recipes."""
+        f = self.figures
+        return GridReference(recipe, f.size, f.steps, self.prompts, list(self.base_images[:self.prompts]),
+                             list(self.base_times[:self.prompts]), self.load_s, list(f.probes), f.estimate_s, f.cut,
+                             f.memory_limited, f.peak_rss_bytes)
+
+    def reuse(self, reference: GridReference) -> None:
+        """The base's part made by an earlier recipe of the run: its size, steps and images (the pairs compare
+        with the same base images), the quantized images planned from its times."""
+        f = self.figures
+        f.size, f.steps, f.estimate_s, f.cut = reference.size, reference.steps, reference.estimate_s, reference.cut
+        f.probes, f.memory_limited = list(reference.probes), reference.memory_limited
+        f.peak_rss_bytes = reference.peak_rss_bytes
+        self.prompts = reference.prompts
+        self.base_images, self.base_times = list(reference.images), list(reference.times)
+        log.info("grid: the bf16 base's %d image%s (%d px, %d steps) reused (computed once per run, for %s); "
+                 "%.0f s of --eval-budget left for the quantized pipeline", self.prompts, "s" if self.prompts > 1 else "",
+                 f.size, f.steps, reference.recipe, self.deadline.left())
 
     # ---------------------------------------------------------------- quantized
     def quantized(self, pipe: Any) -> None:

@@ -25,6 +25,7 @@ class Weights:
     source: ShardSource
     cast: Callable[[str, Any], Any]
     how: str  # for the card: "the saved files", "the base, quantized again as it is read", "the base"
+    key: tuple[Any, ...] = ()  # the base's: what decides the tensors read (equal keys, equal tensors; reference.py)
 
 
 def _same(name: str, t: Any) -> Any:
@@ -47,6 +48,13 @@ class Requantize:
         self.recipe = recipe
         # the config this component got (a per-component --quant gives each its own; "" is a transformers model)
         self.comp = adapters.of(library)(config_dir, build_config(recipe, component), list(exclude), class_name)
+
+    def base_key(self) -> tuple[str, ...]:
+        """What decides ``base``'s tensors besides the source: the dtype it casts to, and the quantized keys whose dtype
+        would otherwise differ (for the others, quantized or not, the cast is the same)."""
+        comp = self.comp
+        return (str(comp.cast_dtype), *sorted(k for k in comp.quantize_keys
+                                              if comp.pass_dtype(k, comp.cast_dtype) != comp.cast_dtype))
 
     def base(self, name: str, t: Any) -> Any:
         import torch
@@ -81,7 +89,7 @@ def component_weights(library: str, class_name: str, base: ShardSource, config_d
                       exclude: list[str], quantized_files: ShardSource | None, component: str) -> tuple[Weights, Weights]:
     """(base, quantized) weights of the quantized ``component`` ("" for a transformers model)."""
     requant = Requantize(library, class_name, config_dir, recipe, exclude, component)
-    base_w = Weights(base, requant.base, "the base")
+    base_w = Weights(base, requant.base, "the base", (library, class_name, component, base.where, *requant.base_key()))
     if quantized_files is not None:
         return base_w, saved(quantized_files)
     return base_w, Weights(base, requant.quantized, "the base, quantized again as it was read (the saved shards "

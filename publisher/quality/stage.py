@@ -31,6 +31,7 @@ from publisher.handoffs.plan import DENOISERS
 from publisher.quality import grid, lm, options
 from publisher.quality.budget import Deadline
 from publisher.quality.options import Settings
+from publisher.quality.reference import References, Step, continuation
 from publisher.quality.sources import Weights, component_weights, local_shards
 from publisher.quality.text import MIN_WINDOW, EvalText
 from publisher.verify.streaming import BLOCK_BUDGET
@@ -136,6 +137,7 @@ class Evaluation:
         self.limited = ""  # why fewer tokens than --eval-tokens are scored
         self.flops = grid.measured_flops() if self.kind else 0.0  # this CPU's bf16 matmul rate: what the budget buys
         self.text_reason = ""
+        self.refs = References()  # the base's figures, computed by the first recipe that needs them
         if self.kind == options.CAUSAL_LM:
             self._windows()
 
@@ -218,14 +220,20 @@ class Evaluation:
         if self.ids is None:
             figures.reason = self.text_reason or "no evaluation text"
         else:
-            self._perplexity(figures, comp, config, base_w, quant_w, deadline)
+            self._perplexity(figures, comp, config, base_w, quant_w, deadline, recipe.name)
         prompts = ([self.settings.prompt] if self.settings.prompt else []) + list(lm.PROMPTS)
         figures.prompts = prompts[:3]
-        self._continuation(figures, comp, config, base_w, quant_w, pass_seconds, deadline)
+        # a step reads each model's weights once: about what the pass took to read the base and write the quantized
+        # weights (a conservative rate: the pass also quantized); 2 FLOPs per parameter and prompt on top
+        read_s = max(pass_seconds, 0.0) / max(comp.bytes_before, 1)
+        step = Step(read_s * comp.bytes_before, read_s * comp.bytes_after,
+                    2 * (comp.bytes_before // 2) * len(figures.prompts) / max(self.flops, 1.0))
+        continuation(figures, self.refs, base_w.key, recipe.name, (base_w, quant_w),
+                     (comp.library, comp.class_name, config), self.configs, step, deadline, self.budget_s)
         return figures
 
     def _perplexity(self, figures: lm.LmFigures, comp: Any, config: dict[str, Any], base_w: Weights, quant_w: Weights,
-                    deadline: Deadline) -> None:
+                    deadline: Deadline, recipe: str) -> None:
         started = time.monotonic()
         ids = self.ids
         figures.limited = self.limited
@@ -242,7 +250,7 @@ class Evaluation:
             # window by window, both models, one stderr line each: the first always, then each that half of the time
             # left still allows at the slowest window's pace
             total = int(ids.shape[0])
-            base_parts, quant_parts, slowest = [], [], 0.0
+            base_parts, quant_parts, slowest, reused = [], [], 0.0, []
             for i in range(total):
                 if i and slowest > 0.5 * deadline.left():
                     figures.limited = (f"{i} of {total} windows: a window of both models took {slowest:.1f} s here, and "
@@ -250,11 +258,21 @@ class Evaluation:
                     log.warning("perplexity: %s", figures.limited)
                     break
                 began = time.monotonic()
-                base_parts.append(lm.nll_after_pass(base_w, comp.library, comp.class_name, config, ids[i:i + 1]))
+                kept = self.refs.nll(base_w.key, i)  # a window's time is then the quantized model's alone
+                if kept is None:
+                    base_parts.append(lm.nll_after_pass(base_w, comp.library, comp.class_name, config, ids[i:i + 1]))
+                    self.refs.keep_nll(base_w.key, i, base_parts[-1], recipe)
+                else:
+                    base_parts.append(kept[0])
+                    reused.append(kept[1])
                 quant_parts.append(lm.nll_after_pass(quant_w, comp.library, comp.class_name, config, ids[i:i + 1]))
                 slowest = max(slowest, time.monotonic() - began)
-                log.info("perplexity: window %d of %d (%d tokens, base and quantized): %.1f s; %.0f s of --eval-budget left",
-                         i + 1, total, int(ids.shape[1]), time.monotonic() - began, max(deadline.left(), 0.0))
+                log.info("perplexity: window %d of %d (%d tokens, %s): %.1f s; %.0f s of --eval-budget left", i + 1, total,
+                         int(ids.shape[1]), "base and quantized" if kept is None else "quantized; the base's reused",
+                         time.monotonic() - began, max(deadline.left(), 0.0))
+            if reused:
+                log.info("perplexity: the bf16 base's NLL of %d of %d windows reused (computed once per run, for %s)",
+                         len(reused), len(base_parts), ", ".join(sorted(set(reused))))
             base_nll, quant_nll = torch.cat(base_parts), torch.cat(quant_parts)
             ids = ids[:len(base_parts)]
             figures.where = "after the quantization pass, block by block"
@@ -264,48 +282,6 @@ class Evaluation:
         figures.base_ppl, figures.quantized_ppl = lm.perplexity(base_nll), lm.perplexity(quant_nll)
         if self.text is not None:
             figures.seconds["read_dataset"] = round(self.text.seconds, 3)
-
-    def _continuation(self, figures: lm.LmFigures, comp: Any, config: dict[str, Any], base_w: Weights, quant_w: Weights,
-                      pass_seconds: float, deadline: Deadline) -> None:
-        per_step = self._step_seconds(comp, pass_seconds) + 2 * 2 * (comp.bytes_before // 2) * len(figures.prompts) / max(self.flops, 1.0)
-        affordable = int(deadline.left() / per_step) - 1 if per_step > 0 else lm.NEW_TOKENS
-        figures.new_tokens = min(lm.NEW_TOKENS, affordable)
-        if figures.new_tokens < 4:
-            figures.new_tokens = 0
-            figures.continuation_reason = (f"a greedy continuation reads the weights once per new token (about "
-                                           f"{per_step:.0f} s a token here, base and quantized), which the "
-                                           f"{max(deadline.left(), 0):.0f} s left of --eval-budget ({self.budget_s:.0f} s) "
-                                           "do not allow for 4 tokens")
-            return
-        began = time.monotonic()
-        # each model gets half of what is left, checked after every token; both texts are cut to the shorter one
-        def lines(role: str) -> Any:
-            started = time.monotonic()
-
-            def each(n: int) -> None:
-                log.info("continuation: %s model, token %d of %d (%d prompts): %.1f s; %.0f s of --eval-budget left", role,
-                         n, figures.new_tokens, len(figures.prompts), time.monotonic() - started, max(deadline.left(), 0.0))
-            return each
-
-        base = lm.greedy(base_w, comp.library, comp.class_name, config, self.configs, figures.prompts,
-                         figures.new_tokens, max_time=max(deadline.left() / 2, 0.1), each_token=lines("base"))
-        quant = lm.greedy(quant_w, comp.library, comp.class_name, config, self.configs, figures.prompts,
-                          figures.new_tokens, max_time=max(deadline.left(), 0.1), each_token=lines("quantized"))
-        made = min(min(len(r) for r in base), min(len(r) for r in quant))
-        if made < figures.new_tokens:
-            figures.continuation_limited = (f"{made} of {figures.new_tokens} new tokens: --eval-budget "
-                                            f"({self.budget_s:.0f} s) ran out")
-            figures.new_tokens = made
-        figures.base_text = lm.decode(self.configs, base, made)
-        figures.quantized_text = lm.decode(self.configs, quant, made)
-        figures.seconds["continuation"] = round(time.monotonic() - began, 3)
-
-    @staticmethod
-    def _step_seconds(comp: Any, pass_seconds: float) -> float:
-        """The reads of one generation step of both models (each reads its weights once): about what the pass took to
-        read the base and write the quantized weights (a conservative rate: the pass also quantized). The caller adds the
-        step's compute."""
-        return max(pass_seconds, 0.0) * (comp.bytes_before + comp.bytes_after) / max(comp.bytes_before, 1)
 
     # ------------------------------------------------------------------ pipelines
     def _grid(self, artifacts: Artifacts, base_sources: dict[str, Any], pass_seconds: float, recipe: Recipe,
@@ -354,10 +330,19 @@ class Evaluation:
                                   "or on a machine with one, or raise --eval-budget")
                 log.warning("no comparison grid: %s", figures.reason)
                 return figures
-        started = time.monotonic()
-        with self._pipeline("base", whole, device, artifacts, models) as pipe:
-            run = GridRun(figures, deadline, denoiser, device, load_s=time.monotonic() - started, memory_limit=limit)
-            run.base(pipe)
+        # the base's images depend on how its pipeline runs and what it reads, not on the recipe: made once per run
+        key = (device, whole, limit, tuple(figures.prompts), tuple(figures.seeds), figures.asked,
+               () if whole else tuple((n, pair[0].key) for n, (_, _, pair) in sorted(models.items())))
+        reference = self.refs.grid(key)
+        if reference is not None:  # the whole budget goes to the quantized pipeline
+            run = GridRun(figures, deadline, denoiser, device, load_s=reference.load_s, memory_limit=limit)
+            run.reuse(reference)
+        else:
+            started = time.monotonic()
+            with self._pipeline("base", whole, device, artifacts, models) as pipe:
+                run = GridRun(figures, deadline, denoiser, device, load_s=time.monotonic() - started, memory_limit=limit)
+                run.base(pipe)
+            self.refs.keep_grid(key, run.reference(recipe.name))
         if run.prompts:
             with self._pipeline("quantized", whole, device, artifacts, models) as pipe:
                 run.quantized(pipe)

@@ -144,7 +144,24 @@ class Zygote:
 _Key = tuple[str, tuple[str, ...], frozenset[tuple[str, str]]]
 _zygotes: OrderedDict[_Key, Zygote] = OrderedDict()
 _without: set[_Key] = set()  # interpreters that could not run one
+_early: dict[tuple[str, tuple[str, ...]], _Key] = {}  # (python, preload) -> the key a start() made a zygote for
 _lock = threading.Lock()
+
+
+def start(python: str, env: Mapping[str, str], preload: tuple[str, ...] = TORCH) -> None:
+    """Start, on a thread of its own, the zygote that a later ``run`` with these arguments forks from, so its imports
+    overlap what the caller does meanwhile (the verification's, the quantization: issue 41). Returns at once; a
+    ``run`` that comes before it is ready waits for it (sooner than a fresh one), and one whose environment differs by
+    then starts its own (said at debug level)."""
+    if sys.platform != "linux" or env.get(SWITCH) == "0":
+        return
+    key = _key(python, env, preload)
+    with _lock:
+        if key in _zygotes or key in _without:
+            return
+        _early[python, preload] = key
+    # a daemon thread: a process that ends before the zygote is ready does not wait for it (atexit closes it)
+    threading.Thread(target=_zygote, args=(python, dict(env), preload), name="zygote-start", daemon=True).start()
 
 
 def run(python: str, script: Path, args: Sequence[str], *, env: Mapping[str, str], timeout: float | None,
@@ -175,14 +192,20 @@ def run(python: str, script: Path, args: Sequence[str], *, env: Mapping[str, str
 def _zygote(python: str, env: Mapping[str, str], preload: tuple[str, ...]) -> Zygote | None:
     if sys.platform != "linux" or env.get(SWITCH) == "0":
         return None
-    unread = NOT_READ_BY_TORCH if all(m.split(".")[0] == "torch" for m in preload) else NOT_READ_BY_LIBRARIES
-    key = (python, preload, frozenset((k, v) for k, v in env.items() if not k.startswith(unread)))
+    key = _key(python, env, preload)
     with _lock:
         if key in _without:
             return None
+        early = _early.get((python, preload))
         if key in _zygotes:
+            if early == key:
+                log.debug("the zygote of %s started early is used", python)
             _zygotes.move_to_end(key)
             return _zygotes[key]
+        if early is not None and early != key:
+            changed = sorted({k for k, _ in early[2] ^ key[2]})
+            log.debug("the zygote of %s started early is not used: the environment changed since (%s)", python,
+                      ", ".join(changed))
         try:  # the zygote gets none of the libraries' variables (no token): its children get the caller's
             z = Zygote(python, dict(key[2]), preload)
         except (OSError, Gone, subprocess.TimeoutExpired) as exc:
@@ -193,6 +216,12 @@ def _zygote(python: str, env: Mapping[str, str], preload: tuple[str, ...]) -> Zy
         while len(_zygotes) > max_zygotes():
             _zygotes.popitem(last=False)[1].close()
         return z
+
+
+def _key(python: str, env: Mapping[str, str], preload: tuple[str, ...]) -> _Key:
+    """What a zygote serves: the interpreter, its imports, and every variable those imports could read."""
+    unread = NOT_READ_BY_TORCH if all(m.split(".")[0] == "torch" for m in preload) else NOT_READ_BY_LIBRARIES
+    return python, preload, frozenset((k, v) for k, v in env.items() if not k.startswith(unread))
 
 
 def max_zygotes() -> int:

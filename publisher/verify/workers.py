@@ -21,6 +21,7 @@ import json
 import logging
 import os
 import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,30 @@ log = logging.getLogger(__name__)
 
 WORKER = Path(loadpath.__file__).resolve()
 WORKER_TIMEOUT_S = 3600  # per component: a worker that loads n components has n times this
+
+
+def worker_env(token: str | None) -> dict[str, str]:
+    """A worker's environment: ours, with the token (through the environment, never the command line)."""
+    env = dict(os.environ)
+    if token:
+        env["HF_TOKEN"] = token
+    return env
+
+
+def start_early(token: str | None, device: str, mode: str, largest: int) -> None:
+    """Start the zygote this interpreter's workers will fork from, without waiting for it: its imports overlap the
+    quantization. The environment and imports are those ``_spawn`` gives ``zygotes.run``; if the environment has
+    changed by then, it is not used. Not for a GPU load (a fresh interpreter: CUDA cannot cross a fork), nor where the
+    verification will stream in this process (``mode``; ``auto`` as ``full.choose_mode`` will likely decide it from
+    the ``largest`` component's bf16 bytes, an upper bound of its quantized ones)."""
+    if device != "cpu" or mode == "streaming":
+        return
+    if mode == "auto":
+        import psutil
+
+        if largest + 2**30 > 0.8 * psutil.virtual_memory().available:
+            return
+    zygotes.start(sys.executable, worker_env(token), zygotes.LIBRARIES)
 
 
 def run_workers(exps: Sequence[Expected], path: str, python: str, where: str, revision: str | None, work: Path,
@@ -93,9 +118,7 @@ def _spawn(exps: Sequence[Expected], path: str, python: str, where: str, revisio
         return [json.loads(Path(r["result"]).read_text()) for r in requests], None, True
     req_file = work / f"request-{batch}.json"
     req_file.write_text(json.dumps({"requests": todo}))
-    env = dict(os.environ)
-    if token:
-        env["HF_TOKEN"] = token  # through the environment, never the command line
+    env = worker_env(token)
     timeout = WORKER_TIMEOUT_S * len(exps)
     failure: dict[str, Any] | None = None
     try:  # its own process group, killed with it if we stop waiting (timeout, SIGINT/SIGTERM)
