@@ -27,9 +27,9 @@ from helpers import IN_PROCESS, PROGRESS_VARS, SKIP_EVAL_AND_MATRIX, progress_ba
 from publisher import __version__
 from publisher import recipes as recipe_registry
 from publisher.cli import main
+from publisher.cli.recipe_table import RECIPES_WIDTH
 from publisher.errors import SourceError, TargetError
 from publisher.handoffs.report import PathResult, VerifyReport
-from publisher.recipe_table import RECIPES_WIDTH
 from publisher.request import Outcome, PublishRequest
 from publisher.runtime import logs
 

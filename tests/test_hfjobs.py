@@ -171,9 +171,9 @@ def test_the_wheel_is_reproducible_and_complete() -> None:
     assert first.filename == f"hf_ao_publish-{first.version}-py3-none-any.whl"
     zf = zipfile.ZipFile(BytesIO(first.data))
     names = set(zf.namelist())
-    assert {"publisher/cli.py", "publisher/hfjobs/bootstrap.py", "publisher/templates/modelcard.md.j2"} <= names
+    assert {"publisher/cli/commands.py", "publisher/hfjobs/bootstrap.py", "publisher/templates/modelcard.md.j2"} <= names
     assert not any("__pycache__" in n or n.endswith(".pyc") for n in names)
-    assert zf.read("publisher/cli.py") == (ROOT / "publisher" / "cli.py").read_bytes()  # the running code, as is
+    assert zf.read("publisher/cli/commands.py") == (ROOT / "publisher" / "cli" / "commands.py").read_bytes()  # the running code, as is
     dist = f"hf_ao_publish-{first.version}.dist-info"
     meta = email.message_from_bytes(zf.read(f"{dist}/METADATA"))
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import click
 
-from publisher import clijson, compat
+from publisher import compat
+from publisher.cli import jsonout
 
 token_option = click.option(
     "--token", envvar="HF_TOKEN", default=None, show_envvar=True, metavar="TOKEN",
@@ -36,10 +37,10 @@ quiet_option = click.option("--quiet", is_flag=True,
                             help="Only warnings and errors on stderr: no progress, no summary line (the result is on stdout).")
 
 
-class DefaultToPublish(clijson.JsonErrors, click.Group):
+class DefaultToPublish(jsonout.JsonErrors, click.Group):
     """`hf-ao-publish MODEL ...` means `hf-ao-publish publish MODEL ...`; the group's own options
     (--help, --version) and its subcommands keep their meaning. With --json every error, a usage error included,
-    also leaves its JSON object on stdout (publisher.clijson)."""
+    also leaves its JSON object on stdout (publisher.cli.jsonout)."""
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         own = {opt for param in self.get_params(ctx) for opt in (*param.opts, *param.secondary_opts)}

@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from publisher import __version__, clijson, clioptions, compat
+from publisher import __version__, compat
 from publisher import recipes as recipe_registry
+from publisher.cli import jsonout, options
+from publisher.cli.recipe_table import recipes_text
 from publisher.compat import matrix_plan
 from publisher.quality import options as quality_options
-from publisher.recipe_table import recipes_text
 
 if TYPE_CHECKING:  # types only: the job and its stages are imported when a command runs
     from publisher.handoffs.report import Mode
@@ -72,7 +73,7 @@ def _run_mapped(debug: bool, fn: Any, *args: Any, **kwargs: Any) -> Any:
         raise _Failure(message, code) from None
 
 
-@click.group("hf-ao-publish", cls=clioptions.DefaultToPublish, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group("hf-ao-publish", cls=options.DefaultToPublish, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="hf-ao-publish")
 def main() -> None:
     """Quantize a Hugging Face model with torchao, verify it reloads, write a card and publish it.
@@ -88,7 +89,7 @@ def main() -> None:
 
 
 @main.command("recipes")
-@clioptions.json_option
+@options.json_option
 def recipes_cmd(as_json: bool) -> None:
     """List the quantization recipes and the hardware each needs.
 
@@ -99,7 +100,7 @@ def recipes_cmd(as_json: bool) -> None:
 
     flavors, source = hardware.available()
     if as_json:
-        clijson.emit([r.to_dict(flavors) for r in recipe_registry.all_recipes()])
+        jsonout.emit([r.to_dict(flavors) for r in recipe_registry.all_recipes()])
     else:
         click.echo(recipes_text(flavors=flavors, source=source))
 
@@ -119,9 +120,9 @@ def recipes_cmd(as_json: bool) -> None:
                    "as torchao's FqnToConfig. COMPONENT= is needed when several components are quantized.")
 @click.option("--repo-id", default=None, metavar="NAMESPACE/NAME",
               help="Target repo (default: <your user>/<base name>-torchao-<recipe>).")
-@clioptions.revision_option
+@options.revision_option
 @click.option("--private", is_flag=True, help="Create the target repo as private.")
-@clioptions.token_option
+@options.token_option
 @click.option("--output-dir", type=click.Path(path_type=Path, file_okay=False), default=None,
               help="Where to write the repo folder (default: a temporary folder).")
 @click.option("--no-push", is_flag=True, help="Stop after verify and card, leaving a complete repo folder.")
@@ -131,8 +132,8 @@ def recipes_cmd(as_json: bool) -> None:
 @click.option("--force", is_flag=True,
               help="Publish even when the target is up to date (same base sha, recipe, options, card options and "
                    "versions): quantize, verify, write the card and commit whatever differs from the target.")
-@clioptions.verify_env_option
-@clioptions.compat_option
+@options.verify_env_option
+@options.compat_option
 @click.option("--sample-prompt", default=None,
               help="Prompt of the card's usage snippet, and the first of the quality grid (pipelines) or continuations (LMs).")
 @click.option("--sample-steps", type=click.IntRange(1, 200), default=28, show_default=True,
@@ -173,9 +174,9 @@ def recipes_cmd(as_json: bool) -> None:
               help="With --on-hf-jobs: stop a job after this long (e.g. 90m, 3h).")
 @click.option("--attach", "attach", multiple=True, metavar="JOB_ID",
               help="Follow jobs started by --on-hf-jobs again (after a lost connection) instead of publishing. Repeatable.")
-@clioptions.json_option
-@clioptions.debug_option
-@clioptions.quiet_option
+@options.json_option
+@options.debug_option
+@options.quiet_option
 def publish_cmd(model_id: tuple[str, ...], quant: tuple[str, ...], components: str | None, exclude: tuple[str, ...],
                 layer_config: tuple[str, ...], repo_id: str | None,
                 revision: str | None, private: bool, token: str | None, output_dir: Path | None, no_push: bool,
@@ -212,7 +213,7 @@ def publish_cmd(model_id: tuple[str, ...], quant: tuple[str, ...], components: s
         raise click.UsageError("several MODEL_IDs are published on Hugging Face Jobs, one job per model and recipe; add "
                                "--on-hf-jobs FLAVOR, or publish one model per command")
     if on_hf_jobs is not None:
-        clioptions.check_remote_options(ctx, hf_jobs_timeout)
+        options.check_remote_options(ctx, hf_jobs_timeout)
     elif ctx.get_parameter_source("hf_jobs_timeout") is not click.core.ParameterSource.DEFAULT:
         raise click.UsageError("--hf-jobs-timeout applies to --on-hf-jobs; add --on-hf-jobs FLAVOR or drop it")
     evaluation = _run_mapped(debug, quality_options.settings, eval_dataset, eval_tokens, eval_budget, min_quality,
@@ -232,8 +233,8 @@ def publish_cmd(model_id: tuple[str, ...], quant: tuple[str, ...], components: s
     if on_hf_jobs is not None:
         from publisher.hfjobs import remote
 
-        options = tuple(clioptions.command_args(ctx, clioptions.NOT_FOR_JOBS, from_environment=True))  # a job has none of our variables
-        jobs = remote.JobsRequest(req, on_hf_jobs, hf_jobs_timeout, options)
+        job_options = tuple(options.command_args(ctx, options.NOT_FOR_JOBS, from_environment=True))  # a job has none of our variables
+        jobs = remote.JobsRequest(req, on_hf_jobs, hf_jobs_timeout, job_options)
         if len(model_id) > 1:
             from publisher.hfjobs import many
 
@@ -253,7 +254,7 @@ def _run_failed_json(as_json: bool, debug: bool, fn: Any, *args: Any) -> Any:
 
         stopped = failure.__context__  # the library error the failure was mapped from
         if as_json and isinstance(stopped, RunFailed) and stopped.results:
-            clijson.outcomes(stopped.results, failure.message, failure.exit_code)  # what each recipe had come to
+            jsonout.outcomes(stopped.results, failure.message, failure.exit_code)  # what each recipe had come to
         raise
 
 
@@ -286,19 +287,19 @@ Example:
 
 @main.command("verify", help=VERIFY_HELP)
 @click.argument("target")
-@clioptions.revision_option
-@clioptions.token_option
-@clioptions.verify_env_option
-@clioptions.compat_option
+@options.revision_option
+@options.token_option
+@options.verify_env_option
+@options.compat_option
 @click.option("--base", "base", default=None, metavar="BASE",
               help="The unquantized model (Hub id or folder) to re-quantize with the target's declared config and "
                    "compare tensor for tensor (default: the base_model of its card or hf_ao_publish.json, when reachable).")
 @click.option("--no-requantize", is_flag=True,
               help="Do not re-quantize any base; only check the files against their declared config and the load "
                    "paths against each other.")
-@clioptions.json_option
-@clioptions.debug_option
-@clioptions.quiet_option
+@options.json_option
+@options.debug_option
+@options.quiet_option
 def verify_cmd(target: str, revision: str | None, token: str | None, verify_envs: tuple[str, ...], compat: tuple[str, ...],
                base: str | None, no_requantize: bool, as_json: bool, debug: bool, quiet: bool) -> None:
     """`hf-ao-publish verify TARGET`; the help text is VERIFY_HELP, which states what the matrix costs."""
@@ -314,7 +315,7 @@ def verify_cmd(target: str, revision: str | None, token: str | None, verify_envs
                              revision=revision, requantize=not no_requantize, base=base)
     failure = None if report.passed else _Failure(f"verification of {target} failed: {report.summary()}", 1)
     if as_json:
-        clijson.emit({**report.to_dict(), **({"error": failure.message, "exit_code": 1} if failure else {})})
+        jsonout.emit({**report.to_dict(), **({"error": failure.message, "exit_code": 1} if failure else {})})
     else:
         click.echo(text_table(report))
     if failure:
@@ -340,11 +341,11 @@ Examples:
 
 @main.command("recheck", help=RECHECK_HELP)
 @click.argument("repos", nargs=-1, required=True, metavar="REPO...")
-@clioptions.token_option
-@clioptions.compat_option
-@clioptions.json_option
-@clioptions.debug_option
-@clioptions.quiet_option
+@options.token_option
+@options.compat_option
+@options.json_option
+@options.debug_option
+@options.quiet_option
 def recheck_cmd(repos: tuple[str, ...], token: str | None, compat: tuple[str, ...], as_json: bool, debug: bool,
                 quiet: bool) -> None:
     _start(debug, quiet)
@@ -370,7 +371,7 @@ def recheck_cmd(repos: tuple[str, ...], token: str | None, compat: tuple[str, ..
              + (f"; pull request: {result.pull_request}" if result.pull_request else "; nothing written"))
     failed = [r for r in results if r.get("error")]
     if as_json:
-        clijson.emit({"repos": results, **({"error": f"{len(failed)} of {len(repos)} repos could not be rechecked",
+        jsonout.emit({"repos": results, **({"error": f"{len(failed)} of {len(repos)} repos could not be rechecked",
                                              "exit_code": 1} if failed else {})})
     if failed:
         raise _Failure(f"{len(failed)} of {len(repos)} repos could not be rechecked", 1)
@@ -382,7 +383,7 @@ def _command_line(ctx: click.Context) -> str:
     from publisher.stages.source import shown
 
     skip = {"token", "debug", "quiet", "as_json", "output_dir", "hf_jobs_timeout", "attach", "force"}
-    args = clioptions.command_args(ctx, skip)
+    args = options.command_args(ctx, skip)
     model_id: tuple[str, ...] = ctx.params.get("model_id") or ()
     if len(model_id) == 1 and args and args[0] == model_id[0]:
         args[0] = shown(model_id[0])  # a local folder by its name unless typed as a path below the working directory
@@ -395,7 +396,7 @@ def _report(outcomes: list[Any], as_json: bool, keep_going: bool, force: bool = 
     failed, table = [o for o in outcomes if o.error], many.several_models(outcomes)  # several models: one table
     failure = _Failure(f"{len(failed)} of {len(outcomes)} {'jobs' if table else 'recipes'} failed", 1) if failed else None
     if as_json:
-        clijson.outcomes(outcomes, *((failure.message, failure.exit_code) if failure else ()))
+        jsonout.outcomes(outcomes, *((failure.message, failure.exit_code) if failure else ()))
     for o in outcomes:
         if o.error:
             click.echo(f"{o.recipe}: FAILED: {o.error}", err=True)
@@ -414,6 +415,3 @@ def _report(outcomes: list[Any], as_json: bool, keep_going: bool, force: bool = 
     if failure is not None:
         raise failure
 
-
-if __name__ == "__main__":
-    main()
