@@ -219,12 +219,9 @@ def _run_recipes(req: PublishRequest, plan: planning.Plan, token: str | None, to
 def _write_cards(ctx: RunContext, runs: Sequence[RecipeRun], only: str | None = None) -> list[Path]:
     """The cards of every built recipe, each linking to its siblings (``only``: rewrite that recipe's card)."""
     checks = ctx.req.checks
-    built = [r for r in runs if r.built is not None]
-    return card.write_cards(
-        ctx.plan, {r.recipe.name: r.result for r in built}, {r.recipe.name: r.quality for r in built},
-        {r.recipe.name: r.benchmark for r in built}, command=ctx.req.command, endpoint=hub.endpoint(),
-        sample=checks.sample, evaluation=checks.evaluation, only=only,
-        folders={r.recipe.name: r.folder for r in built if r.folder}, shard_size=ctx.output.shard_size)
+    built = {r.recipe.name: card.Built(*r.result, r.quality, r.benchmark, r.folder) for r in runs if r.built is not None}
+    settings = card.CardSettings(ctx.req.command, checks.sample, hub.endpoint(), checks.evaluation, ctx.output.shard_size)
+    return card.write_cards(ctx.plan, built, settings, only)
 
 
 @dataclass

@@ -182,14 +182,14 @@ def test_verification_table_shows_each_outcome(tmp_path: Path) -> None:
 
 def test_write_cards_writes_the_card_and_the_report(tmp_path: Path) -> None:
     """write_cards writes README.md and verification.json for a failed verification too (push is what refuses)."""
-    from publisher.stages.card import write_cards
+    from publisher.stages.card import Built, CardSettings, write_cards
 
     plan, artifacts = uf.lm_publish(tmp_path / "repo")
     results = uf.passing_results(artifacts)
     results[1] = uf.result("", "manual", "silently wrong", detail="loads without an error, but tensor lm_head.weight differs")
     report = uf.report_for(artifacts, results)
-    written = write_cards(plan, {"int8wo": (artifacts, report)}, {}, {}, command="hf-ao-publish meta/tiny-llama",
-                          sample={"steps": 28, "size": 1024}, endpoint="https://hub.invalid")
+    written = write_cards(plan, {"int8wo": Built(artifacts, report)},
+                          CardSettings("hf-ao-publish meta/tiny-llama", {"steps": 28, "size": 1024}, "https://hub.invalid"))
     assert written == [tmp_path / "repo" / "README.md", tmp_path / "repo" / "verification.json"]
     card = written[0].read_text()
     assert "Result: **FAILED**" in card and "FAIL: loads without an error, but tensor lm_head.weight differs" in card
@@ -241,16 +241,15 @@ def test_sibling_variants_link_only_to_chosen_repos(tmp_path: Path, targets: dic
     from dataclasses import replace
 
     from publisher import recipes
-    from publisher.stages.card import write_cards
+    from publisher.stages.card import Built, CardSettings, write_cards
 
     done = {}
     for name in targets:
         plan, artifacts = uf.lm_publish(tmp_path / name)
         artifacts.recipe = recipes.get(name)
-        done[name] = (artifacts, uf.report_for(artifacts, uf.passing_results(artifacts)))
+        done[name] = Built(artifacts, uf.report_for(artifacts, uf.passing_results(artifacts)))
     plan = replace(plan, recipes=tuple(recipes.get(n) for n in targets), targets=targets)
-    write_cards(plan, done, {}, {}, command="hf-ao-publish meta/tiny-llama", sample={"steps": 28, "size": 1024},
-                endpoint="https://hub.invalid")
+    write_cards(plan, done, CardSettings("hf-ao-publish meta/tiny-llama", {"steps": 28, "size": 1024}, "https://hub.invalid"))
     card = (tmp_path / "int8wo" / "README.md").read_text()
     rows = [line for line in _section(card, "## Other variants of this base").splitlines() if line.startswith("| ")][1:]
     assert "]()" not in card

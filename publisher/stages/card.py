@@ -247,41 +247,60 @@ def shard_note(artifacts: Artifacts, shard_size: int | None) -> str | None:
             "every config are what `save_pretrained` writes, and the library loaders read the shards as usual.")
 
 
-def write_cards(plan: Plan, done: dict[str, tuple[Artifacts, VerifyReport]], evaluations: dict[str, Any],
-                benchmarks: dict[str, Any], *, command: str, sample: dict[str, Any], endpoint: str, evaluation: Any = None,
-                only: str | None = None, folders: dict[str, Path] | None = None,
-                shard_size: int | None = None) -> list[Path]:
+@dataclass(frozen=True)
+class Built:
+    """One built recipe, as its card reads it: what was made and verified, and what was measured."""
+
+    artifacts: Artifacts
+    report: VerifyReport
+    quality: Any = None  # publisher.quality figures (None: not evaluated)
+    benchmark: dict[str, Any] | None = None  # publisher.stages.measure.measure()
+    folder: Path | None = None  # its final repo folder (the snippets' local path), once known
+
+
+@dataclass(frozen=True)
+class CardSettings:
+    """What every card of a run shares."""
+
+    command: str  # the exact command line (token never included)
+    sample: dict[str, Any]  # the snippet's prompt (None: the kind's default), steps and size
+    endpoint: str  # the Hub the variants' links point to
+    evaluation: Any = None  # publisher.quality.options.Settings (None: the evaluation was off)
+    shard_size: int | None = None  # the output shard size, when it is not the library's default
+
+
+def write_cards(plan: Plan, built: dict[str, Built], settings: CardSettings, only: str | None = None) -> list[Path]:
     """Cards are written once every recipe is done, so each can link to its sibling variants. ``only``: rewrite
-    one recipe's card and report (after a later check); ``shard_size``: the output shard size, when it is not the
-    library's default. Returns the files written."""
+    one recipe's card and report (after a later check). Returns the files written."""
     variants = []
-    if len(done) > 1:
-        for name, (artifacts, report) in done.items():
-            quality = _variant_quality(evaluations.get(name), report)
+    if len(built) > 1:
+        for name, b in built.items():
+            target = plan.targets[name]
             variants.append({
-                "recipe": name, "repo_id": plan.targets[name],  # None: none chosen (--no-push), so no link
-                "url": f"{endpoint}/{plan.targets[name]}" if plan.targets[name] else "",
-                "size": sum(artifacts.files().values()), "runs_on": artifacts.recipe.run.describe(), "quality": quality,
+                "recipe": name, "repo_id": target,  # None: none chosen (--no-push), so no link
+                "url": f"{settings.endpoint}/{target}" if target else "",
+                "size": sum(b.artifacts.files().values()), "runs_on": b.artifacts.recipe.run.describe(),
+                "quality": _variant_quality(b.quality, b.report),
             })
     default_prompt = "a photo of a cat" if plan.kind == "pipeline" else "The capital of France is"
     written: list[Path] = []
-    for name, (artifacts, report) in done.items():
+    for name, b in built.items():
         if only is not None and name != only:
             continue
         inputs = CardInputs(
-            command=command,
-            sample={**sample, "prompt": sample.get("prompt") or default_prompt},
+            command=settings.command,
+            sample={**settings.sample, "prompt": settings.sample.get("prompt") or default_prompt},
             variants=variants,
-            produced_on=_produced_on(artifacts),
-            benchmark=benchmarks.get(name),
-            extra_notes=_fp8_cpu_notes(artifacts),
-            quality=evaluations.get(name),
-            evaluation=evaluation,
-            shard_note=shard_note(artifacts, shard_size),
+            produced_on=_produced_on(b.artifacts),
+            benchmark=b.benchmark,
+            extra_notes=_fp8_cpu_notes(b.artifacts),
+            quality=b.quality,
+            evaluation=settings.evaluation,
+            shard_note=shard_note(b.artifacts, settings.shard_size),
         )
-        text = render(plan, artifacts, report, plan.targets[name], inputs, (folders or {}).get(name))
-        (artifacts.folder / "README.md").write_text(text, encoding="utf-8")
-        written += [artifacts.folder / "README.md", report.write(artifacts.folder)]
+        text = render(plan, b.artifacts, b.report, plan.targets[name], inputs, b.folder)
+        (b.artifacts.folder / "README.md").write_text(text, encoding="utf-8")
+        written += [b.artifacts.folder / "README.md", b.report.write(b.artifacts.folder)]
     return written
 
 
