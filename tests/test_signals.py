@@ -164,8 +164,13 @@ def test_sigterm_during_verification_kills_the_workers_and_leaves_the_resume_cac
     worker = run.wait_for("a verify worker", run.workers)[0]
     zygotes = run.zygotes()
     assert len(zygotes) == 1 and worker.parent().pid == zygotes[0].pid  # forked, as on every Linux run
+    # each worker leads its own process group: the forked child makes it first thing (runtime/zygote.py), which a
+    # warm zygote's child may not have done yet when it is first seen here
+    deadline = time.monotonic() + 5
+    while os.getpgid(worker.pid) != worker.pid and time.monotonic() < deadline:
+        time.sleep(0.01)
     pgid = os.getpgid(worker.pid)
-    assert pgid == worker.pid != os.getpgid(run.proc.pid)  # each worker leads its own process group
+    assert pgid == worker.pid != os.getpgid(run.proc.pid)
     assert any(p.name.startswith("hf-ao-verify-") for p in run.tmp.iterdir())
     rc, stderr = run.stop(signal.SIGTERM)
     assert rc == 143, stderr
