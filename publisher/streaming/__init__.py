@@ -8,8 +8,8 @@ adapter class per library), ``layout`` (every output name, dtype, shape, shard a
 ``convert`` (the entry points below).
 """
 
-from publisher.streaming.convert import StreamResult, stream_quantize, supports
+from publisher.streaming.convert import StreamResult, stream_quantize, stream_quantize_many, supports
 from publisher.streaming.streamjob import FolderInputs, FolderSink, OutputSink, ShardInputs, StreamJob, TensorObserver
 
 __all__ = ["FolderInputs", "FolderSink", "OutputSink", "ShardInputs", "StreamJob", "StreamResult", "TensorObserver",
-           "supports", "stream_quantize"]
+           "supports", "stream_quantize", "stream_quantize_many"]
