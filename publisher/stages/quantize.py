@@ -10,6 +10,7 @@ import errno
 import logging
 import shutil
 import tempfile
+import threading
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -238,13 +239,15 @@ def _stream_component(plan: Plan, src: Path, comp: Component, group: Sequence[Re
     from publisher.streaming import StreamJob, StreamResult, stream_quantize_many
     from publisher.verify.inpass import Together
 
+    # several recipes: one quantize call or quantized block forward at a time (memory: verify/inpass.py)
+    gate = threading.RLock() if len(group) > 1 else None
     bounds: list[Fp8Bound | None] = []
     forwards: list[InPassForward | None] = []
     evaluations: list[InPassForward | None] = []
     observers: list[TensorObserver | None] = []
     for t in group:
         bounds.append(Fp8Bound(comp.label) if t.device == "cpu" and t.recipe.cpu_producible else None)
-        forwards.append(_in_pass_forward(src, comp, t.device, (inputs or {}).get(comp.name)))
+        forwards.append(_in_pass_forward(src, comp, t.device, (inputs or {}).get(comp.name), gate))
         evaluations.append(extra(comp, read_object(src / "config.json")) if extra is not None and t.device == "cpu" else None)
         # the FP8 bound first: a weight outside it stops the pass before the forward passes see it
         parts = (bounds[-1], forwards[-1], evaluations[-1])
@@ -258,7 +261,7 @@ def _stream_component(plan: Plan, src: Path, comp: Component, group: Sequence[Re
                           class_name=comp.class_name, component=comp.name, device=t.device,
                           max_shard_size=max_shard_size, inputs=shards, progress=progress.shown(),
                           name_or_path=plan.source.name) for t in group]
-        results = stream_quantize_many(jobs, observers=observers, sinks=sinks)
+        results = stream_quantize_many(jobs, observers=observers, sinks=sinks, gate=gate)
     out: list[QuantizedComponent | PublishError] = []
     for t, result, fp8, verification, evaluation in zip(group, results, bounds, forwards, evaluations):
         if not isinstance(result, StreamResult):
@@ -301,7 +304,8 @@ def _streamed(comp: Component, t: RecipeTarget, result: StreamResult, fp8: Fp8Bo
     )
 
 
-def _in_pass_forward(src: Path, comp: Component, device: str, spec: ForwardInputs | None) -> InPassForward | None:
+def _in_pass_forward(src: Path, comp: Component, device: str, spec: ForwardInputs | None,
+                     gate: threading.RLock | None = None) -> InPassForward | None:
     """The forward passes of verification, run while the engine holds each tensor (verify/inpass.py): on a CPU,
     for components the run derived forward inputs for (``spec``: verify/capture.py, the same call the checks
     after the pass would replay)."""
@@ -313,7 +317,7 @@ def _in_pass_forward(src: Path, comp: Component, device: str, spec: ForwardInput
     if spec is None or spec.file is None:
         return None  # weights only (the report says why)
     config = read_object(src / "config.json")
-    return InPassForward(comp.library, comp.class_name, config, load_call(spec.file), comp.label)
+    return InPassForward(comp.library, comp.class_name, config, load_call(spec.file), comp.label, gate=gate)
 
 
 def _copy_unchanged(plan: Plan, base_dir: Path, out: Path, elsewhere: frozenset[str] = frozenset()) -> None:

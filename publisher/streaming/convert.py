@@ -186,12 +186,14 @@ def stream_quantize(job: StreamJob, *, observer: TensorObserver | None = None,
 
 
 def stream_quantize_many(jobs: Sequence[StreamJob], *, observers: Sequence[TensorObserver | None],
-                         sinks: Sequence[OutputSink | None]) -> list[StreamResult | PublishError]:
+                         sinks: Sequence[OutputSink | None],
+                         gate: AbstractContextManager[object] | None = None) -> list[StreamResult | PublishError]:
     """Several recipes of one component folder in one read: every job has the same ``src_dir`` (and its shards come
     from the first job's ``inputs``) and the same device; each has its own recipe, output folder, observer and sink.
     Each tensor is read once and handed to every recipe in turn. A recipe whose planning or step fails is dropped
     from the pass and its error returned in its place (the others go on); a failure of the read itself raises.
-    Lists in the order of ``jobs``; what ``stream_quantize`` says of one job holds for each."""
+    Lists in the order of ``jobs``; what ``stream_quantize`` says of one job holds for each. ``gate`` (a re-entrant
+    lock): held over each quantize call, shared with the observers' forward checks (verify/inpass.py): one at a time."""
     from publisher.runtime.heap import peak_rss_bytes
     from publisher.streaming.engine import execute_lanes
     from publisher.streaming.shards import RangeIgnored
@@ -205,6 +207,7 @@ def stream_quantize_many(jobs: Sequence[StreamJob], *, observers: Sequence[Tenso
     for job, observer, sink in zip(jobs, observers, sinks):
         try:
             ready = _prepare(job, inputs, keys, observer, sink or FolderSink())
+            ready.lane.gate = gate
             keys = ready.keys
             got.append(ready)
         except PublishError as exc:  # this recipe cannot be planned; the others go on

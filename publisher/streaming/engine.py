@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -144,6 +145,7 @@ class Lane:
     digests: dict[str, str]
     observer: TensorObserver | None = None
     error: PublishError | OSError | None = None
+    gate: AbstractContextManager[Any] | None = None  # held over each quantize call (shared with the lanes' observers)
 
 
 def execute(plan: Layout, dst: Path, *, inputs: ShardInputs, report: Callable[[Path], None],
@@ -174,7 +176,7 @@ def execute_lanes(lanes: list[Lane], *, inputs: ShardInputs, progress: bool) -> 
         if {(w.key, w.src_file) for w in lane.plan.work} != {(w.key, w.src_file) for w in first.work}:
             raise QuantizeError("the recipes of one pass read different checkpoint tensors (internal planning error)")
     ctxs = [_Ctx(lane.plan, _Outputs(lane.dst, lane.plan.files, lane.report, lane.reserve), lane.seconds, lane.digests,
-                 _Writer(lane.seconds), lane.observer) for lane in lanes]
+                 _Writer(lane.seconds), lane.observer, lane.gate) for lane in lanes]
     live = list(ctxs)
     order = _begin(ctxs, [w.key for w in first.work if w.outputs])
     feed = Feed(first, inputs, order=order, whole=lambda key: any(c.whole(key) for c in ctxs), seconds=lanes[0].seconds)
@@ -250,9 +252,10 @@ class _Ctx:
     """What every tensor's step shares."""
 
     def __init__(self, plan: Layout, outputs: _Outputs, seconds: dict[str, float], digests: dict[str, str],
-                 writer: _Writer, observer: TensorObserver | None) -> None:
+                 writer: _Writer, observer: TensorObserver | None, gate: AbstractContextManager[Any] | None = None) -> None:
         self.plan, self.outputs, self.seconds, self.digests = plan, outputs, seconds, digests
         self.writer, self.observer = writer, observer
+        self.gate = gate or nullcontext()
         seconds.setdefault("forward_handoff", 0.0)
         self.partial: dict[str, Any] = {}  # (writer thread) running digests of tensors copied in chunks
         self.work = {w.key: w for w in plan.work}
@@ -392,7 +395,8 @@ def _quantize(ctx: _Ctx, w: Work, raw: torch.Tensor) -> tuple[dict[str, torch.Te
     value = raw.to(w.dtype).contiguous()  # the loaders' `param.to(dtype)`; a no-op for bf16 checkpoints
     device = torch.device(plan.device)
     try:
-        weight = comp.quantize_param(w.key, value, device)
+        with ctx.gate:
+            weight = comp.quantize_param(w.key, value, device)
         _observe(ctx, w.key, value, weight.detach())
         del value
         flat, meta = flatten_tensor_state_dict({w.key: weight.detach()})  # as state_dict() hands it over
