@@ -210,18 +210,28 @@ def _run_recipes(req: PublishRequest, plan: planning.Plan, token: str | None, to
 
 def _build(ctx: RunContext, todo: list[RecipeRun]) -> None:
     """Every recipe's folder and output opened, one quantization pass for them all (each base tensor read once,
-    stages/quantize.quantize_recipes), then each recipe verified, measured and gated in turn. A recipe that fails
-    stops the run, or with --keep-going is reported and left out while the others go on."""
+    stages/quantize.quantize_recipes) when the streaming engine takes every component, then each recipe verified,
+    measured and gated in turn; else one recipe after the other. A recipe that fails stops the run, or with
+    --keep-going is reported and left out while the others go on."""
     opened = [r for r in todo if _step(ctx, r, partial(r.open, ctx))]
+    targets = [r.quantize_target(ctx) for r in opened]
+    if quantize_stage.one_pass(ctx.plan, ctx.base_dir, targets, ctx.req.make.engine, ctx.remote):
+        _quantize_and_build(ctx, opened, targets)
+        return
+    for r, t in zip(opened, targets):  # the library path holds a model per recipe until it is verified: one at a time
+        _quantize_and_build(ctx, [r], [t])
+
+
+def _quantize_and_build(ctx: RunContext, runs: list[RecipeRun], targets: list[RecipeTarget]) -> None:
     started = time.monotonic()
-    got = quantize_recipes(ctx.plan, ctx.base_dir, [r.quantize_target(ctx) for r in opened], engine=ctx.req.make.engine,
-                           remote=ctx.remote, max_shard_size=ctx.output.shard_size, elsewhere=ctx.output.elsewhere,
-                           inputs=ctx.inputs, observer=ctx.evaluation.observer if ctx.evaluation else None)
-    for r in opened:  # the pass is shared: its time is every recipe's
+    got = quantize_recipes(ctx.plan, ctx.base_dir, targets, engine=ctx.req.make.engine, remote=ctx.remote,
+                           max_shard_size=ctx.output.shard_size, elsewhere=ctx.output.elsewhere, inputs=ctx.inputs,
+                           observer=ctx.evaluation.observer if ctx.evaluation else None)
+    for r in runs:  # a shared pass: its time is every recipe's
         r.seconds["quantize"] = round(time.monotonic() - started, 3)
         r.rss_after["quantize"] = peak_rss_bytes()
     # failures first: without --keep-going the run stops before the others are verified
-    for r, artifacts in sorted(zip(opened, got), key=lambda pair: isinstance(pair[1], Artifacts)):
+    for r, artifacts in sorted(zip(runs, got), key=lambda pair: isinstance(pair[1], Artifacts)):
         _step(ctx, r, partial(r.build, ctx, artifacts))
 
 

@@ -132,6 +132,16 @@ def quantize_recipes(plan: Plan, base_dir: Path, targets: Sequence[RecipeTarget]
                       uploader=t.uploader) for t in targets]
 
 
+def one_pass(plan: Plan, base_dir: Path, targets: Sequence[RecipeTarget], engine: str,
+             remote: RemoteWeights | None) -> bool:
+    """Whether several recipes share one pass: the streaming engine takes every component for each of them (the
+    library path holds each recipe's model in memory until it is verified: those go one at a time)."""
+    if len(targets) < 2 or engine == "library":
+        return False
+    return all(_streaming_reason(comp, base_dir / comp.name if comp.name else base_dir, t.recipe, t.device, remote) is None
+               for comp in plan.quantized for t in targets)
+
+
 @contextmanager
 def _failing(target: RecipeTarget, live: list[RecipeTarget], remove: bool = True) -> Iterator[None]:
     """A step of one recipe: its failure (PublishError; OSError, said as a QuantizeError) drops that recipe, removes
