@@ -11,9 +11,10 @@ import shutil
 import signal
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +35,7 @@ from publisher.stages import source as source_stage
 from publisher.stages.measure import Bf16Rows
 from publisher.stages.output import OutputTarget, PushOptions, RecipeOutput
 from publisher.stages.output import choose as choose_output
-from publisher.stages.quantize import quantize_recipe
+from publisher.stages.quantize import RecipeTarget, quantize_recipes
 from publisher.stages.unfinished import ComponentCache, default_root, partial_folder, prepare_output
 from publisher.state import bytes_key, state_for
 from publisher.verify import capture, matrix, published, workers
@@ -187,14 +188,7 @@ def _run_recipes(req: PublishRequest, plan: planning.Plan, token: str | None, to
                           if checks.evaluation is not None else None)
         ctx = RunContext(req, plan, token, base_dir, work, out_root, recipe_registry.cuda_capability(), remote, output,
                          gating, inputs, evaluation)
-        for r in todo:
-            try:
-                r.build(ctx)
-            except PublishError as exc:
-                r.failed(ctx, exc)
-                if not req.keep_going:
-                    raise
-                log.error("%s: %s (continuing: --keep-going)", r.recipe.name, exc)
+        _build(ctx, todo)
         _write_cards(ctx, todo)
         for r in todo:
             r.finish(ctx)
@@ -214,6 +208,50 @@ def _run_recipes(req: PublishRequest, plan: planning.Plan, token: str | None, to
             shutil.rmtree(out_root, ignore_errors=True)
             for r in todo:
                 r.folder_kept = False
+
+
+def _build(ctx: RunContext, todo: list[RecipeRun]) -> None:
+    """Every recipe's folder and output opened, one quantization pass for them all (each base tensor read once,
+    stages/quantize.quantize_recipes) when the streaming engine takes every component, then each recipe verified,
+    measured and gated in turn; else one recipe after the other. A recipe that fails stops the run, or with
+    --keep-going is reported and left out while the others go on."""
+    opened = [r for r in todo if _step(ctx, r, partial(r.open, ctx))]
+    targets = [r.quantize_target(ctx) for r in opened]
+    if quantize_stage.one_pass(ctx.plan, ctx.base_dir, targets, ctx.req.make.engine, ctx.remote):
+        _quantize_and_build(ctx, opened, targets)
+        return
+    for r, t in zip(opened, targets):  # the library path holds a model per recipe until it is verified: one at a time
+        _quantize_and_build(ctx, [r], [t])
+
+
+def _quantize_and_build(ctx: RunContext, runs: list[RecipeRun], targets: list[RecipeTarget]) -> None:
+    # the verification's interpreters import torch & co while the recipes quantize (the zygote then serves them all)
+    for device in dict.fromkeys(t.device for t in targets):
+        workers.start_early(ctx.token, device, ctx.output.verify_mode(ctx.req.checks.verify_mode),
+                            max((c.param_bytes for c in ctx.plan.quantized), default=0))
+    started = time.monotonic()
+    got = quantize_recipes(ctx.plan, ctx.base_dir, targets, engine=ctx.req.make.engine, remote=ctx.remote,
+                           max_shard_size=ctx.output.shard_size, elsewhere=ctx.output.elsewhere, inputs=ctx.inputs,
+                           observer=ctx.evaluation.observer if ctx.evaluation else None)
+    for r in runs:  # a shared pass: its time is every recipe's
+        r.seconds["quantize"] = round(time.monotonic() - started, 3)
+        r.rss_after["quantize"] = peak_rss_bytes()
+    # failures first: without --keep-going the run stops before the others are verified
+    for r, artifacts in sorted(zip(runs, got), key=lambda pair: isinstance(pair[1], Artifacts)):
+        _step(ctx, r, partial(r.build, ctx, artifacts))
+
+
+def _step(ctx: RunContext, r: RecipeRun, step: Callable[[], None]) -> bool:
+    """One recipe's step; its PublishError stops the run, or with --keep-going is reported (False) and the run goes on."""
+    try:
+        step()
+    except PublishError as exc:
+        r.failed(ctx, exc)
+        if not ctx.req.keep_going:
+            raise
+        log.error("%s: %s (continuing: --keep-going)", r.recipe.name, exc)
+        return False
+    return True
 
 
 def _write_cards(ctx: RunContext, runs: Sequence[RecipeRun], only: str | None = None) -> list[Path]:
@@ -291,33 +329,35 @@ class RecipeRun:
             self.same = same
         return self.same is not None
 
-    def build(self, ctx: RunContext) -> None:
-        """The local stages: quantize, verify, compatibility, repo files, measurements, quality figures and gate."""
+    def open(self, ctx: RunContext) -> None:
+        """Its final folder's name, and where its files go (a staged target: the repo exists from here on)."""
         self.folder = prepare_output(ctx.out_root, self.recipe, len(ctx.plan.recipes) > 1)
         self.output = ctx.output.open(self.recipe, self.repo_id, partial_folder(self.folder, ctx.out_root))
+
+    def quantize_target(self, ctx: RunContext) -> RecipeTarget:
+        """What the quantize stage needs of this recipe: its unfinished folder, device, resume cache, uploader."""
+        assert self.folder is not None and self.output is not None  # opened
+        self.cache = ComponentCache(default_root(), bytes_key(self.state))
+        return RecipeTarget(self.recipe, partial_folder(self.folder, ctx.out_root),
+                            recipe_registry.device(self.recipe, ctx.capability), self.cache, self.output.uploader,
+                            self.state["fingerprint"])
+
+    def build(self, ctx: RunContext, quantized: Artifacts | PublishError) -> None:
+        """The local stages after the shared quantization pass (``quantized``: what it made of this recipe, or why it
+        failed): verify, compatibility, repo files, measurements, quality figures and gate."""
+        assert self.folder is not None and self.output is not None  # opened
         try:
-            self._build_stages(ctx, self.folder)
+            if not isinstance(quantized, Artifacts):
+                raise quantized
+            self._build_stages(ctx, quantized)
             self.copied = self.output.finish()
         except BaseException:
             self.abandon()
             raise
 
-    def _build_stages(self, ctx: RunContext, folder: Path) -> None:
-        req, recipe, output = ctx.req, self.recipe, self.output
-        assert output is not None
+    def _build_stages(self, ctx: RunContext, artifacts: Artifacts) -> None:
+        req, recipe = ctx.req, self.recipe
         device = recipe_registry.device(recipe, ctx.capability)
-        # the verification's interpreters import torch & co while this recipe quantizes (none for the next recipes:
-        # the zygote serves them all)
-        workers.start_early(ctx.token, device, ctx.output.verify_mode(req.checks.verify_mode),
-                            max((c.param_bytes for c in ctx.plan.quantized), default=0))
-        with _timed(self, "quantize"):
-            self.cache = ComponentCache(default_root(), bytes_key(self.state))
-            artifacts = quantize_recipe(ctx.plan, ctx.base_dir, recipe, partial_folder(folder, ctx.out_root),
-                                        device, engine=req.make.engine, cache=self.cache, remote=ctx.remote,
-                                        uploader=output.uploader, fingerprint=self.state["fingerprint"],
-                                        max_shard_size=ctx.output.shard_size, elsewhere=ctx.output.elsewhere,
-                                        inputs=ctx.inputs,
-                                        observer=ctx.evaluation.observer if ctx.evaluation else None)
         # nothing quantized is an error unless accepted
         quantize_stage.report_layers(artifacts, ctx.base_dir, req.make.allow_unquantized)
         self.artifacts = artifacts

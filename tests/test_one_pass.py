@@ -320,3 +320,85 @@ def test_recheck_published_also_reads_the_commit_back(cli: Any, flux_repo: str) 
     checks = json.loads(result.stdout)["published_check"]
     assert [r["path"] for r in checks] == ["hashes", "streaming"]
     assert all(r["ok"] for r in checks) and checks[1]["forward_checked"] and checks[1]["tensors_checked"] > 0
+
+
+# ------------------------------------------------------------------ one read for every recipe (issue 41)
+
+def _ranged(hub: Any, repo: str, folder: str) -> int:
+    """Bytes the loopback Hub (and its storage bridge) served by Range GETs of ``repo``'s files under ``folder``."""
+    from huggingface_hub import HfApi
+
+    prefix = f"/{repo}/resolve/{HfApi().model_info(repo).sha}/{folder}/"
+    total = 0
+    for method, path, rng in hub.app.seen:
+        if method == "GET" and rng and path.startswith(prefix):
+            start, _, end = rng.removeprefix("bytes=").partition("-")
+            total += int(end) - int(start) + 1
+    return total
+
+
+def _weights(repo: str) -> dict[str, str]:
+    """The sha256 of each weight file of ``repo``'s transformer, as the Hub reports it."""
+    from huggingface_hub import HfApi
+
+    info = HfApi().model_info(repo, files_metadata=True)
+    return {s.rfilename: s.lfs.sha256 for s in info.siblings or []  # type: ignore[union-attr]
+            if s.rfilename.startswith("transformer/") and s.rfilename.endswith(".safetensors")}
+
+
+@pytest.mark.slow
+def test_two_recipes_read_the_base_once_and_publish_what_two_runs_would(cli: Any, hub: Any, tiny_flux_dir: Path) -> None:
+    """--low-disk with two recipes: the transformer's weights are read by range once for both (not once per recipe),
+    each recipe's repo is published and verified, and its weights are those of a run of that recipe alone."""
+    base = "bfl/tiny-flux-two-recipes"
+    seed(base, tiny_flux_dir, "tok_bfl")
+    base_bytes = sum(p.stat().st_size for p in (tiny_flux_dir / "transformer").glob("*.safetensors"))
+    hub.app.seen.clear()
+    result = cli(base, "--quant", "int8wo,float8wo", "--low-disk", "--repo-id", "alice/two-{recipe}", "--json",
+                 *SKIP_EVAL_AND_MATRIX, token="tok_alice")
+    assert result.exit_code == 0, result.output
+    read = _ranged(hub, base, "transformer")
+    assert base_bytes <= read <= 1.05 * base_bytes  # once, for both recipes
+    data = json.loads(result.stdout)["results"]
+    assert [(r["recipe"], r["pushed"], r["verified"]) for r in data] == [("int8wo", True, True), ("float8wo", True, True)]
+    assert all(r["verification"]["mode"] == "streaming" and r["published_check"][0]["ok"] for r in data)
+    for recipe in ("int8wo", "float8wo"):
+        alone = cli(base, "--quant", recipe, "--low-disk", "--repo-id", f"alice/alone-{recipe}", *SKIP_EVAL_AND_MATRIX,
+                    token="tok_alice")
+        assert alone.exit_code == 0, alone.output
+        weights = _weights(f"alice/two-{recipe}")
+        assert weights and weights == _weights(f"alice/alone-{recipe}")  # bit for bit
+    assert _weights("alice/two-int8wo") != _weights("alice/two-float8wo")
+
+
+@pytest.mark.slow
+def test_a_recipe_failing_in_the_shared_pass_is_dropped_and_the_others_publish(cli: Any, hub: Any, tiny_flux_dir: Path,
+                                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """--keep-going: float8wo's quantize raises halfway through the one read; it is reported failed, its staged repo
+    deleted, and int8wo goes on in the same pass and is published."""
+    from huggingface_hub import HfApi
+
+    from publisher.errors import QuantizeError
+    from publisher.streaming import engine
+
+    real, calls = engine._quantize, []
+
+    def failing(ctx: Any, w: Any, raw: Any) -> Any:
+        if "Float8Tensor" in ctx.plan.classes.values():
+            calls.append(w.key)
+            if len(calls) == 3:
+                raise QuantizeError(f"float8wo: injected failure at {w.key}")
+        return real(ctx, w, raw)
+
+    monkeypatch.setattr(engine, "_quantize", failing)
+    base = "bfl/tiny-flux-one-fails"
+    seed(base, tiny_flux_dir, "tok_bfl")
+    base_bytes = sum(p.stat().st_size for p in (tiny_flux_dir / "transformer").glob("*.safetensors"))
+    hub.app.seen.clear()
+    result = cli(base, "--quant", "int8wo,float8wo", "--low-disk", "--keep-going", "--repo-id", "alice/fails-{recipe}",
+                 *SKIP_EVAL_AND_MATRIX, token="tok_alice")
+    assert result.exit_code == 1 and len(calls) == 3
+    assert "float8wo: FAILED" in result.stderr and "injected failure" in result.stderr
+    assert "published alice/fails-int8wo" in result.stderr
+    assert HfApi().repo_exists("alice/fails-int8wo") and not HfApi().repo_exists("alice/fails-float8wo")
+    assert _ranged(hub, base, "transformer") <= 1.05 * base_bytes

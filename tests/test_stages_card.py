@@ -222,14 +222,13 @@ def test_one_failing_recipe_publishes_no_half_set(cli: Any, flux_repo: str, monk
     from publisher import job as publish
     from publisher.errors import QuantizeError
 
-    real = publish.quantize_recipe
+    real = publish.quantize_recipes
 
-    def failing(plan: Any, base_dir: Any, recipe: Any, *args: Any, **kwargs: Any) -> Any:
-        if recipe.name == "float8wo":
-            raise QuantizeError("float8wo: injected failure")
-        return real(plan, base_dir, recipe, *args, **kwargs)
+    def failing(plan: Any, base_dir: Any, targets: Any, **kwargs: Any) -> Any:
+        got = real(plan, base_dir, targets, **kwargs)
+        return [QuantizeError("float8wo: injected failure") if t.recipe.name == "float8wo" else a for t, a in zip(targets, got)]
 
-    monkeypatch.setattr(publish, "quantize_recipe", failing)
+    monkeypatch.setattr(publish, "quantize_recipes", failing)
     prefix = f"alice/half-{keep_going}"
     args = [flux_repo, "--quant", "int8wo,float8wo", "--repo-id", prefix + "-{recipe}", *SMALL, *IN_PROCESS, *SKIP_EVAL_AND_MATRIX]
     result = cli(*args, *(["--keep-going"] if keep_going else []), token="tok_alice")

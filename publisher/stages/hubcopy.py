@@ -212,9 +212,13 @@ class HubCopy:
         self.copied: list[Copied] = []
         self.error: BaseException | None = None
         self._stop = threading.Event()
+        self._after: HubCopy | None = None
         self._thread = threading.Thread(target=self._run, name="hf-ao-publish-hubcopy", daemon=True)
 
-    def start(self) -> HubCopy:
+    def start(self, after: HubCopy | None = None) -> HubCopy:
+        """``after``: another recipe's copy of the same files, waited for first, so that the target Hub holds their
+        objects by then and skips their transfer (several recipes' copies at once would each move every byte)."""
+        self._after = after
         self._thread.start()
         return self
 
@@ -230,6 +234,9 @@ class HubCopy:
         self._thread.join()
 
     def _run(self) -> None:
+        after = self._after
+        while after is not None and after._thread.is_alive() and not self._stop.is_set():
+            after._thread.join(0.2)  # its error is its own recipe's; this copy goes on either way
         try:
             for path, want in sorted(self.files.items(), key=lambda kv: kv[1].size):  # small files first
                 if self._stop.is_set():

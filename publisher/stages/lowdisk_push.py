@@ -166,8 +166,8 @@ class ShardUploader:
         log.info("uploaded %s (%.1f MB) to %s before the commit, and deleted it here", rel, size / 1e6, self.repo_id)
 
     # ---- the files the run does not change
-    def start_copy(self, copy: HubCopy) -> None:
-        self.copy = copy.start()
+    def start_copy(self, copy: HubCopy, after: HubCopy | None = None) -> None:
+        self.copy = copy.start(after)
 
     def finish_copy(self) -> list[dict[str, Any]]:
         """Wait for the copy from the base; its files join the commit. Returns what was copied (for --json)."""
@@ -261,16 +261,16 @@ def staging(plan: Plan, staged: bool, max_shard_size: str | None) -> tuple[int |
 
 
 def open_uploader(plan: Plan, target: str, token: str | None, private: bool, root: Path, tensor_class: str | tuple[str, ...],
-                  shard_size: int | None, unchanged: frozenset[str]) -> tuple[ShardUploader, bool]:
+                  shard_size: int | None, unchanged: frozenset[str], after: HubCopy | None = None) -> tuple[ShardUploader, bool]:
     """The uploader of one recipe's target (created if needed: True then), with the copy of ``unchanged`` base files
-    from the base repo to the target already under way."""
+    from the base repo to the target already under way (``after``: once that copy, another recipe's, is done)."""
     from publisher.stages.hubcopy import HubCopy, base_hashes
 
     created = ensure_repo(target, token, private)
     uploader = ShardUploader(target, token, root, tensor_class, shard_size or size_bytes(LOW_DISK_SHARD))
     try:
         if unchanged:
-            uploader.start_copy(HubCopy(plan, target, token, base_hashes(plan, sorted(unchanged))))
+            uploader.start_copy(HubCopy(plan, target, token, base_hashes(plan, sorted(unchanged))), after)
     except BaseException:
         discard(target, token, created)
         raise

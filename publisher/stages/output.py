@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from publisher.handoffs.plan import Plan
     from publisher.handoffs.report import Mode, VerifyReport
     from publisher.recipes import Recipe
+    from publisher.stages.hubcopy import HubCopy
     from publisher.stages.push import PushResult
 
 
@@ -139,12 +140,18 @@ class StagedHub:
     token: str | None
     shard_size: int | None
     elsewhere: frozenset[str]
+    copies: list[HubCopy] = field(default_factory=list, compare=False)  # the copies of unchanged files, in open order
 
     def open(self, recipe: Recipe, repo_id: str | None, root: Path) -> RecipeOutput:
         if repo_id is None:
             raise RuntimeError("a staged push without a target repo")  # a push always has one: a bug
+        # every recipe's output is open during the one quantization pass: their copies of the unchanged files run
+        # one after the other, each after the last one opened
         uploader, created = lowdisk_push.open_uploader(self.plan, repo_id, self.token, self.spec.private, root,
-                                                       recipe.tensor_classes, self.shard_size, self.elsewhere)
+                                                       recipe.tensor_classes, self.shard_size, self.elsewhere,
+                                                       after=self.copies[-1] if self.copies else None)
+        if uploader.copy is not None:
+            self.copies.append(uploader.copy)
         return _StagedOutput(uploader, created, self.token, self.spec.create_pr)
 
     def verify_mode(self, asked: Mode) -> Mode:

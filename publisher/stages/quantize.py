@@ -10,19 +10,21 @@ import errno
 import logging
 import shutil
 import tempfile
+import threading
 from collections import Counter
-from contextlib import nullcontext
-from dataclasses import asdict, replace
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from publisher import adapters
-from publisher.errors import QuantizeError
+from publisher.errors import PublishError, QuantizeError
 from publisher.handoffs.artifacts import Artifacts, QuantizedComponent
 from publisher.handoffs.plan import Component, Plan
 from publisher.handoffs.report import ForwardInputs
 from publisher.io.jsonfile import read_object
-from publisher.recipes import Recipe, build_config
+from publisher.recipes import Recipe
 from publisher.runtime import progress
 from publisher.stages.unfinished import make_partial, remove_partial
 
@@ -30,8 +32,10 @@ if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
 
     from publisher.stages.fetch import RemoteWeights
+    from publisher.stages.library_quantize import Fp8Bound
     from publisher.stages.lowdisk_push import ShardUploader
     from publisher.stages.unfinished import ComponentCache
+    from publisher.streaming import StreamResult, TensorObserver
     from publisher.verify.inpass import InPassForward
 
     Observers = Callable[[Component, dict[str, Any]], InPassForward | None]  # another observer of a streamed pass
@@ -39,73 +43,162 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class RecipeTarget:
+    """One recipe of the quantize stage: its unfinished folder, device, resume cache and shard uploader."""
+
+    recipe: Recipe
+    partial: Path
+    device: str = "cpu"
+    cache: ComponentCache | None = None
+    uploader: ShardUploader | None = None  # --low-disk with a push: its shards checked, pre-uploaded and deleted
+    fingerprint: str = "0" * 64
+    done: list[QuantizedComponent] = field(default_factory=list)
+    models: dict[str, Any] = field(default_factory=dict)
+    error: PublishError | None = None
+
+    def dst(self, comp: Component) -> Path:
+        return self.partial / comp.name if comp.name else self.partial
+
+
 def quantize_recipe(plan: Plan, base_dir: Path, recipe: Recipe, partial: Path, device: str = "cpu",
                     engine: str = "auto", cache: ComponentCache | None = None, remote: RemoteWeights | None = None,
                     uploader: ShardUploader | None = None, fingerprint: str = "0" * 64,
                     max_shard_size: int | str | None = None, elsewhere: frozenset[str] = frozenset(),
                     inputs: dict[str, ForwardInputs] | None = None, observer: Observers | None = None) -> Artifacts:
-    """Quantize every planned component with ``recipe`` and write the standalone repo into ``folder``.
+    """Quantize every planned component with ``recipe`` and write the standalone repo into ``partial``
+    (``quantize_recipes`` with one recipe; its error raised)."""
+    target = RecipeTarget(recipe, partial, device, cache, uploader, fingerprint)
+    (got,) = quantize_recipes(plan, base_dir, [target], engine=engine, remote=remote, max_shard_size=max_shard_size,
+                              elsewhere=elsewhere, inputs=inputs, observer=observer)
+    if not isinstance(got, Artifacts):
+        raise got
+    return got
 
-    engine "auto": the streaming engine (one tensor in memory, same bytes as the library path) for every
-    component it supports, the library path otherwise; "library" / "streaming" force one.
-    ``remote`` (``fetch.RemoteWeights``, --low-disk): the quantized components' weight files were not
-    downloaded; the streaming engine reads them by HTTP range, the library path has them fetched first.
+
+def quantize_recipes(plan: Plan, base_dir: Path, targets: Sequence[RecipeTarget], *, engine: str = "auto",
+                     remote: RemoteWeights | None = None, max_shard_size: int | str | None = None,
+                     elsewhere: frozenset[str] = frozenset(), inputs: dict[str, ForwardInputs] | None = None,
+                     observer: Observers | None = None) -> list[Artifacts | PublishError]:
+    """Quantize every planned component with each target's recipe and write each standalone repo into its folder.
+
+    The components the streaming engine takes are read once for all the recipes (one pass, each tensor handed to
+    every recipe: ``streaming.stream_quantize_many``; one pass per device when the recipes quantize on several).
+    A recipe that fails (PublishError, or an OSError writing its folder) is dropped, its folder removed, its error
+    returned in its place; the others go on. engine "auto": the streaming engine (one tensor in memory, same bytes as
+    the library path) for every component it supports, the library path otherwise; "library" / "streaming" force
+    one. ``remote`` (``fetch.RemoteWeights``, --low-disk): the quantized components' weight files were not
+    downloaded; the streaming engine reads them by HTTP range, the library path has them fetched first. A target's
     ``uploader`` (``lowdisk_push.ShardUploader``): each finished shard of a streamed component is checked,
-    pre-uploaded and deleted at once (no resume cache then: its files leave the disk). ``fingerprint``: the run's
-    (publisher.state.state_for), written into the folder's marker (stages/unfinished.py). ``max_shard_size``: the output shard
-    size (default: the library's). ``elsewhere``: unchanged base files that go to the target another way (Hub to
-    Hub: ``hubcopy``), so they are not copied into the folder. ``inputs``: the run's forward-check inputs
-    (verify/capture.py) by component name: a streamed component runs its forward checks during the pass. ``observer``
-    (component, its config) -> another observer of a streamed component's pass, or None (the perplexity pass of
-    quality/stage.py)."""
-    remove_partial(partial)  # an earlier run's unfinished folder; refuses anything that is not ours
-    make_partial(partial, fingerprint, recipe.name)
+    pre-uploaded and deleted at once (no resume cache then: its files leave the disk). Its ``fingerprint``: the
+    run's (publisher.state.state_for), written into the folder's marker (stages/unfinished.py). ``max_shard_size``:
+    the output shard size (default: the library's). ``elsewhere``: unchanged base files that go to the target another
+    way (Hub to Hub: ``hubcopy``), so they are not copied into the folder. ``inputs``: the run's forward-check inputs
+    (verify/capture.py) by component name: a streamed component runs its forward checks during the pass.
+    ``observer`` (component, its config) -> another observer of a streamed component's pass, or None (the
+    perplexity pass of quality/stage.py)."""
+    live: list[RecipeTarget] = []
     try:
-        _copy_unchanged(plan, base_dir, partial, elsewhere)
-        done: list[QuantizedComponent] = []
-        models: dict[str, Any] = {}
+        for t in targets:
+            with _failing(t, live, remove=False):
+                remove_partial(t.partial)  # an earlier run's unfinished folder; refuses anything that is not ours
+            if t.error is None:
+                with _failing(t, live):
+                    make_partial(t.partial, t.fingerprint, t.recipe.name)
+                    _copy_unchanged(plan, base_dir, t.partial, elsewhere)
+                    live.append(t)
         for comp in plan.quantized:
             src = base_dir / comp.name if comp.name else base_dir
-            dst = partial / comp.name if comp.name else partial
-            reused = cache.load(comp.name, dst) if cache is not None else None
-            reason = None
-            if reused is None:
-                reason = (_streaming_reason(comp, src, recipe, device, remote) if engine != "library"
-                          else "--engine library")
-            if reused is not None:
-                # finished by an interrupted run with the same key; verified like a streamed component
-                qc = QuantizedComponent(**reused)
-                model = None
-            elif reason is None:
-                log.info("quantizing %s (%s) with %s (streaming engine%s)", comp.label, comp.class_name, recipe.name,
-                         ", reading the base by HTTP range" if remote is not None else "")
-                qc = _stream_component(plan, src, comp, recipe, partial, device, remote, uploader, max_shard_size, inputs,
-                                       observer)
-                model = None
-            else:
-                if engine == "streaming":
-                    raise QuantizeError(f"--engine streaming cannot quantize {comp.label}: {reason}; use --engine auto")
-                log.info("quantizing %s (%s) with %s (library path: %s)", comp.label, comp.class_name, recipe.name, reason)
-                if remote is not None:
-                    remote.download(comp)  # the library loaders read local files only
-                model, qc = _quantize_component(plan, base_dir, comp, recipe, partial, device, max_shard_size)
-                models[comp.name] = model
-            _kept_on_purpose(recipe, comp, qc, plan.exclude)
-            if device == "cpu" and recipe.cpu_producible and model is not None:
-                qc.fp8_check = fp8_dequant_check(model, src, comp.label)  # streamed components were checked tensor by tensor
-            if cache is not None and reused is None and uploader is None:
-                cache.store(comp.name, dst, {k: v for k, v in asdict(replace(qc, forward=None, eval_forward=None)).items()
-                                             if k not in ("forward", "eval_forward")})
-            done.append(qc)
-    except OSError as exc:
-        shutil.rmtree(partial, ignore_errors=True)
-        if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
-            raise QuantizeError(f"no space left while writing {partial} ({exc.strerror}); free disk space or point --output-dir at a larger disk") from exc
-        raise QuantizeError(f"writing the quantized folder {partial} failed: {exc}") from exc
+            streamed: dict[str, list[RecipeTarget]] = {}
+            for t in list(live):
+                with _failing(t, live):
+                    if not _reused_or_library(plan, base_dir, comp, src, t, engine, remote, max_shard_size):
+                        streamed.setdefault(t.device, []).append(t)
+            for group in streamed.values():
+                for t, got in zip(group, _stream_component(plan, src, comp, group, remote, max_shard_size, inputs,
+                                                           observer)):
+                    with _failing(t, live):
+                        if not isinstance(got, QuantizedComponent):
+                            raise got
+                        _kept_on_purpose(t.recipe, comp, got, plan.exclude)
+                        _store(t, comp, got)
+                        t.done.append(got)
     except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
+        for t in live:
+            shutil.rmtree(t.partial, ignore_errors=True)
         raise
-    return Artifacts(recipe=recipe, folder=partial, components=done, models=models, device=device, uploader=uploader)
+    return [t.error if t.error is not None else
+            Artifacts(recipe=t.recipe, folder=t.partial, components=t.done, models=t.models, device=t.device,
+                      uploader=t.uploader) for t in targets]
+
+
+def one_pass(plan: Plan, base_dir: Path, targets: Sequence[RecipeTarget], engine: str,
+             remote: RemoteWeights | None) -> bool:
+    """Whether several recipes share one pass: the streaming engine takes every component for each of them (the
+    library path holds each recipe's model in memory until it is verified: those go one at a time)."""
+    if len(targets) < 2 or engine == "library":
+        return False
+    return all(_streaming_reason(comp, base_dir / comp.name if comp.name else base_dir, t.recipe, t.device, remote) is None
+               for comp in plan.quantized for t in targets)
+
+
+@contextmanager
+def _failing(target: RecipeTarget, live: list[RecipeTarget], remove: bool = True) -> Iterator[None]:
+    """A step of one recipe: its failure (PublishError; OSError, said as a QuantizeError) drops that recipe, removes
+    its unfinished folder (``remove``: it is ours) and is kept as its result; the other recipes go on."""
+    try:
+        yield
+    except (PublishError, OSError) as exc:
+        if target in live:
+            live.remove(target)
+        if remove:
+            shutil.rmtree(target.partial, ignore_errors=True)
+        target.error = exc if isinstance(exc, PublishError) else _write_error(target.partial, exc)
+
+
+def _write_error(partial: Path, exc: OSError) -> QuantizeError:
+    if exc.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT):
+        return QuantizeError(f"no space left while writing {partial} ({exc.strerror}); free disk space or point --output-dir at a larger disk")
+    return QuantizeError(f"writing the quantized folder {partial} failed: {exc}")
+
+
+def _reused_or_library(plan: Plan, base_dir: Path, comp: Component, src: Path, t: RecipeTarget, engine: str,
+                       remote: RemoteWeights | None, max_shard_size: int | str | None) -> bool:
+    """``comp`` for one recipe from its resume cache, or by the library path; False: the streaming engine takes it."""
+    from publisher.stages.library_quantize import fp8_dequant_check, quantize_component
+
+    recipe, device, dst = t.recipe, t.device, t.dst(comp)
+    reused = t.cache.load(comp.name, dst) if t.cache is not None else None
+    if reused is not None:
+        # finished by an interrupted run with the same key; verified like a streamed component
+        qc = QuantizedComponent(**reused)
+    else:
+        reason = _streaming_reason(comp, src, recipe, device, remote) if engine != "library" else "--engine library"
+        if reason is None:
+            log.info("quantizing %s (%s) with %s (streaming engine%s)", comp.label, comp.class_name, recipe.name,
+                     ", reading the base by HTTP range" if remote is not None else "")
+            return False
+        if engine == "streaming":
+            raise QuantizeError(f"--engine streaming cannot quantize {comp.label}: {reason}; use --engine auto")
+        log.info("quantizing %s (%s) with %s (library path: %s)", comp.label, comp.class_name, recipe.name, reason)
+        if remote is not None:
+            remote.download(comp)  # the library loaders read local files only
+        model, qc = quantize_component(plan, base_dir, comp, recipe, t.partial, device, max_shard_size)
+        t.models[comp.name] = model
+        if device == "cpu" and recipe.cpu_producible:
+            qc.fp8_check = fp8_dequant_check(model, src, comp.label)  # streamed components are checked tensor by tensor
+    _kept_on_purpose(recipe, comp, qc, plan.exclude)
+    if reused is None:
+        _store(t, comp, qc)
+    t.done.append(qc)
+    return True
+
+
+def _store(t: RecipeTarget, comp: Component, qc: QuantizedComponent) -> None:
+    """Into the recipe's resume cache, unless its shards leave the disk (a staged push)."""
+    if t.cache is not None and t.uploader is None:
+        t.cache.store(comp.name, t.dst(comp), {k: v for k, v in asdict(replace(qc, forward=None, eval_forward=None)).items()
+                                               if k not in ("forward", "eval_forward")})
 
 
 def _kept_on_purpose(recipe: Recipe, comp: Component, qc: QuantizedComponent, exclude: Sequence[str]) -> None:
@@ -144,63 +237,55 @@ def _streaming_reason(comp: Component, src: Path, recipe: Recipe, device: str, r
                     component=comp.name)
 
 
-class _Fp8Bound:
-    """FP8 made on a CPU: each dequantized weight against its bf16 source (streamed: as it is quantized, an observer
-    of the pass, streaming.TensorObserver; library path: read again afterwards, fp8_dequant_check), within the e4m3
-    error bound or the run stops."""
-
-    def __init__(self, label: str) -> None:
-        self.label, self.checked, self.worst = label, 0, 0.0
-
-    def begin(self, readable: list[str]) -> list[str] | None:
-        return None  # any order
-
-    def wants(self, key: str) -> bool:
-        return False  # weights only: they are read whole anyway
-
-    def end(self, ok: bool) -> None:
-        pass
-
-    def tensor(self, key: str, value: Any, weight: Any) -> None:
-        from publisher.errors import VerificationError
-        from publisher.fp8cpu import check_dequantized
-
-        if type(weight).__name__ != "Float8Tensor":
-            return
-        rep = check_dequantized(weight, value)
-        self.checked += 1
-        self.worst = max(self.worst, rep.worst_ratio)
-        if not rep.ok:
-            raise VerificationError(
-                f"{self.label}: {key}: FP8 weight made on the CPU is outside the e4m3 error bound of the base "
-                f"(worst ratio {rep.worst_ratio:.3f}, {rep.nonfinite} non-finite values); not publishing it")
-
-    def summary(self) -> dict[str, Any]:
-        return {"checked": self.checked, "worst_ratio": self.worst, "unmatched": 0}
-
-
-def _stream_component(plan: Plan, src: Path, comp: Component, recipe: Recipe, out: Path, device: str,
-                      remote: RemoteWeights | None, uploader: ShardUploader | None,
-                      max_shard_size: int | str | None, inputs: dict[str, ForwardInputs] | None = None,
-                      extra: Observers | None = None) -> QuantizedComponent:
-    from publisher.streaming import StreamJob, stream_quantize
+def _stream_component(plan: Plan, src: Path, comp: Component, group: Sequence[RecipeTarget],
+                      remote: RemoteWeights | None, max_shard_size: int | str | None,
+                      inputs: dict[str, ForwardInputs] | None = None,
+                      extra: Observers | None = None) -> list[QuantizedComponent | PublishError]:
+    """One read of ``comp`` for every recipe of ``group`` (one device): each its own observers (FP8 bound, forward
+    checks, perplexity) and sink; a QuantizedComponent, or the recipe's error, per target."""
+    from publisher.stages.library_quantize import Fp8Bound
+    from publisher.streaming import StreamJob, StreamResult, stream_quantize_many
     from publisher.verify.inpass import Together
 
-    dst = out / comp.name if comp.name else out
-    fp8 = _Fp8Bound(comp.label) if device == "cpu" and recipe.cpu_producible else None
-    sink = uploader.for_component(comp.name, dst) if uploader is not None else None
-    verification = _in_pass_forward(src, comp, device, (inputs or {}).get(comp.name))
-    evaluation = extra(comp, read_object(src / "config.json")) if extra is not None and device == "cpu" else None
-    # the FP8 bound first: a weight outside it stops the pass before the forward passes see it
-    observer = Together(fp8, verification, evaluation) if fp8 or verification or evaluation else None
+    # several recipes: one quantize call or quantized block forward at a time (memory: verify/inpass.py)
+    gate = threading.RLock() if len(group) > 1 else None
+    bounds: list[Fp8Bound | None] = []
+    forwards: list[InPassForward | None] = []
+    evaluations: list[InPassForward | None] = []
+    observers: list[TensorObserver | None] = []
+    for t in group:
+        bounds.append(Fp8Bound(comp.label) if t.device == "cpu" and t.recipe.cpu_producible else None)
+        forwards.append(_in_pass_forward(src, comp, t.device, (inputs or {}).get(comp.name), gate))
+        evaluations.append(extra(comp, read_object(src / "config.json")) if extra is not None and t.device == "cpu" else None)
+        # the FP8 bound first: a weight outside it stops the pass before the forward passes see it
+        parts = (bounds[-1], forwards[-1], evaluations[-1])
+        observers.append(Together(*parts) if any(parts) else None)
+    sinks = [t.uploader.for_component(comp.name, t.dst(comp)) if t.uploader is not None else None for t in group]
     # Range reads in execution order still fetch each byte once and hash each file in file order: what is read
     # ahead of the hash waits on disk here (integrity.SpillingHashedReader), removed however the pass ends.
     with tempfile.TemporaryDirectory(prefix="hf-ao-publish-spill-") as spill:
-        job = StreamJob(src, dst, library=comp.library, recipe=recipe, exclude=list(plan.exclude),  # type: ignore[arg-type]
-                        class_name=comp.class_name, component=comp.name, device=device, max_shard_size=max_shard_size,
-                        inputs=remote.inputs(comp, Path(spill)) if remote is not None else None,
-                        progress=progress.shown(), name_or_path=plan.source.name)
-        result = stream_quantize(job, observer=observer, sink=sink)
+        shards = remote.inputs(comp, Path(spill)) if remote is not None else None
+        jobs = [StreamJob(src, t.dst(comp), library=comp.library, recipe=t.recipe, exclude=list(plan.exclude),  # type: ignore[arg-type]
+                          class_name=comp.class_name, component=comp.name, device=t.device,
+                          max_shard_size=max_shard_size, inputs=shards, progress=progress.shown(),
+                          name_or_path=plan.source.name) for t in group]
+        results = stream_quantize_many(jobs, observers=observers, sinks=sinks, gate=gate)
+    out: list[QuantizedComponent | PublishError] = []
+    for t, result, fp8, verification, evaluation in zip(group, results, bounds, forwards, evaluations):
+        if not isinstance(result, StreamResult):
+            out.append(result)
+            continue
+        try:
+            out.append(_streamed(comp, t, result, fp8, verification, evaluation))
+        except (PublishError, OSError) as exc:  # its upload failed: this recipe's error, the others go on
+            out.append(exc if isinstance(exc, PublishError) else _write_error(t.partial, exc))
+    return out
+
+
+def _streamed(comp: Component, t: RecipeTarget, result: StreamResult, fp8: Fp8Bound | None,
+              verification: InPassForward | None, evaluation: InPassForward | None) -> QuantizedComponent:
+    """What one recipe's side of a pass made, once its shards are uploaded (a staged push)."""
+    dst, uploader = t.dst(comp), t.uploader
     if uploader is not None:
         uploader.flush()  # every shard checked, hashed and uploaded before the sizes are counted
     forward = verification.result() if verification is not None else None
@@ -227,7 +312,8 @@ def _stream_component(plan: Plan, src: Path, comp: Component, recipe: Recipe, ou
     )
 
 
-def _in_pass_forward(src: Path, comp: Component, device: str, spec: ForwardInputs | None) -> InPassForward | None:
+def _in_pass_forward(src: Path, comp: Component, device: str, spec: ForwardInputs | None,
+                     gate: threading.RLock | None = None) -> InPassForward | None:
     """The forward passes of verification, run while the engine holds each tensor (verify/inpass.py): on a CPU,
     for components the run derived forward inputs for (``spec``: verify/capture.py, the same call the checks
     after the pass would replay)."""
@@ -239,7 +325,7 @@ def _in_pass_forward(src: Path, comp: Component, device: str, spec: ForwardInput
     if spec is None or spec.file is None:
         return None  # weights only (the report says why)
     config = read_object(src / "config.json")
-    return InPassForward(comp.library, comp.class_name, config, load_call(spec.file), comp.label)
+    return InPassForward(comp.library, comp.class_name, config, load_call(spec.file), comp.label, gate=gate)
 
 
 def _copy_unchanged(plan: Plan, base_dir: Path, out: Path, elsewhere: frozenset[str] = frozenset()) -> None:
@@ -259,94 +345,3 @@ def _copy_unchanged(plan: Plan, base_dir: Path, out: Path, elsewhere: frozenset[
         dst = out / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
         copy_regular(base_dir / rel, dst, roots)
-
-
-def _quantize_component(plan: Plan, base_dir: Path, comp: Component, recipe: Recipe, out: Path,
-                        device: str, max_shard_size: int | str | None = None) -> tuple[Any, QuantizedComponent]:
-
-    from publisher.fp8cpu import cpu_quantization_context
-
-    config = build_config(recipe, comp.name)
-    # On a GPU the libraries quantize layer by layer as they load (device_map); on a CPU they load
-    # then quantize. FP8 recipes on a CPU run torchao's own handler minus its hardware assertion.
-    placement: dict[str, Any] = {"device_map": device} if device == "cuda" else {}
-    context = cpu_quantization_context(recipe) if device == "cpu" else nullcontext()
-    exclude = list(plan.exclude) or None
-    src = base_dir / comp.name if comp.name else base_dir
-    try:
-        model = adapters.of(comp.library).quantized_from_pretrained(comp.class_name, src, config, exclude, placement,
-                                                                    context, plan.source.name)
-        model.eval()
-        dst = out / comp.name if comp.name else out
-        shard = {"max_shard_size": max_shard_size} if max_shard_size is not None else {}
-        model.save_pretrained(dst, safe_serialization=True, **shard)
-    except (ValueError, RuntimeError, TypeError, ImportError, AssertionError, NotImplementedError) as exc:
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else f"{type(exc).__name__} with no message"
-        raise QuantizeError(f"quantizing {comp.label} ({comp.class_name}) with {recipe.name} failed: {reason}") from exc
-    bins = sorted(p.name for p in dst.glob("*.bin"))
-    if bins:
-        raise QuantizeError(f"{comp.label} was saved as a pickle ({bins[0]}); {recipe.name} cannot be published as safetensors")
-    qc = summarize(model, comp, recipe, dst)
-    return model, qc
-
-
-def summarize(model: Any, comp: Component, recipe: Recipe, folder: Path) -> QuantizedComponent:
-    """Count what torchao actually did (it skips some shapes silently) and read back the stored config."""
-    import torch
-    from torchao.utils import TorchAOBaseTensor
-
-    quantized: list[str] = []
-    plain: list[str] = []
-    classes: dict[str, int] = {}
-    layer_classes: dict[str, str] = {}
-    for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear):
-            continue
-        weight = module.weight
-        if isinstance(weight, TorchAOBaseTensor):
-            quantized.append(name)
-            classes[type(weight).__name__] = classes.get(type(weight).__name__, 0) + 1
-            layer_classes[name] = type(weight).__name__
-        else:
-            plain.append(name)
-    config = read_object(folder / "config.json")
-    qconfig = config.get("quantization_config", {})
-    # What the library itself decided to keep (user exclusions plus its defaults such as lm_head),
-    # matched with the library's own rule, so "excluded" and "skipped by torchao" are told apart.
-    patterns = getattr(getattr(model, "hf_quantizer", None), "modules_to_not_convert", None) or qconfig.get("modules_to_not_convert") or []
-    excluded = [n for n in plain if adapters.of(comp.library).kept(f"{n}.weight", patterns)]
-    skipped = [n for n in plain if n not in excluded]
-    after = sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-    return QuantizedComponent(
-        name=comp.name,
-        library=comp.library,
-        class_name=comp.class_name,
-        quantized=quantized,
-        skipped=skipped,
-        excluded=excluded,
-        tensor_classes=classes,
-        bytes_before=comp.param_bytes,
-        bytes_after=after,
-        quantization_config=qconfig,
-        layer_classes=layer_classes,
-    )
-
-
-def fp8_dequant_check(model: Any, base_folder: Path, label: str) -> dict[str, Any]:
-    """FP8 weights made on a CPU by the library path: every dequantized weight must lie within the e4m3 error
-    bound of the bf16 weight it came from (read again from the base safetensors, one tensor at a time)."""
-    import torch
-    from safetensors import safe_open
-
-    handles = [safe_open(str(p), framework="pt") for p in sorted(base_folder.glob("*.safetensors"))]
-    keys = {k: h for h in handles for k in h.keys()}
-    bound, missing = _Fp8Bound(label), []
-    for name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear) or type(module.weight).__name__ != "Float8Tensor":
-            continue
-        key = f"{name}.weight"
-        if key not in keys:
-            missing.append(key)
-            continue
-        bound.tensor(key, keys[key].get_tensor(key).to(torch.bfloat16), module.weight)
-    return {**bound.summary(), "unmatched": len(missing)}

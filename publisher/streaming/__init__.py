@@ -8,8 +8,8 @@ input protocols it reports to), ``layout`` (every output name, dtype, shape, sha
 class per library, are publisher/adapters'.
 """
 
-from publisher.streaming.convert import StreamResult, stream_quantize, supports
+from publisher.streaming.convert import StreamResult, stream_quantize, stream_quantize_many, supports
 from publisher.streaming.streamjob import FolderInputs, FolderSink, OutputSink, ShardInputs, StreamJob, TensorObserver
 
 __all__ = ["FolderInputs", "FolderSink", "OutputSink", "ShardInputs", "StreamJob", "StreamResult", "TensorObserver",
-           "supports", "stream_quantize"]
+           "supports", "stream_quantize", "stream_quantize_many"]

@@ -21,20 +21,22 @@ from __future__ import annotations
 
 import time
 from collections.abc import Collection, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from publisher.errors import QuantizeError
+from publisher.errors import PublishError, QuantizeError
 from publisher.streaming.streamjob import FolderInputs, FolderSink, StreamJob
 
 if TYPE_CHECKING:
     from publisher.adapters import LibraryAdapter
     from publisher.recipes import Recipe
+    from publisher.streaming.engine import Lane
+    from publisher.streaming.layout import Layout
     from publisher.streaming.streamjob import OutputSink, ShardInputs, TensorObserver
 
-__all__ = ["StreamJob", "StreamResult", "supports", "stream_quantize"]
+__all__ = ["StreamJob", "StreamResult", "supports", "stream_quantize", "stream_quantize_many"]
 
 
 @dataclass
@@ -178,8 +180,97 @@ def stream_quantize(job: StreamJob, *, observer: TensorObserver | None = None,
     written tensors come back in ``StreamResult.digests`` (and to the sink while the pass runs).
     On error the files already written stay in ``dst_dir`` (the caller owns the folder).
     """
+    (got,) = stream_quantize_many([job], observers=[observer], sinks=[sink])
+    if not isinstance(got, StreamResult):
+        raise got
+    return got
+
+
+def stream_quantize_many(jobs: Sequence[StreamJob], *, observers: Sequence[TensorObserver | None],
+                         sinks: Sequence[OutputSink | None],
+                         gate: AbstractContextManager[object] | None = None) -> list[StreamResult | PublishError]:
+    """Several recipes of one component folder in one read: every job has the same ``src_dir`` (and its shards come
+    from the first job's ``inputs``) and the same device; each has its own recipe, output folder, observer and sink.
+    Each tensor is read once and handed to every recipe in turn. A recipe whose planning or step fails is dropped
+    from the pass and its error returned in its place (the others go on); a failure of the read itself raises.
+    Lists in the order of ``jobs``; what ``stream_quantize`` says of one job holds for each. ``gate`` (a re-entrant
+    lock): held over each quantize call, shared with the observers' forward checks (verify/inpass.py): one at a time."""
     from publisher.runtime.heap import peak_rss_bytes
-    from publisher.streaming.engine import execute, remove_stale_shards
+    from publisher.streaming.engine import execute_lanes
+    from publisher.streaming.shards import RangeIgnored
+
+    src_dir = Path(jobs[0].src_dir)
+    if any(Path(j.src_dir) != src_dir for j in jobs):
+        raise ValueError("the jobs of one pass read different folders")  # a caller's bug
+    inputs = jobs[0].inputs or FolderInputs(src_dir)
+    got: list[_Prepared | PublishError] = []
+    keys: dict[str, str] | None = None
+    for job, observer, sink in zip(jobs, observers, sinks):
+        try:
+            ready = _prepare(job, inputs, keys, observer, sink or FolderSink())
+            ready.lane.gate = gate
+            keys = ready.keys
+            got.append(ready)
+        except PublishError as exc:  # this recipe cannot be planned; the others go on
+            got.append(exc)
+    lanes = [p.lane for p in got if isinstance(p, _Prepared)]
+    if lanes:
+        with ExitStack() as stack:
+            for p in got:
+                if isinstance(p, _Prepared):
+                    stack.enter_context(_quantize_context(p.job.recipe, p.device))
+            try:
+                execute_lanes(lanes, inputs=inputs, progress=jobs[0].progress)
+            except EOFError as exc:
+                raise QuantizeError(f"{exc}; fetch the shard again") from exc
+            except RangeIgnored as exc:
+                raise QuantizeError(str(exc)) from exc
+            except OSError as exc:
+                into = ", ".join(str(j.dst_dir) for j in jobs)
+                raise QuantizeError(f"streaming {src_dir} into {into} failed: {exc}") from exc
+    return [p if not isinstance(p, _Prepared) else p.finish(peak_rss_bytes()) for p in got]
+
+
+@dataclass
+class _Prepared:
+    """One job of a pass, planned: its meta-device component, layout and lane (its outputs and what it reports to)."""
+
+    job: StreamJob
+    comp: LibraryAdapter
+    plan: Layout
+    device: str
+    keys: dict[str, str]
+    lane: Lane
+    written: list[Path]
+
+    def finish(self, peak: int) -> StreamResult | PublishError:
+        """After the pass: the index, and what it made; or why this job failed."""
+        dst_dir, exc = Path(self.job.dst_dir), self.lane.error
+        try:
+            if exc is not None:
+                raise exc
+            if self.plan.index is not None:
+                t0 = time.perf_counter()
+                index = dst_dir / self.comp.index_name
+                index.write_text(self.plan.index, encoding="utf-8")
+                self.lane.seconds["write"] += time.perf_counter() - t0
+                self.written.append(index)
+                self.lane.report(index)
+        except PublishError as failed:
+            return failed
+        except OSError as failed:  # the pass reports such errors of its writers here, per job
+            return QuantizeError(f"streaming {self.job.src_dir} into {dst_dir} failed: {failed}")
+        plan = self.plan
+        return StreamResult(quantized=plan.quantized, skipped=plan.skipped, excluded=plan.excluded, files=self.written,
+                            peak_rss_bytes=peak, stage_seconds=self.lane.seconds, digests=self.lane.digests,
+                            classes=dict(plan.classes))
+
+
+def _prepare(job: StreamJob, inputs: ShardInputs, keys: dict[str, str] | None, observer: TensorObserver | None,
+             sink: OutputSink) -> _Prepared:
+    """Plan ``job`` on the meta device, tell its sink the layout, write its configs (``keys``: the checkpoint's keys
+    when another job of the pass read them already)."""
+    from publisher.streaming.engine import Lane, remove_stale_shards
     from publisher.streaming.layout import build_layout
     from publisher.streaming.shards import RangeIgnored
 
@@ -190,13 +281,11 @@ def stream_quantize(job: StreamJob, *, observer: TensorObserver | None = None,
     reason = _static_reason(job.library, src_dir, recipe, device)
     if reason:
         raise QuantizeError(f"the streaming engine cannot quantize {src_dir}: {reason}; use the library path")
-    inputs = job.inputs or FolderInputs(src_dir)
-    sink = sink or FolderSink()
     try:
         comp = _component(job.library, src_dir, recipe, job.exclude, job.class_name, job.component)
         if job.name_or_path is not None:
             comp.record_origin(job.name_or_path)
-        keys = _checkpoint_keys(src_dir, comp, inputs)
+        keys = keys if keys is not None else _checkpoint_keys(src_dir, comp, inputs)
         if keys is None:
             raise ValueError(f"{src_dir} has neither {comp.index_name} nor {comp.weights_name}")
         if why := comp.check_keys(list(keys)):
@@ -232,22 +321,7 @@ def stream_quantize(job: StreamJob, *, observer: TensorObserver | None = None,
         for path in comp.write_configs(dst_dir):
             report(path)
         seconds["write"] += time.perf_counter() - t0
-        with _quantize_context(recipe, device):
-            execute(plan, dst_dir, inputs=inputs, report=report, reserve=sink.reserve, progress=job.progress,
-                    seconds=seconds, digests=digests, observer=observer)
-        if plan.index is not None:
-            t0 = time.perf_counter()
-            index = dst_dir / comp.index_name
-            index.write_text(plan.index, encoding="utf-8")
-            seconds["write"] += time.perf_counter() - t0
-            report(index)
-    except EOFError as exc:
-        raise QuantizeError(f"{exc}; fetch the shard again") from exc
-    except RangeIgnored as exc:
-        raise QuantizeError(str(exc)) from exc
     except OSError as exc:
         raise QuantizeError(f"streaming {src_dir} into {dst_dir} failed: {exc}") from exc
-    return StreamResult(
-        quantized=plan.quantized, skipped=plan.skipped, excluded=plan.excluded, files=written,
-        peak_rss_bytes=peak_rss_bytes(), stage_seconds=seconds, digests=digests, classes=dict(plan.classes),
-    )
+    lane = Lane(plan, dst_dir, report, sink.reserve, seconds, digests, observer)
+    return _Prepared(job, comp, plan, device, keys, lane, written)

@@ -17,10 +17,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
-from publisher.errors import QuantizeError
+from publisher.errors import PublishError, QuantizeError
 from publisher.runtime.heap import bound_heap, trim_memory
 from publisher.streaming import safetensors_io as stio
 from publisher.streaming.feed import Feed, Item
@@ -130,6 +132,22 @@ def remove_stale_shards(dst: Path, weights_name: str, keep: set[str]) -> None:
             p.unlink()
 
 
+@dataclass
+class Lane:
+    """One output of a pass: a recipe's layout, its output folder, and what it reports to. Several lanes share one
+    read of the checkpoint (one recipe each, ``execute_lanes``); ``error`` is why a lane was dropped from the pass."""
+
+    plan: Layout
+    dst: Path
+    report: Callable[[Path], None]
+    reserve: Callable[[Path, int], None]
+    seconds: dict[str, float]
+    digests: dict[str, str]
+    observer: TensorObserver | None = None
+    error: PublishError | OSError | None = None
+    gate: AbstractContextManager[Any] | None = None  # held over each quantize call (shared with the lanes' observers)
+
+
 def execute(plan: Layout, dst: Path, *, inputs: ShardInputs, report: Callable[[Path], None],
             reserve: Callable[[Path, int], None], progress: bool, seconds: dict[str, float], digests: dict[str, str],
             observer: TensorObserver | None = None) -> None:
@@ -139,25 +157,44 @@ def execute(plan: Layout, dst: Path, *, inputs: ShardInputs, report: Callable[[P
     ``digests`` collects the verification digest of every tensor as it was in memory; ``observer`` sees every
     tensor and may choose the order; ``report(path)`` is called (on the writer thread) once an output shard is
     complete, ``reserve(path, nbytes)`` before bytes are written to it, and may wait (a disk budget)."""
+    lane = Lane(plan, dst, report, reserve, seconds, digests, observer)
+    execute_lanes([lane], inputs=inputs, progress=progress)
+    if lane.error is not None:
+        raise lane.error
+
+
+def execute_lanes(lanes: list[Lane], *, inputs: ShardInputs, progress: bool) -> None:
+    """One read of the checkpoint for every lane: each tensor read once, then quantized, observed and written by each
+    lane in turn (its own writer thread and output shards). A lane whose step fails (PublishError, OSError) is dropped
+    with the reason in ``Lane.error``, the others go on; the pass stops when no lane is left. Every lane reads the same
+    keys from the same files (one component, several recipes); the first lane's layout sets the reading schedule."""
     from huggingface_hub.utils import tqdm
 
     bound_heap()
-    outputs = _Outputs(dst, plan.files, report, reserve)
-    writer = _Writer(seconds)
-    ctx = _Ctx(plan, outputs, seconds, digests, writer, observer)
-    order = observer.begin([w.key for w in plan.work if w.outputs]) if observer is not None else None
-    feed = Feed(plan, inputs, order=order,
-                whole=observer.wants if observer is not None else (lambda key: False), seconds=seconds)
-    total = sum(o.nbytes for f in plan.files for o in f.entries)
+    first = lanes[0].plan
+    for lane in lanes[1:]:
+        if {(w.key, w.src_file) for w in lane.plan.work} != {(w.key, w.src_file) for w in first.work}:
+            raise QuantizeError("the recipes of one pass read different checkpoint tensors (internal planning error)")
+    ctxs = [_Ctx(lane.plan, _Outputs(lane.dst, lane.plan.files, lane.report, lane.reserve), lane.seconds, lane.digests,
+                 _Writer(lane.seconds), lane.observer, lane.gate) for lane in lanes]
+    live = list(ctxs)
+    order = _begin(ctxs, [w.key for w in first.work if w.outputs])
+    feed = Feed(first, inputs, order=order, whole=lambda key: any(c.whole(key) for c in ctxs), seconds=lanes[0].seconds)
+    total = sum(o.nbytes for f in first.files for o in f.entries)
     since_trim, ok = 0, False
     try:
-        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"quantize {plan.component.class_name}",
+        with tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=f"quantize {first.component.class_name}",
                   disable=not progress, file=sys.stderr) as bar:
             for item in feed:
-                if item.chunk_at >= 0:
-                    _chunk(ctx, item)
-                else:
-                    _one(ctx, item.work, item.entry, item.raw)
+                for ctx in list(live):
+                    try:
+                        w = ctx.work[item.work.key]
+                        if item.chunk_at >= 0:
+                            _chunk(ctx, w, item)
+                        else:
+                            _one(ctx, w, item.entry, item.raw)
+                    except (PublishError, OSError) as exc:  # this lane's recipe fails; the others go on
+                        _drop(ctx, exc, live)
                 done = sum(o.nbytes for o in item.work.outputs) if item.last else 0
                 bar.update(done)
                 since_trim += done
@@ -165,18 +202,47 @@ def execute(plan: Layout, dst: Path, *, inputs: ShardInputs, report: Callable[[P
                     trim_memory()
                     since_trim = 0
                 del item
-        writer.drain()
+                if not live:
+                    break
+        for ctx in list(live):
+            try:
+                ctx.writer.drain()
+            except (PublishError, OSError) as exc:
+                _drop(ctx, exc, live)
         ok = True
     finally:
         feed.close()
-        writer.close()
-        outputs.close()
-        if observer is not None:
-            observer.end(ok)
+        for ctx in ctxs:
+            ctx.close(ok and ctx.error is None)
     trim_memory()
-    unfinished = [n for n, left in outputs.remaining.items() if left]
-    if unfinished:
-        raise QuantizeError(f"output shard {unfinished[0]} was not completed (internal planning error); use the library path")
+    for lane, ctx in zip(lanes, ctxs):
+        lane.seconds.update({k: lanes[0].seconds[k] for k in ("read", "wait_input")})  # the shared read's
+        unfinished = [n for n, left in ctx.outputs.remaining.items() if left]
+        if ctx.error is None and unfinished:
+            ctx.error = QuantizeError(f"output shard {unfinished[0]} was not completed (internal planning error); "
+                                      "use the library path")
+        lane.error = ctx.error
+
+
+def _begin(ctxs: list[_Ctx], readable: list[str]) -> list[str] | None:
+    """The reading order: the first order an observer asks for. Every lane's observer plans the same component's
+    forward, so they agree; one that asked for another order could not follow this pass and stops at once."""
+    order: list[str] | None = None
+    for ctx in ctxs:
+        planned = ctx.observer.begin(readable) if ctx.observer is not None else None
+        if planned is None or order is None or planned == order:
+            order = order or planned
+            continue
+        ctx.observer.end(False)  # type: ignore[union-attr]
+        ctx.observer = None
+    return order
+
+
+def _drop(ctx: _Ctx, exc: PublishError | OSError, live: list[_Ctx]) -> None:
+    """A lane's step failed: it leaves the pass now (its writer, files and observer closed), its reason kept."""
+    live.remove(ctx)
+    ctx.error = exc
+    ctx.close(False)
 
 
 TRIM_EVERY = 1 << 30  # hand freed heap back to the OS after about this many bytes
@@ -186,11 +252,33 @@ class _Ctx:
     """What every tensor's step shares."""
 
     def __init__(self, plan: Layout, outputs: _Outputs, seconds: dict[str, float], digests: dict[str, str],
-                 writer: _Writer, observer: TensorObserver | None) -> None:
+                 writer: _Writer, observer: TensorObserver | None, gate: AbstractContextManager[Any] | None = None) -> None:
         self.plan, self.outputs, self.seconds, self.digests = plan, outputs, seconds, digests
         self.writer, self.observer = writer, observer
+        self.gate = gate or nullcontext()
         seconds.setdefault("forward_handoff", 0.0)
         self.partial: dict[str, Any] = {}  # (writer thread) running digests of tensors copied in chunks
+        self.work = {w.key: w for w in plan.work}
+        self.error: PublishError | OSError | None = None
+        self.closed = False
+
+    def whole(self, key: str) -> bool:
+        """Whether this lane needs ``key`` in one piece: its observer does, or it quantizes it (chunks are for
+        pass-through tensors only, and another lane may quantize what the first passes through)."""
+        w = self.work.get(key)
+        return (self.observer is not None and self.observer.wants(key)) or (w is not None and w.kind != "pass")
+
+    def close(self, ok: bool) -> None:
+        """Stop the writer (after the job it runs), close the output files, end the observer; once."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            self.writer.close()
+            self.outputs.close()
+        finally:
+            if self.observer is not None:
+                self.observer.end(ok)
 
 
 def _check_entry(ctx: _Ctx, w: Work, entry: stio.HeaderEntry) -> torch.dtype:
@@ -212,9 +300,9 @@ def _check_entry(ctx: _Ctx, w: Work, entry: stio.HeaderEntry) -> torch.dtype:
     return src_dtype
 
 
-def _chunk(ctx: _Ctx, item: Item) -> None:
+def _chunk(ctx: _Ctx, w: Work, item: Item) -> None:
     """One chunk of a large pass-through tensor (e.g. a big embedding): cast, then hashed and written at its place."""
-    w, entry = item.work, item.entry
+    entry = item.entry
     src_dtype = _check_entry(ctx, w, entry)
     out = w.outputs[0]
     t0 = time.perf_counter()
@@ -307,7 +395,8 @@ def _quantize(ctx: _Ctx, w: Work, raw: torch.Tensor) -> tuple[dict[str, torch.Te
     value = raw.to(w.dtype).contiguous()  # the loaders' `param.to(dtype)`; a no-op for bf16 checkpoints
     device = torch.device(plan.device)
     try:
-        weight = comp.quantize_param(w.key, value, device)
+        with ctx.gate:
+            weight = comp.quantize_param(w.key, value, device)
         _observe(ctx, w.key, value, weight.detach())
         del value
         flat, meta = flatten_tensor_state_dict({w.key: weight.detach()})  # as state_dict() hands it over

@@ -69,11 +69,18 @@ class InPassForward:
     """A ``TensorObserver`` for ``stream_quantize``: call ``result()`` after the pass."""
 
     def __init__(self, library: str, class_name: str, config: dict[str, Any], inputs: dict[str, Any],
-                 label: str = "", prepare: Callable[[Any], None] | None = None) -> None:
+                 label: str = "", prepare: Callable[[Any], None] | None = None,
+                 gate: threading.RLock | None = None) -> None:
         """``prepare(model)``: applied to each meta-device model before use (the perplexity pass replaces the
-        language-model head's forward with one that returns per-token losses: publisher/quality/lm.py)."""
+        language-model head's forward with one that returns per-token losses: publisher/quality/lm.py). ``gate``:
+        held by the quantized forward over each block's forward, shared by the observers of one pass with several
+        recipes and by the engine's quantize calls (streaming.engine.Lane), so that one such call or quantized block
+        is computed at a time (torchao computes in fp32 on the CPU, quantizing or dequantizing a weight whole: one of
+        FLUX.1-dev's 94 MB bf16 weights takes several hundred MB for the call; one such call per recipe at once took
+        the process over its 1.2 GiB). None: no gate (one recipe)."""
         self.library, self.class_name, self.config, self.inputs = library, class_name, config, inputs
         self.prepare = prepare
+        self.gate, self.gate_held = gate, 0  # gate_held: how deep the quantized thread holds it (nested blocks)
         self.label = label or "model"
         self.cond = threading.Condition()
         self.slots: dict[str, _Slot] = {}
@@ -215,7 +222,7 @@ class InPassForward:
                 continue  # never called on these inputs
             saved: list[tuple[Any, str, Any, bool]] = []
             module.register_forward_pre_hook(self._loader(role, prefix, module, whole, saved))
-            module.register_forward_hook(self._dropper(saved))
+            module.register_forward_hook(self._dropper(role, saved))
 
     def _loader(self, role: str, prefix: str, module: Any, whole: bool, saved: list) -> Any:
         import torch
@@ -223,6 +230,8 @@ class InPassForward:
         from publisher.verify.streaming import own_state
 
         def hook(mod: Any, args: Any) -> None:
+            # never wait for tensors holding the gate (a block inside a block): the engine may need it to deliver them
+            nested = self._open_gate() if role == "quantized" else 0
             state = self._take(role, prefix)
             items = own_state(module, whole)
             saved[:] = [(owner, attr, (owner._parameters if is_p else owner._buffers)[attr], is_p)
@@ -234,20 +243,33 @@ class InPassForward:
                 result = module.load_state_dict(loaded, strict=whole, assign=True)
             if not whole and (result.unexpected_keys or any(k in loaded for k in result.missing_keys)):
                 raise RuntimeError(f"block {prefix or 'root'}: unexpected {result.unexpected_keys[:3]}")
+            if role == "quantized" and self.gate is not None:  # the tensors are in hand: held over the compute only
+                for _ in range(nested + 1):
+                    self.gate.acquire()
+                self.gate_held += nested + 1
             if role == "quantized":
                 self.loads += 1
                 self.peak_block_bytes = max(self.peak_block_bytes, sum(_nbytes(t) for t in loaded.values()))
 
         return hook
 
-    @staticmethod
-    def _dropper(saved: list) -> Any:
+    def _dropper(self, role: str, saved: list) -> Any:
         def hook(mod: Any, args: Any, output: Any) -> None:
             for owner, attr, original, is_p in saved:
                 (owner._parameters if is_p else owner._buffers)[attr] = original  # back to meta: the tensor is freed
             saved.clear()
+            if role == "quantized" and self.gate_held:
+                self.gate_held -= 1
+                self.gate.release()  # type: ignore[union-attr]
 
         return hook
+
+    def _open_gate(self) -> int:
+        """(the quantized thread) Release the gate as often as this thread holds it; how often that was."""
+        held, self.gate_held = self.gate_held, 0
+        for _ in range(held):
+            self.gate.release()  # type: ignore[union-attr]
+        return held
 
     def _take(self, role: str, prefix: str) -> dict[str, Any]:
         """(forward thread) The block's tensors for ``role``, once the engine has delivered them all."""
@@ -293,6 +315,8 @@ class InPassForward:
                 self._give_up(f"the {role} forward pass failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
         finally:
             self.cpu_seconds[role] = time.thread_time() - started
+            if role == "quantized":  # a block's forward raised: its hook never ran
+                self._open_gate()
             with self.cond:
                 self.done[role] = True
                 self.cond.notify_all()
