@@ -23,6 +23,8 @@ from publisher.errors import Interrupted, PublishError, RunFailed, SourceError, 
 from publisher.handoffs.artifacts import Artifacts
 from publisher.handoffs.report import ForwardInputs, VerifyReport, require_passed
 from publisher.io import hub
+from publisher.io.tokens import TokenRights
+from publisher.messages import describe
 from publisher.quality import stage as quality
 from publisher.recipes import Recipe
 from publisher.request import Outcome, PublishRequest
@@ -32,7 +34,7 @@ from publisher.stages import card, fetch, planning, preflight, unfinished
 from publisher.stages import push as pushing
 from publisher.stages import quantize as quantize_stage
 from publisher.stages import source as source_stage
-from publisher.stages.measure import Bf16Rows
+from publisher.stages.measure import Bf16Rows, measure
 from publisher.stages.output import OutputTarget, PushOptions, RecipeOutput
 from publisher.stages.output import choose as choose_output
 from publisher.stages.quantize import RecipeTarget, quantize_recipes
@@ -81,8 +83,6 @@ def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = 
     src = source_stage.resolve(req.base.model, req.base.revision, token)
     user, who = None, None  # before any file of the base is read: a gated base needs the token's gated access
     if token and not offline:  # offline (no push): no default repo id is asked for, the card says none was chosen
-        from publisher.io import hub
-        from publisher.io.tokens import TokenRights
 
         who = hub.call(hub.client(token).whoami, what="checking the token")
         user = who.get("name")
@@ -373,7 +373,6 @@ class RecipeRun:
         building = artifacts.folder  # the .partial folder until finalize()
         pushing.write_repo_files(building, dict(self.state, verified=report.passed))
         if device == "cuda" or req.checks.benchmark:
-            from publisher.stages.measure import measure
 
             with _timed(self, "benchmark"):
                 self.benchmark = measure(artifacts.components, report.expected, building, ctx.base_dir, device,
@@ -420,7 +419,6 @@ class RecipeRun:
             result = self.output.publish(artifacts, report, message=message, description=description, state=state,
                                          check=lambda oid: self.check_pull_request(ctx, siblings, oid))
         except Exception as exc:  # re-raised: the outcome records the one-line reason for --json
-            from publisher.messages import describe
 
             self.error = (describe(exc) or (f"{type(exc).__name__}: {exc}", 1))[0]
             raise

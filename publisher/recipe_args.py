@@ -14,9 +14,9 @@ from dataclasses import replace
 from typing import Any
 
 from publisher import recipes
-from publisher.configs.facts import strictest
+from publisher.configs.facts import rule_for_call, strictest
 from publisher.configs.layers import LayerTable, parse_layer_arg, precheck_layer_arg
-from publisher.configs.spec import ConfigSpec, Quant, parse_quant, precheck_quant
+from publisher.configs.spec import ConfigSpec, Quant, from_config, parse_quant, precheck_quant
 from publisher.errors import UsageError
 from publisher.recipes import CALLS, PER_LAYER, Recipe
 
@@ -56,7 +56,6 @@ def precheck(values: Sequence[str], layer_values: Sequence[str] = (), *, check_h
     a CPU fails at once, before the base's own cheap checks and the seconds torchao takes to import (the device rules
     by config class: configs/facts.py ``rule_for_call``; torch is imported only to look for a GPU). Returns each
     unit's mapped components (empty: one config for every quantized component)."""
-    from publisher.configs.facts import rule_for_call
 
     if not values:
         raise UsageError("--quant is required; choose one of: " + ", ".join(recipes.names()) + ", or give a torchao config")
@@ -115,7 +114,6 @@ def with_components(recipe: Recipe, components: Sequence[str]) -> Recipe:
 
 def from_configs(name: str, configs: dict[str, Any]) -> Recipe:
     """A recipe for configs declared by a checkpoint (verify TARGET): component -> its torchao config."""
-    from publisher.configs.spec import from_config
 
     mapping = tuple((c, from_config(cfg, type(cfg).__name__, "declared")) for c, cfg in configs.items())
     return Recipe(name, "the declared quantization_config", Quant(name, mapping=mapping))

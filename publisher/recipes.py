@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from publisher import flavors as flavor_table
-from publisher.configs.facts import Facts, Needs, facts_for, strictest
+from publisher.configs.facts import Facts, Needs, facts_for, rule_for_call, strictest
 from publisher.configs.layers import LayerTable, fqn_table, leaf_configs
+from publisher.configs.render import canonical
 from publisher.configs.spec import ConfigSpec, Quant, parse_quant
+from publisher.configs.syntax import check_shape, imports_for
 from publisher.errors import HardwareError, UsageError
 from publisher.flavors import Flavor
 
@@ -102,14 +104,12 @@ class Recipe:
     @functools.cached_property
     def facts(self) -> list[Facts]:
         """The facts of every plain config this recipe applies (configs/facts.py), one per distinct config."""
-        from publisher.configs.render import canonical
 
         leaves = {canonical(c): c for s in self.specs() for c in leaf_configs(s.config)}
         return [facts_for(c, f"--quant {self.summary}") for c in leaves.values()]
 
     def classes_for(self, component: str = "") -> tuple[str, ...]:
         """The torchao classes ``component``'s config(s) make."""
-        from publisher.configs.render import canonical
 
         leaves = {canonical(c): c for c in leaf_configs(self.config_for(component))}
         return tuple(sorted({facts_for(c).tensor_class for c in leaves.values()}))
@@ -175,7 +175,6 @@ class Recipe:
     @property
     def python(self) -> str:
         """The Python that builds this recipe's torchao config(s), imports first."""
-        from publisher.configs.syntax import imports_for
 
         specs = self.quant.specs()
         if all(s.call for s in specs):
@@ -338,8 +337,6 @@ def _on_jobs(needs: Needs) -> str:
 
 
 def _rule_needs_gpu(call: str) -> bool:
-    from publisher.configs.facts import rule_for_call
-    from publisher.configs.syntax import check_shape
 
     needs, fp8_cpu = rule_for_call(*check_shape(call))
     return needs.cuda and not fp8_cpu

@@ -24,6 +24,8 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from publisher.configs.render import canonical
+
 if TYPE_CHECKING:
     import torch
 
@@ -215,7 +217,6 @@ class LibraryAdapter(ABC):
         table = getattr(ao_config, "fqn_to_config", None)
         if type(ao_config).__name__ != "FqnToConfig" or not isinstance(table, dict):
             return lambda key: ""
-        from publisher.configs.render import canonical
 
         def key_of(key: str) -> str:
             config = cls.resolve(table, key)[0]

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from publisher.adapters.base import LibraryAdapter, is_subclass, linear_weights, save_default
+from publisher.io.jsonfile import read_object
 
 if TYPE_CHECKING:
     import torch
@@ -82,7 +83,6 @@ class DiffusersAdapter(LibraryAdapter):
         from diffusers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME
 
         if class_name is None:
-            from publisher.io.jsonfile import read_object
 
             class_name = read_object(src / "config.json").get("_class_name")
         name = class_name if isinstance(class_name, str) else None

@@ -12,6 +12,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
+from publisher.configs import probe
+from publisher.configs.render import canonical
+from publisher.configs.syntax import first_line
 from publisher.errors import UsageError
 
 # torchao 0.18's safetensors support: the only tensor classes a published repo can hold
@@ -154,7 +157,6 @@ def rule_for_call(name: str, kwargs: dict[str, Any]) -> tuple[Needs, bool]:
 def facts_for(config: Any, what: str = "--quant") -> Facts:
     """The facts of one leaf config. UsageError when torchao rejects it on the probe, or when its tensors cannot be
     published (not in torchao's safetensors support)."""
-    from publisher.configs.render import canonical
 
     key = canonical(config)  # configs are not hashable; their JSON is their identity
     if key not in _CACHE:
@@ -166,8 +168,6 @@ _CACHE: dict[str, Facts] = {}
 
 
 def _probe_facts(config: Any, what: str) -> Facts:
-    from publisher.configs import probe
-    from publisher.configs.syntax import first_line
 
     name = type(config).__name__
     rule = rule_for(config)

@@ -11,6 +11,8 @@ import math
 from contextlib import nullcontext
 from typing import Any
 
+from publisher.fp8cpu import allow_cpu_float8_quantization
+
 
 def needs_fp8_bypass(config: Any) -> bool:
     """FP8 dynamic-activation configs: torchao refuses CPUs in their handler; publisher/fp8cpu.py lifts exactly that."""
@@ -60,7 +62,6 @@ def quantized_weight(config: Any, shape: tuple[int, ...], dtype: str = "bfloat16
     import torch
     from torchao.quantization import quantize_
 
-    from publisher.fp8cpu import allow_cpu_float8_quantization
 
     torch_dtype = getattr(torch, dtype)
     with torch.random.fork_rng(devices=[]):

@@ -10,7 +10,10 @@ from pathlib import Path
 from typing import Any
 
 from publisher.errors import SourceError
+from publisher.io import jsonfile
+from publisher.io.downloads import download
 from publisher.io.integrity import FileHash
+from publisher.io.localfiles import allowed_roots
 from publisher.recipes import Recipe
 
 DENOISERS = ("transformer", "unet", "prior", "decoder")
@@ -70,7 +73,6 @@ class Source:
     def read_json(self, path: str, token: str | None) -> dict[str, Any]:
         """A JSON file of the base (model_index.json, a config, an index) as an object, through the one JSON
         reader; its size limit is checked from the listing first, so an oversized file is never downloaded."""
-        from publisher.io import jsonfile
 
         what = self.where(path)
         limit = jsonfile.limit_for(path)
@@ -86,7 +88,6 @@ class Source:
 
     def roots(self) -> tuple[Path, ...] | None:
         """Where a local base's files may resolve to (links never lead outside the folder)."""
-        from publisher.io.localfiles import allowed_roots
 
         return allowed_roots(self.local_dir) if self.local_dir is not None else None
 
@@ -96,7 +97,6 @@ class Source:
             raise SourceError(f"{self.display} has no file {path}")
         if self.local_dir is not None:
             return self.local_dir / path
-        from publisher.io.downloads import download
 
         # a Hub file is checked against the hash its repo records before anything reads it
         return download(self.repo_id, self.sha, [path], self.hashes, token) / path  # type: ignore[arg-type]

@@ -9,6 +9,7 @@ from typing import Literal
 
 from publisher import flavors as flavor_table
 from publisher.flavors import Flavor
+from publisher.io import hub
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +26,6 @@ def available(token: str | None = None, timeout: float = LIST_TIMEOUT_S) -> tupl
 
     def fetch() -> None:
         try:
-            from publisher.io import hub
 
             found.extend(flavor_table.from_hub(hub.client(token).list_jobs_hardware()))
         except Exception as exc:  # reported at debug level: the table is the documented fallback

@@ -13,6 +13,7 @@ from typing import Any
 
 from publisher.errors import TargetError, UsageError
 from publisher.flavors import Flavor, find
+from publisher.io.tokens import TokenRights
 from publisher.recipes import Recipe
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,6 @@ def check_flavor(recipes: Sequence[Recipe], name: str, flavors: Sequence[Flavor]
 
 def check_token_can_run_jobs(who: dict[str, Any], namespace: str) -> None:
     """A read token cannot publish; a fine-grained token needs the job.write permission on ``namespace``."""
-    from publisher.io.tokens import TokenRights
 
     rights = TokenRights.of(who)
     if rights.role == "read":

@@ -29,6 +29,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from publisher import __version__
+
 if TYPE_CHECKING:
     from huggingface_hub import HfApi
 
@@ -190,7 +192,6 @@ def client(token: str | None) -> HfApi:
 def _client(token: str | None, endpoint: str) -> HfApi:
     from huggingface_hub import HfApi
 
-    from publisher import __version__
 
     return HfApi(endpoint=endpoint, token=token, library_name="hf-ao-publish", library_version=__version__)
 

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from publisher.errors import InputError
+from publisher.io.localfiles import open_regular
 
 MiB = 1024 * 1024
 CONFIG_LIMIT = 16 * MiB  # model_index.json and every *config.json
@@ -61,7 +62,6 @@ def read_object(path: Path, what: str | None = None, limit: int | None = None,
                 roots: tuple[Path, ...] | None = None) -> dict[str, Any]:
     """A local JSON file as an object: its size is checked before it is read, and it is opened with
     ``localfiles.open_regular`` (no FIFO, no device; ``roots``: where its resolved path must lie)."""
-    from publisher.io.localfiles import open_regular
 
     what = what or str(path)
     limit = limit_for(Path(path).name) if limit is None else limit

@@ -25,6 +25,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from publisher import __version__
+
 # hf_xet reads these when it builds a session (HF_XET_<GROUP>_<FIELD>). Measured here (benchmarks/bench_xet.py and
 # docs/benchmarks.md, a 2 GiB file of non-repeating data from the loopback Hub's Xet store, fresh process each):
 # hf_xet's defaults 1.12-1.19 GiB peak RSS; 128 MB of download buffer 0.41-0.43 GiB; these (64 MB) 0.29 GiB, at the
@@ -93,7 +95,6 @@ def upload_stream(repo_id: str, chunks: Iterable[bytes | memoryview], *, token: 
     from huggingface_hub import constants
     from huggingface_hub.utils import build_hf_headers
 
-    from publisher import __version__
 
     headers = build_hf_headers(token=token or None, library_name="hf-ao-publish", library_version=__version__)
     refresh = f"{constants.ENDPOINT.rstrip('/')}/api/models/{repo_id}/xet-write-token/{revision}"

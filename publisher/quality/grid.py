@@ -26,7 +26,10 @@ from pathlib import Path
 from typing import Any
 
 from publisher import adapters
-from publisher.quality.sources import Weights
+from publisher.io.jsonfile import read_object
+from publisher.quality.sources import Weights, load_whole
+from publisher.streaming.shards import TensorReader, build_index
+from publisher.verify.streaming import BLOCK_BUDGET, BlockLoader, meta_model
 
 log = logging.getLogger(__name__)
 
@@ -138,10 +141,6 @@ class Offloaded:
         import torch
         from diffusers import DiffusionPipeline
 
-        from publisher.io.jsonfile import read_object
-        from publisher.quality.sources import load_whole
-        from publisher.streaming.shards import TensorReader, build_index
-        from publisher.verify.streaming import BLOCK_BUDGET, BlockLoader, meta_model
 
         built: dict[str, Any] = {}
         for name, (library, class_name, weights) in self.models.items():

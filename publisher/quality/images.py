@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from publisher.quality import perceptual
 from publisher.quality.budget import Deadline
 
 log = logging.getLogger(__name__)
@@ -80,7 +81,6 @@ def perceptual_figures(figures: Any, pairs: list[tuple[Any, Any]], deadline: Dea
     """LPIPS of every pair into ``figures.lpips``, or why not into ``figures.lpips_reason``: its weights are not on this
     machine, or the pairs do not fit what is left of --eval-budget (all pairs or none, so that the figure the card and
     the gate read is the worst of all images)."""
-    from publisher.quality import perceptual
 
     try:
         metric = perceptual.load()
@@ -108,7 +108,6 @@ def perceptual_figures(figures: Any, pairs: list[tuple[Any, Any]], deadline: Dea
 
 def metrics_note(figures: Any) -> str:
     """Which metrics the card's figures are, for its text."""
-    from publisher.quality import perceptual
 
     if figures.lpips:
         return f"PSNR, SSIM and {perceptual.NAME} against the base's image"

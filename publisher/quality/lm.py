@@ -21,7 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from publisher.loadpath import forward
 from publisher.quality.sources import Weights
+from publisher.streaming.shards import TensorReader, build_index
+from publisher.verify.inpass import InPassForward
+from publisher.verify.streaming import BLOCK_BUDGET, BlockLoader, meta_model
 
 log = logging.getLogger(__name__)
 
@@ -75,14 +79,12 @@ def perplexity(nll: Any) -> float:
 
 def observer(library: str, class_name: str, config: dict[str, Any], ids: Any, label: str) -> Any:
     """The in-pass perplexity observer (an ``InPassForward`` whose inputs are the evaluation windows)."""
-    from publisher.verify.inpass import InPassForward
 
     return InPassForward(library, class_name, config, {"input_ids": ids}, f"{label} perplexity", prepare=nll_head(ids))
 
 
 def nll_after_pass(weights: Weights, library: str, class_name: str, config: dict[str, Any], ids: Any) -> Any:
     """Per-token NLL with one block of ``weights`` in memory at a time (after the pass)."""
-    from publisher.loadpath import forward
 
     with _loaded(weights, library, class_name, config) as model:
         nll_head(ids)(model)
@@ -146,8 +148,6 @@ class _loaded:
         self.args = (weights, library, class_name, config)
 
     def __enter__(self) -> Any:
-        from publisher.streaming.shards import TensorReader, build_index
-        from publisher.verify.streaming import BLOCK_BUDGET, BlockLoader, meta_model
 
         weights, library, class_name, config = self.args
         model = meta_model(library, class_name, config)

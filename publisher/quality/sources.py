@@ -14,7 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from publisher.streaming.shards import ShardSource
+from publisher import adapters, loadpath
+from publisher.fp8cpu import cpu_quantization_context
+from publisher.recipes import build_config
+from publisher.streaming.shards import LocalShards, ShardSource, TensorReader, build_index
 
 if TYPE_CHECKING:  # types only
     from publisher.recipes import Recipe
@@ -42,8 +45,6 @@ class Requantize:
 
     def __init__(self, library: str, class_name: str, config_dir: Path, recipe: Recipe, exclude: list[str],
                  component: str) -> None:
-        from publisher import adapters
-        from publisher.recipes import build_config
 
         self.recipe = recipe
         # the config this component got (a per-component --quant gives each its own; "" is a transformers model)
@@ -77,7 +78,6 @@ class Requantize:
     @contextmanager
     def _context(self) -> Iterator[None]:
         if getattr(self.recipe, "cpu_producible", False):
-            from publisher.fp8cpu import cpu_quantization_context
 
             with cpu_quantization_context(self.recipe):
                 yield
@@ -98,7 +98,6 @@ def component_weights(library: str, class_name: str, base: ShardSource, config_d
 
 def local_shards(folder: Path) -> ShardSource | None:
     """The saved safetensors of a component folder, or None when they are not on disk."""
-    from publisher.streaming.shards import LocalShards
 
     files = sorted(p.name for p in folder.glob("*.safetensors"))
     index = next(iter(folder.glob("*.safetensors.index.json")), None)
@@ -116,8 +115,6 @@ def local_shards(folder: Path) -> ShardSource | None:
 def load_whole(model: Any, weights: Weights, library: str) -> Any:
     """Every tensor of ``weights`` into the meta-device ``model`` (the manual load path: ``load_into``), for a component
     small enough to stay in memory while the evaluation runs."""
-    from publisher import adapters, loadpath
-    from publisher.streaming.shards import TensorReader, build_index
 
     index = build_index(weights.source)
     with TensorReader(weights.source, index) as reader:

@@ -28,12 +28,18 @@ from typing import TYPE_CHECKING, Any
 from publisher import adapters
 from publisher.errors import SourceError, UsageError
 from publisher.handoffs.plan import DENOISERS
-from publisher.quality import grid, lm, options
+from publisher.io.jsonfile import read_object
+from publisher.quality import grid, lm, memory, options, perceptual
+from publisher.quality import images as im
 from publisher.quality.budget import Deadline
+from publisher.quality.gridrun import GridRun
 from publisher.quality.options import Settings
 from publisher.quality.reference import References, Step, continuation
 from publisher.quality.sources import Weights, component_weights, local_shards
-from publisher.quality.text import MIN_WINDOW, EvalText
+from publisher.quality.text import MIN_WINDOW, EvalText, unreadable, windows
+from publisher.quality.text import read_text as read
+from publisher.stages.card_usage import output_kind
+from publisher.streaming.shards import HubShards, build_index
 from publisher.verify.streaming import BLOCK_BUDGET
 
 if TYPE_CHECKING:  # types only
@@ -61,7 +67,6 @@ def check_measurable(settings: Settings, plan: Plan, token: str | None) -> None:
     weights are not on this machine."""
     lpips_bound = [b for b in settings.bounds if b.metric == "lpips"]
     if settings.enabled and lpips_bound and kind_of(plan) == options.PIPELINE:
-        from publisher.quality import perceptual
 
         try:
             perceptual.locate()
@@ -80,7 +85,6 @@ def check_measurable(settings: Settings, plan: Plan, token: str | None) -> None:
                     "so); add the tokenizer's files to the base for them", plan.source.model_id)
         return
     if bounded and not settings.explicit_dataset:
-        from publisher.quality.text import unreadable
 
         reason = unreadable(settings.dataset, token)
         if reason:
@@ -91,7 +95,6 @@ def check_measurable(settings: Settings, plan: Plan, token: str | None) -> None:
 
 def read_text(settings: Settings, plan: Plan, token: str | None) -> EvalText | None:
     """The evaluation text of a causal LM (None for other models, with the evaluation off, or without a tokenizer)."""
-    from publisher.quality.text import read_text as read
 
     if not settings.enabled or kind_of(plan) != options.CAUSAL_LM or not plan.source.has_tokenizer:
         return None
@@ -142,8 +145,6 @@ class Evaluation:
             self._windows()
 
     def _windows(self) -> None:
-        from publisher.io.jsonfile import read_object
-        from publisher.quality.text import windows
 
         if not self.plan.source.has_tokenizer:
             self.text_reason = NO_TOKENIZER
@@ -179,7 +180,6 @@ class Evaluation:
         """The in-pass perplexity observer for a streamed causal LM (None otherwise)."""
         if self.ids is None or not adapters.of(comp.library).token_inputs:
             return None
-        from publisher.verify.streaming import BLOCK_BUDGET
 
         text = config.get("text_config") or config
         table = int(text.get("vocab_size") or 0) * int(text.get("hidden_size") or 0) * 2
@@ -208,7 +208,6 @@ class Evaluation:
 
     def _lm(self, artifacts: Artifacts, base_sources: dict[str, Any], pass_seconds: float, recipe: Recipe,
             deadline: Deadline) -> lm.LmFigures:
-        from publisher.io.jsonfile import read_object
 
         comp = artifacts.components[0]
         config = read_object(self.configs / "config.json")
@@ -288,9 +287,6 @@ class Evaluation:
               deadline: Deadline) -> grid.GridFigures:
         import torch
 
-        from publisher.quality import memory
-        from publisher.quality.gridrun import GridRun
-        from publisher.stages.card_usage import output_kind
 
         prompts = (([self.settings.prompt] if self.settings.prompt else []) + list(grid.PROMPTS))[:3]
         figures = grid.GridFigures(prompts=prompts, seeds=list(range(len(prompts))), budget_s=round(self.budget_s, 1),
@@ -352,7 +348,6 @@ class Evaluation:
             figures.reason = figures.reason or f"--eval-budget ({self.budget_s:.0f} s) ran out before the first pair of images"
             figures.prompts, figures.seeds = [], []
             return figures
-        from publisher.quality import images as im
 
         figures.prompts, figures.seeds = figures.prompts[:len(pairs)], figures.seeds[:len(pairs)]
         im.perceptual_figures(figures, pairs, deadline)
@@ -387,7 +382,6 @@ class Evaluation:
                           recipe: Recipe) -> tuple[dict[str, Any], dict[str, int], str]:
         """component -> (library, class, (base weights, quantized weights)) for every model component with weights; their
         bytes (read from the safetensors headers); where the quantized weights come from."""
-        from publisher.streaming.shards import HubShards, build_index
 
         models: dict[str, Any] = {}
         sizes: dict[str, int] = {}

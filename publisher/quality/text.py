@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from publisher.errors import SourceError
+from publisher.io import hub
 from publisher.quality.options import DatasetSpec
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,6 @@ def unreadable(spec: DatasetSpec, token: str | None) -> str:
     from huggingface_hub import constants
     from huggingface_hub import errors as hub_errors
 
-    from publisher.io import hub
 
     if constants.HF_HUB_OFFLINE:
         return "cannot be read offline (HF_HUB_OFFLINE is set, and the text is streamed from the Hub)"

@@ -19,6 +19,9 @@ from pathlib import Path
 from publisher.errors import InputError
 from publisher.handoffs.plan import Source
 from publisher.io import jsonfile
+from publisher.io.localfiles import open_regular
+from publisher.streaming.safetensors_io import read_header
+from publisher.streaming.shards import RangeFile
 from publisher.streaming.validate import HeaderEntry
 
 Header = tuple[dict[str, str], dict[str, HeaderEntry]]  # (``__metadata__``, tensors by name) of one safetensors file
@@ -48,17 +51,14 @@ def check_base(source: Source, files: Sequence[str], token: str | None) -> dict[
 
 
 def _header(source: Source, path: str, token: str | None) -> Header:
-    from publisher.streaming.safetensors_io import read_header
 
     where = source.where(path)
     if source.local_dir is not None:
-        from publisher.io.localfiles import open_regular
 
         with open_regular(source.local_dir / path, source.roots()) as local:
             return read_header(local, where)
     from huggingface_hub import hf_hub_url
 
-    from publisher.streaming.shards import RangeFile
 
     url = hf_hub_url(source.repo_id, path, revision=source.sha)  # type: ignore[arg-type]
     with RangeFile(url, token, where) as remote:

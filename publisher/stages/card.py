@@ -17,6 +17,8 @@ from publisher.handoffs.artifacts import Artifacts
 from publisher.handoffs.plan import DENOISERS, Plan
 from publisher.handoffs.report import VerifyReport
 from publisher.runtime import logs
+from publisher.stages import card_config
+from publisher.stages.card_usage import manual_functions, usage
 from publisher.verify import claims
 
 TEMPLATE_NAME = "modelcard.md.j2"
@@ -150,8 +152,6 @@ def environment() -> Any:
 def render(plan: Plan, artifacts: Artifacts, report: VerifyReport, target: str | None, inputs: CardInputs,
            folder: Path | None = None) -> str:
     """The card. ``target``: the repo id a push would use (None: none chosen; the snippets then load ``folder``)."""
-    from publisher.stages import card_config
-    from publisher.stages.card_usage import manual_functions, usage
 
     recipe = artifacts.recipe
     data = card_data(plan, artifacts)

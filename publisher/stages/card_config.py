@@ -12,7 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from publisher import adapters
+from publisher.configs.facts import facts_for
 from publisher.configs.render import canonical
+from publisher.configs.syntax import imports_for
 from publisher.handoffs.artifacts import Artifacts, QuantizedComponent
 from publisher.recipes import Recipe
 
@@ -51,7 +53,6 @@ def _expression(recipe: Recipe, component: str, variable: str) -> tuple[str, lis
 def python(recipe: Recipe, components: list[Any], kind: str, base: str, stored: dict[str, dict[str, Any]]) -> str:
     """The Python that builds this repo's quantization config, runnable as is; the comment line is the call that
     quantizes the base the same way (``components``: the quantized ones, stages.quantize.QuantizedComponent)."""
-    from publisher.configs.syntax import imports_for
 
     specs = recipe.specs()
     torchao_names = {n for s in specs for n in s.names} | ({"FqnToConfig"} if recipe.layers else set())
@@ -130,7 +131,6 @@ def section(recipe: Recipe, artifacts: Artifacts, kind: str, base: str) -> Confi
 def hardware_rows(recipe: Recipe, comps: list[Any]) -> list[dict[str, str]]:
     """One row per config this repo applies: where (component and layer count), the tensor it made, its storage and
     its hardware (configs/facts.py)."""
-    from publisher.configs.facts import facts_for
 
     where: dict[str, dict[str, int]] = {}
     configs: dict[str, Any] = {}

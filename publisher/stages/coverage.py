@@ -15,6 +15,7 @@ from typing import Any
 
 from publisher.errors import QuantizeError
 from publisher.handoffs.artifacts import KeptKind, LayerReport
+from publisher.loadpath import meta_model
 
 _LABEL = {"library": "Linear kept by the library's rules", "exclude": "Linear kept with --exclude",
           "layer-config": "Linear kept by --layer-config", "skipped": "Linear skipped by torchao",
@@ -58,7 +59,6 @@ def layer_report(library: str, class_name: str, config_folder: Path, quantized: 
     others were kept by the library's own rules."""
     import torch
 
-    from publisher.loadpath import meta_model
 
     model = meta_model(library, class_name, _config(config_folder))
     kinds: dict[str, KeptKind] = {}

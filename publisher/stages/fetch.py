@@ -12,6 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, BinaryIO
 
 from publisher.handoffs.plan import Component, Plan
+from publisher.io.downloads import download
+from publisher.io.integrity import HashedReader, SpillingHashedReader
+from publisher.streaming.shards import HubShards, LocalShards
 
 if TYPE_CHECKING:
     from publisher.streaming.shards import HubShards, ShardSource
@@ -34,7 +37,6 @@ def _download(plan: Plan, files: list[str], token: str | None) -> Path:
     source = plan.source
     if source.local_dir is not None:
         return source.local_dir
-    from publisher.io.downloads import download
 
     total = sum(source.sizes.get(f, 0) for f in files)
     log.info("downloading %d files (%.1f MB) of %s, each checked against the Hub's sha256", len(files), total / 1e6,
@@ -62,7 +64,6 @@ class RemoteWeights:
         return [f[len(prefix):] for f in weight_files(self.plan, comp)]
 
     def source(self, comp: Component) -> HubShards:
-        from publisher.streaming.shards import HubShards
 
         src = self.plan.source
         return HubShards(src.repo_id, src.sha, comp.name, self.token, listing=self.listing(comp))  # type: ignore[arg-type]
@@ -80,7 +81,6 @@ class RemoteWeights:
 def base_sources(plan: Plan, base_dir: Path, remote: RemoteWeights | None) -> dict[str, ShardSource]:
     """Where each quantized component's bf16 base is read for the quality figures (one block at a time):
     the downloaded folder, or HTTP range reads under --low-disk."""
-    from publisher.streaming.shards import LocalShards
 
     sources: dict[str, ShardSource] = {}
     for comp in plan.quantized:
@@ -102,7 +102,6 @@ class HashedShards:
         self.prefix = f"{comp.name}/" if comp.name else ""
 
     def open(self, name: str) -> BinaryIO:
-        from publisher.io.integrity import SpillingHashedReader
 
         src = self.plan.source
         label = f"{self.prefix}{name} of {src.repo_id}@{(src.sha or '')[:12]}"
@@ -112,7 +111,6 @@ class HashedShards:
     def release(self, shard: object) -> None:
         """The engine read the whole shard: compare its running hash with the Hub's before anything is committed
         (a mismatch stops the run; output shards already pre-uploaded belong to no commit)."""
-        from publisher.io.integrity import HashedReader, SpillingHashedReader
 
         if isinstance(shard, HashedReader):
             shard.finish(after="nothing was committed")

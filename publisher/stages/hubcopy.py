@@ -28,6 +28,7 @@ from typing import Any
 from publisher.errors import SourceError
 from publisher.handoffs.plan import Plan
 from publisher.io import hub, xetupload
+from publisher.streaming.shards import RangeFile
 from publisher.verify.commit_hashes import CommitFile, git_blob_id
 
 log = logging.getLogger(__name__)
@@ -257,7 +258,6 @@ class HubCopy:
     def _regular(self, path: str, want: CommitFile) -> None:
         from huggingface_hub import CommitOperationAdd
 
-        from publisher.streaming.shards import RangeFile
 
         data = RangeFile(self._url(path), self.token, f"{self.plan.source.display}/{path}").read(want.size)
         if len(data) != want.size or git_blob_id(data) != want.git_oid:
@@ -268,7 +268,6 @@ class HubCopy:
         self.copied.append(Copied(path, want.size, want.size, False))
 
     def _lfs(self, path: str, want: CommitFile) -> None:
-        from publisher.streaming.shards import RangeFile
 
         assert want.sha256 is not None
         name = f"{self.plan.source.display}/{path}"
@@ -317,7 +316,6 @@ class HubCopy:
         from huggingface_hub import CommitOperationAdd
         from huggingface_hub.lfs import UploadInfo
 
-        from publisher.streaming.shards import RangeFile
 
         assert want.sha256 is not None
         op = CommitOperationAdd(path_in_repo=path, path_or_fileobj=b"")  # reads nothing: the source is set below

@@ -16,7 +16,11 @@ from dataclasses import replace
 from typing import Any
 
 from publisher import adapters, recipe_args
+from publisher.configs.facts import facts_for
 from publisher.configs.layers import LayerTable
+from publisher.configs.probe import quantized_weight
+from publisher.configs.render import canonical
+from publisher.configs.syntax import first_line
 from publisher.errors import UsageError
 from publisher.handoffs.plan import Component
 from publisher.recipes import Recipe
@@ -105,7 +109,6 @@ def check_table(comp: Component, table: LayerTable) -> None:
 
 def check(recipe: Recipe, quantized: list[Any], exclude: list[str]) -> None:
     """The module docstring's checks, for every quantized component of one recipe."""
-    from publisher.configs.render import canonical
 
     probes: dict[tuple[int, int, str], str | None] = {}
     for comp in quantized:
@@ -138,7 +141,6 @@ def check(recipe: Recipe, quantized: list[Any], exclude: list[str]) -> None:
 def _gpu_only(config: Any) -> bool:
     """Formats torchao makes only on a GPU: the hardware check refuses them on a CPU, and their layer rules (int4
     tinygemm leaves a non-multiple of its group size alone) are torchao's own, checked where they are made."""
-    from publisher.configs.facts import facts_for
 
     facts = facts_for(config)
     return facts.quantize.cuda
@@ -150,8 +152,6 @@ def _probe(config: Any, shape: tuple[int, int]) -> str | None:
     import torch
     from torchao.quantization import quantize_
 
-    from publisher.configs.probe import quantized_weight
-    from publisher.configs.syntax import first_line
 
     errors = (AssertionError, RuntimeError, ValueError, TypeError, NotImplementedError)
     try:

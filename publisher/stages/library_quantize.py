@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from publisher import adapters
-from publisher.errors import QuantizeError
+from publisher.errors import QuantizeError, VerificationError
+from publisher.fp8cpu import check_dequantized, cpu_quantization_context
 from publisher.handoffs.artifacts import QuantizedComponent
 from publisher.handoffs.plan import Component, Plan
 from publisher.io.jsonfile import read_object
@@ -34,8 +35,6 @@ class Fp8Bound:
         pass
 
     def tensor(self, key: str, value: Any, weight: Any) -> None:
-        from publisher.errors import VerificationError
-        from publisher.fp8cpu import check_dequantized
 
         if type(weight).__name__ != "Float8Tensor":
             return
@@ -54,7 +53,6 @@ class Fp8Bound:
 def quantize_component(plan: Plan, base_dir: Path, comp: Component, recipe: Recipe, out: Path,
                         device: str, max_shard_size: int | str | None = None) -> tuple[Any, QuantizedComponent]:
 
-    from publisher.fp8cpu import cpu_quantization_context
 
     config = build_config(recipe, comp.name)
     # On a GPU the libraries quantize layer by layer as they load (device_map); on a CPU they load

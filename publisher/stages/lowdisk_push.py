@@ -31,7 +31,11 @@ from typing import TYPE_CHECKING, Any
 
 from publisher.errors import VerificationError
 from publisher.io import hub
+from publisher.stages.hubcopy import HubCopy, base_hashes, unchanged_files
+from publisher.stages.push import PushResult, commit_operations, published_state
+from publisher.streaming.shards import LocalShards
 from publisher.verify.commit_hashes import CommitFile, check_commit, check_uploaded, of_file, of_operation
+from publisher.verify.streaming import check_tensors
 
 if TYPE_CHECKING:
     from publisher.handoffs.plan import Plan
@@ -222,8 +226,6 @@ class _Component:
                 self.up.upload(self.folder / f)
 
     def _check(self, names: list[str]) -> None:
-        from publisher.streaming.shards import LocalShards
-        from publisher.verify.streaming import check_tensors
 
         files = sorted({f for t in names for f in self.files_of[t]})
         wanted = {n: self.digests.get(n, "") for n in names}
@@ -254,7 +256,6 @@ def size_bytes(value: str | int) -> int:
 def staging(plan: Plan, staged: bool, max_shard_size: str | None) -> tuple[int | None, frozenset[str]]:
     """(output shard size in bytes, or None for the library's default; the unchanged base files that go from the base
     repo to the target without touching the disk). ``staged``: output shards leave the disk as they are made."""
-    from publisher.stages.hubcopy import unchanged_files
 
     shard = size_bytes(max_shard_size or LOW_DISK_SHARD) if max_shard_size or staged else None
     return shard, frozenset(unchanged_files(plan)) if staged and plan.source.repo_id else frozenset()
@@ -264,7 +265,6 @@ def open_uploader(plan: Plan, target: str, token: str | None, private: bool, roo
                   shard_size: int | None, unchanged: frozenset[str], after: HubCopy | None = None) -> tuple[ShardUploader, bool]:
     """The uploader of one recipe's target (created if needed: True then), with the copy of ``unchanged`` base files
     from the base repo to the target already under way (``after``: once that copy, another recipe's, is done)."""
-    from publisher.stages.hubcopy import HubCopy, base_hashes
 
     created = ensure_repo(target, token, private)
     uploader = ShardUploader(target, token, root, tensor_class, shard_size or size_bytes(LOW_DISK_SHARD))
@@ -304,7 +304,6 @@ def push_staged(folder: Path, report: VerifyReport, uploader: ShardUploader, *, 
     must hold."""
     from huggingface_hub import CommitOperationAdd
 
-    from publisher.stages.push import PushResult, commit_operations, published_state
 
     api, repo_id = uploader.api, uploader.repo_id
     if not report.passed:

@@ -16,7 +16,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from publisher.loadpath import forward, load_component
+from publisher.loadpath import forward, load_call, load_component
+from publisher.runtime import procs
 
 if TYPE_CHECKING:
     from publisher.handoffs.artifacts import QuantizedComponent
@@ -92,7 +93,6 @@ def latency_ms(model: Any, library: str, inputs: dict[str, Any], device: str, it
 def _measure(folder: Path, library: str, class_name: str, inputs_file: Path, device: str, iters: int, compile: bool) -> dict[str, Any]:
     import torch
 
-    from publisher.loadpath import load_call
 
     with gpu_memory(device) as mem:
         model = load_component(library, class_name, folder, device=device)
@@ -184,7 +184,6 @@ def _in_subprocess(request: dict[str, Any]) -> dict[str, Any]:
     import sys
     import tempfile
 
-    from publisher.runtime import procs
 
     with tempfile.TemporaryDirectory(prefix="hf-ao-bench-") as tmp:
         req = Path(tmp) / "request.json"

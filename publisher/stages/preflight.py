@@ -11,6 +11,9 @@ from pathlib import Path
 
 from publisher.errors import ResourceError
 from publisher.handoffs.plan import Plan
+from publisher.stages.fetch import weight_files
+from publisher.stages.hubcopy import unchanged_files
+from publisher.stages.lowdisk_push import LOW_DISK_SHARD, OVERLAP, size_bytes
 
 log = logging.getLogger(__name__)
 
@@ -36,9 +39,6 @@ def estimate(plan: Plan, engine: str = "auto", low_disk: bool = False, push: boo
     """``low_disk`` and ``push``: output shards are uploaded and deleted as they are finished, so the output folder
     holds about one shard plus lowdisk_push.OVERLAP at a time, and the files the run does not change go from the base
     repo to the target without touching the disk."""
-    from publisher.stages.fetch import weight_files
-    from publisher.stages.hubcopy import unchanged_files
-    from publisher.stages.lowdisk_push import LOW_DISK_SHARD, OVERLAP, size_bytes
 
     src = plan.source
     staged = low_disk and push

@@ -24,6 +24,7 @@ from publisher.handoffs.report import VerifyReport
 from publisher.handoffs.statefile import STATE_FILE
 from publisher.io import hub
 from publisher.io.jsonfile import read_object
+from publisher.io.tokens import TokenRights
 from publisher.verify.commit_hashes import CommitFile, check_uploaded, of_file
 
 log = logging.getLogger(__name__)
@@ -226,7 +227,6 @@ def check_writable(repo_id: str, token: str | None, who: dict[str, Any] | None =
     """Preflight: the token is valid and may create or write the target (its namespace membership and, for a
     read-only or fine-grained token, its permissions). ``who``: whoami-v2's answer, when already read. Returns the
     user name."""
-    from publisher.io.tokens import TokenRights
 
     if not token:
         raise TargetError("pushing needs a Hub token with write access; set HF_TOKEN (or pass --token), or use --no-push")

@@ -24,9 +24,15 @@ from publisher.handoffs.artifacts import Artifacts, QuantizedComponent
 from publisher.handoffs.plan import Component, Plan
 from publisher.handoffs.report import ForwardInputs
 from publisher.io.jsonfile import read_object
+from publisher.io.localfiles import allowed_roots, copy_regular
+from publisher.loadpath import load_call
 from publisher.recipes import Recipe
 from publisher.runtime import progress
+from publisher.stages.coverage import layer_report, require_quantized
+from publisher.stages.library_quantize import Fp8Bound, fp8_dequant_check, quantize_component
 from publisher.stages.unfinished import make_partial, remove_partial
+from publisher.streaming import StreamJob, StreamResult, stream_quantize_many, supports
+from publisher.verify.inpass import InPassForward, Together
 
 if TYPE_CHECKING:
     from collections.abc import Callable, Sequence
@@ -165,7 +171,6 @@ def _write_error(partial: Path, exc: OSError) -> QuantizeError:
 def _reused_or_library(plan: Plan, base_dir: Path, comp: Component, src: Path, t: RecipeTarget, engine: str,
                        remote: RemoteWeights | None, max_shard_size: int | str | None) -> bool:
     """``comp`` for one recipe from its resume cache, or by the library path; False: the streaming engine takes it."""
-    from publisher.stages.library_quantize import fp8_dequant_check, quantize_component
 
     recipe, device, dst = t.recipe, t.device, t.dst(comp)
     reused = t.cache.load(comp.name, dst) if t.cache is not None else None
@@ -219,7 +224,6 @@ def _kept_on_purpose(recipe: Recipe, comp: Component, qc: QuantizedComponent, ex
 def report_layers(artifacts: Artifacts, base_dir: Path, allow_unquantized: bool) -> None:
     """What each component's quantization covered (coverage.py); QuantizeError for a component with no quantized
     layer unless ``allow_unquantized`` (then the card says so)."""
-    from publisher.stages.coverage import layer_report, require_quantized
 
     for c in artifacts.components:
         artifacts.layers[c.name] = layer_report(c.library, c.class_name, base_dir / c.name if c.name else base_dir,
@@ -230,7 +234,6 @@ def report_layers(artifacts: Artifacts, base_dir: Path, allow_unquantized: bool)
 
 
 def _streaming_reason(comp: Component, src: Path, recipe: Recipe, device: str, remote: RemoteWeights | None) -> str | None:
-    from publisher.streaming import supports
 
     listing = remote.listing(comp) if remote is not None else ()
     return supports(comp.library, src, recipe, class_name=comp.class_name, device=device, remote_files=listing,
@@ -243,9 +246,6 @@ def _stream_component(plan: Plan, src: Path, comp: Component, group: Sequence[Re
                       extra: Observers | None = None) -> list[QuantizedComponent | PublishError]:
     """One read of ``comp`` for every recipe of ``group`` (one device): each its own observers (FP8 bound, forward
     checks, perplexity) and sink; a QuantizedComponent, or the recipe's error, per target."""
-    from publisher.stages.library_quantize import Fp8Bound
-    from publisher.streaming import StreamJob, StreamResult, stream_quantize_many
-    from publisher.verify.inpass import Together
 
     # several recipes: one quantize call or quantized block forward at a time (memory: verify/inpass.py)
     gate = threading.RLock() if len(group) > 1 else None
@@ -317,8 +317,6 @@ def _in_pass_forward(src: Path, comp: Component, device: str, spec: ForwardInput
     """The forward passes of verification, run while the engine holds each tensor (verify/inpass.py): on a CPU,
     for components the run derived forward inputs for (``spec``: verify/capture.py, the same call the checks
     after the pass would replay)."""
-    from publisher.loadpath import load_call
-    from publisher.verify.inpass import InPassForward
 
     if device != "cpu":
         return None  # the block-by-block forward runs on the CPU; tensors quantized on a GPU stay there
@@ -332,7 +330,6 @@ def _copy_unchanged(plan: Plan, base_dir: Path, out: Path, elsewhere: frozenset[
     """Everything but the quantized components' weights, the base card (replaced by ours) and ``elsewhere`` (copied
     Hub to Hub), as plain files: a link is read only when it resolves inside the base folder (or the download
     cache's blobs of this repo), and never copied as a link (localfiles)."""
-    from publisher.io.localfiles import allowed_roots, copy_regular
 
     roots = allowed_roots(base_dir)
     skip_prefixes = [f"{c.name}/" if c.name else "" for c in plan.quantized]

@@ -13,7 +13,9 @@ from typing import Any
 
 from publisher.errors import SourceError, UsageError
 from publisher.handoffs.plan import Source
+from publisher.io import hub
 from publisher.io.integrity import hashes_of
+from publisher.io.localfiles import allowed_roots, list_folder, named_folder, read_bytes
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,6 @@ def shown(model_id: str) -> str:
 def check_named_folder(model_id: str) -> None:
     """A MODEL_ID written as a path to a folder that does not exist (or a file) is a usage error that says so, before
     a token or the Hub is asked anything; otherwise it would be taken for a repo id and fail as one."""
-    from publisher.io.localfiles import named_folder
 
     named_folder(model_id, "MODEL_ID")
 
@@ -50,7 +51,6 @@ def resolve(model_id: str, revision: str | None, token: str | None) -> Source:
     if is_local(model_id):
         if revision:
             raise UsageError(f"--revision {revision!r} only applies to a Hub repo, not the local folder {model_id}")
-        from publisher.io.localfiles import allowed_roots, list_folder, read_bytes
 
         root = Path(model_id).expanduser().resolve()
         sizes = list_folder(root)  # refuses links that leave the folder, and special files
@@ -75,7 +75,6 @@ def resolve(model_id: str, revision: str | None, token: str | None) -> Source:
     from huggingface_hub.errors import RevisionNotFoundError
 
     try:
-        from publisher.io import hub
 
         info = hub.call(hub.client(token).model_info, model_id, revision=revision, files_metadata=True,
                           what=f"reading {model_id}")

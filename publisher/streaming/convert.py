@@ -26,7 +26,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from publisher import adapters
 from publisher.errors import PublishError, QuantizeError
+from publisher.fp8cpu import cpu_quantization_context
+from publisher.io.jsonfile import read_object, weight_map
+from publisher.recipes import build_config, cuda_capability
+from publisher.runtime.heap import peak_rss_bytes
+from publisher.streaming.engine import Lane, execute_lanes, remove_stale_shards
+from publisher.streaming.layout import build_layout
+from publisher.streaming.safetensors_io import read_header
+from publisher.streaming.shards import RangeIgnored
 from publisher.streaming.streamjob import FolderInputs, FolderSink, StreamJob
 
 if TYPE_CHECKING:
@@ -53,8 +62,6 @@ class StreamResult:
 
 def _static_reason(library: str, src_dir: Path, recipe: Recipe, device: str) -> str | None:
     """Checks that need no model: library, folder, device and hardware."""
-    from publisher import adapters
-    from publisher.recipes import cuda_capability
 
     if library not in adapters.LIBRARIES:
         return f"library {library!r} is not {' or '.join(adapters.LIBRARIES)}"
@@ -86,7 +93,6 @@ def _cpu_producible(recipe: Recipe) -> bool:
 
 def _default_device(recipe: Recipe) -> str:
     """cuda for recipes that need it when a fitting GPU is present, else cpu (the library path's choice)."""
-    from publisher.recipes import cuda_capability
 
     needs = recipe.quantize
     cc = cuda_capability() if needs.cuda else None
@@ -98,7 +104,6 @@ def _quantize_context(recipe: Recipe, device: str) -> AbstractContextManager[obj
     from contextlib import nullcontext
 
     if device == "cpu" and recipe.quantize.cuda:
-        from publisher.fp8cpu import cpu_quantization_context
 
         return cpu_quantization_context(recipe)
     return nullcontext()
@@ -108,16 +113,12 @@ def _component(library: str, src_dir: Path, recipe: Recipe, exclude: Sequence[st
                component: str = "") -> LibraryAdapter:
     """The meta-device component, prepared with the config ``component`` is quantized with (its own, per-component
     and per-layer included)."""
-    from publisher import adapters
-    from publisher.recipes import build_config
 
     return adapters.of(library)(src_dir, build_config(recipe, component), list(exclude), class_name)
 
 
 def _checkpoint_keys(src_dir: Path, comp: LibraryAdapter, inputs: ShardInputs | None) -> dict[str, str] | None:
     """Checkpoint key -> shard name, from the index; a single file is read (fetched if needed) for its header."""
-    from publisher.io.jsonfile import read_object, weight_map
-    from publisher.streaming.safetensors_io import read_header
 
     index = src_dir / comp.index_name
     if index.is_file():
@@ -195,9 +196,6 @@ def stream_quantize_many(jobs: Sequence[StreamJob], *, observers: Sequence[Tenso
     from the pass and its error returned in its place (the others go on); a failure of the read itself raises.
     Lists in the order of ``jobs``; what ``stream_quantize`` says of one job holds for each. ``gate`` (a re-entrant
     lock): held over each quantize call, shared with the observers' forward checks (verify/inpass.py): one at a time."""
-    from publisher.runtime.heap import peak_rss_bytes
-    from publisher.streaming.engine import execute_lanes
-    from publisher.streaming.shards import RangeIgnored
 
     src_dir = Path(jobs[0].src_dir)
     if any(Path(j.src_dir) != src_dir for j in jobs):
@@ -270,9 +268,6 @@ def _prepare(job: StreamJob, inputs: ShardInputs, keys: dict[str, str] | None, o
              sink: OutputSink) -> _Prepared:
     """Plan ``job`` on the meta device, tell its sink the layout, write its configs (``keys``: the checkpoint's keys
     when another job of the pass read them already)."""
-    from publisher.streaming.engine import Lane, remove_stale_shards
-    from publisher.streaming.layout import build_layout
-    from publisher.streaming.shards import RangeIgnored
 
     t_start = time.perf_counter()
     recipe = job.recipe

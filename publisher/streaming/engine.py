@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, BinaryIO
 
 from publisher.errors import PublishError, QuantizeError
+from publisher.loadpath import digest_header, digest_parts
 from publisher.runtime.heap import bound_heap, trim_memory
 from publisher.streaming import safetensors_io as stio
 from publisher.streaming.feed import Feed, Item
@@ -314,7 +315,6 @@ def _chunk(ctx: _Ctx, w: Work, item: Item) -> None:
 
 
 def _write_chunk(ctx: _Ctx, out: OutTensor, at: int, data: torch.Tensor, last: bool) -> None:
-    from publisher.loadpath import digest_header
 
     t0 = time.perf_counter()
     h = ctx.partial.get(out.name) or digest_header(out.dtype, out.shape)
@@ -370,7 +370,6 @@ def _observe(ctx: _Ctx, key: str, value: torch.Tensor, stored: torch.Tensor) -> 
 
 def _write(ctx: _Ctx, key: str, subclass: str | None, inner: list[str], writes: list[tuple[OutTensor, torch.Tensor]]) -> None:
     """(writer thread) Hash the tensor as it was in memory, then write its parts at their planned offsets."""
-    from publisher.loadpath import digest_parts
 
     t0 = time.perf_counter()
     by_name = {out.name: t for out, t in writes}

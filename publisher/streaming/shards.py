@@ -19,7 +19,10 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from publisher.errors import InputError, SourceError
+from publisher.io import hub
 from publisher.io.integrity import ForwardReader
+from publisher.io.jsonfile import read_object
+from publisher.io.localfiles import open_regular
 from publisher.streaming import safetensors_io as stio
 
 log = logging.getLogger(__name__)
@@ -39,13 +42,11 @@ class LocalShards:
         return sorted(p.name for p in self.folder.glob("*.safetensors"))
 
     def open(self, name: str) -> BinaryIO:
-        from publisher.io.localfiles import open_regular
 
         return open_regular(self.folder / name)  # unbuffered; never blocks on a FIFO; the caller closes it
 
     def json(self, name: str) -> dict[str, Any] | None:
         """A JSON file of the folder, through the one JSON reader (size limit, UTF-8, an object); None if absent."""
-        from publisher.io.jsonfile import read_object
 
         path = self.folder / name
         return read_object(path) if path.exists() else None
@@ -62,7 +63,6 @@ class HubShards:
 
     def files(self) -> list[str]:
         if self._listing is None:
-            from publisher.io import hub
 
             api = hub.client(self.token)
             every = hub.call(api.list_repo_files, self.repo_id, revision=self.revision, what=f"listing {self.repo_id}")
@@ -84,7 +84,6 @@ class HubShards:
         from huggingface_hub import hf_hub_download
         from huggingface_hub.errors import EntryNotFoundError
 
-        from publisher.io.jsonfile import read_object
 
         try:
             path = hf_hub_download(self.repo_id, name, subfolder=self.subfolder or None, revision=self.revision,
@@ -112,7 +111,6 @@ class RangeFile(ForwardReader):
         """Fill ``view`` from the current position (fewer bytes only at the end of the file)."""
         import time
 
-        from publisher.io import hub
 
         view = memoryview(view).cast("B")
         tries, delay = hub.settings()

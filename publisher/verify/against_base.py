@@ -26,7 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from publisher.errors import QuantizeError, SourceError
+from publisher.fp8cpu import allow_cpu_float8_quantization
 from publisher.handoffs.report import ContentCheck
+from publisher.loadpath import load_component, tensor_digest
 from publisher.verify import hashes as hashes_check
 from publisher.verify.declared import Declared
 from publisher.verify.target_layout import TargetComponent, read_json
@@ -141,8 +143,6 @@ def _needs_fp8_bypass(config: Any) -> bool:
 
 def requantize(comp: TargetComponent, declared: Declared, src: Path, dtype: str, device: str, base: Base) -> Any:
     """The base component loaded with the target's own quantization_config, as the target was made."""
-    from publisher.fp8cpu import allow_cpu_float8_quantization
-    from publisher.loadpath import load_component
 
     log.info("re-quantizing %s of %s with the declared %s (%s) for the reference", comp.label, base.display,
              declared.text, dtype)
@@ -161,7 +161,6 @@ def compare(comp: TargetComponent, reference: Any, target: Any, src: Path, stric
     """Every tensor of ``target`` (the loaded target) against ``reference`` (the base re-quantized): the content row
     and whether every tensor is bit-identical. ``strict``: why bit for bit is required (None: bounded where not
     bit-identical); ``what``: how the reference was made."""
-    from publisher.loadpath import tensor_digest
 
     ref, got = reference.state_dict(), target.state_dict()
     check = ContentCheck(comp.name, "against the base", True, "")

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING, Any
 
 from publisher import loadpath
 from publisher.handoffs.report import Expected, Quality
+from publisher.streaming.shards import build_index
+from publisher.verify import streaming as vs
 
 if TYPE_CHECKING:
     from publisher.streaming.shards import ShardSource
@@ -30,7 +32,6 @@ def quality_against_base(expected: list[Expected], base_sources: dict[str, Shard
     say which tensors stayed float32."""
     import torch
 
-    from publisher.verify import streaming as vs
 
     out: list[Quality] = []
     for exp in expected:
@@ -62,7 +63,6 @@ def loaded_dtypes(saved: ShardSource | None) -> Any:
     in (read from its saved headers; bfloat16 for quantized weights and anything not found)."""
     import torch
 
-    from publisher.streaming.shards import build_index
 
     dtypes: dict[str, Any] = {}
     if saved is not None:

@@ -14,7 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from publisher import loadpath
+from publisher.errors import VerificationError
 from publisher.handoffs.report import PathResult
+from publisher.io import hub
 
 CHUNK = 8 << 20
 
@@ -52,7 +55,6 @@ def check_uploaded(op: Any, ours: CommitFile, repo_id: str) -> None:
     """After a pre-upload: the sha256 the uploader computed from the bytes it read (hf_xet while chunking, or
     huggingface_hub before an LFS upload) must be the one taken here of the verified file; the commit names that
     digest, so a mismatch is refused before anything is committed."""
-    from publisher.errors import VerificationError
 
     if getattr(op, "_upload_mode", None) != "lfs":
         return  # a regular file is committed from its bytes; the Hub's git blob id is checked after the commit
@@ -75,8 +77,6 @@ def of_operation(op: Any) -> CommitFile:
 def check_commit(repo_id: str, revision: str, expected: dict[str, CommitFile], token: str | None,
                  component: str = "") -> PathResult:
     """Compare the Hub's record of ``revision`` with ``expected``, file by file; one ``PathResult``."""
-    from publisher import loadpath
-    from publisher.io import hub
 
     api = hub.client(token)
     info = hub.call(api.model_info, repo_id, revision=revision, files_metadata=True, what=f"reading the file hashes of {repo_id}")

@@ -30,6 +30,7 @@ from publisher import adapters
 from publisher.configs.probe import quantized_weight
 from publisher.errors import VerificationError
 from publisher.handoffs.report import Expected
+from publisher.loadpath import meta_model
 from publisher.verify import stored as stored_files
 from publisher.verify.stored import Stored, StoredSet, parse_flat
 from publisher.verify.target_layout import TargetComponent, weight_format
@@ -258,7 +259,6 @@ def check(comp: TargetComponent, declared: Declared, stored: StoredSet, model: A
 def check_saved(comp: TargetComponent, found: stored_files.StoredSet, where: str) -> tuple[Declared | None, DeclaredCheck]:
     """``comp``'s stored tensors (``found``: stored.describe_files, read once by the caller) against its declared
     config (``check``): (the rebuilt config, or None when it cannot be rebuilt, and the layer check)."""
-    from publisher.loadpath import meta_model
 
     try:
         decl = read_declared(comp, where)

@@ -20,7 +20,11 @@ from publisher import adapters, loadpath
 from publisher.errors import VerificationError
 from publisher.handoffs.artifacts import Artifacts
 from publisher.handoffs.report import PATHS, PLAIN_CLASSES, Expected, ForwardInputs, Mode, PathResult, VerifyReport
+from publisher.loadpath import save_call
+from publisher.streaming.shards import LocalShards
+from publisher.verify import streaming as vs
 from publisher.verify.closeness import quality_against_base
+from publisher.verify.declared import apply_to_expected
 from publisher.verify.inputs import token_inputs
 from publisher.verify.workers import run_workers
 
@@ -36,7 +40,6 @@ REFERENCE_IN_PASS = "the forward pass on the in-memory quantized tensors during 
 def default_inputs(artifacts: Artifacts, work: Path) -> dict[str, ForwardInputs]:
     """Forward inputs when the caller prepared none (verify/capture.py does, from the base pipeline): token ids for
     transformers models, from their signature and config; nothing for diffusers models, which need their pipeline."""
-    from publisher.loadpath import save_call
 
     out: dict[str, ForwardInputs] = {}
     for comp in artifacts.components:
@@ -134,8 +137,6 @@ def verify(
 
     ``base_sources``: component name -> shard source of its bf16 base (quality); default: ``base_dir``.
     ``inputs``: component name -> the inputs of its forward check (verify/capture.py); default: ``default_inputs``."""
-    from publisher.streaming.shards import LocalShards
-    from publisher.verify import streaming as vs
 
     work.mkdir(parents=True, exist_ok=True)
     mode, why = choose_mode(mode, artifacts, device)
@@ -219,7 +220,6 @@ def verify(
 def _declared_classes(artifacts: Artifacts, expected: list[Expected]) -> None:
     """Each layer's class, as its config implies it, read the way ``verify TARGET`` reads it (verify/declared.py: the
     saved files against their declared quantization_config); a layer stored otherwise fails here."""
-    from publisher.verify.declared import apply_to_expected
 
     folders = {e.component: artifacts.folder / e.component if e.component else artifacts.folder for e in expected
                if not artifacts.uploaded(e.component)}
@@ -231,7 +231,6 @@ def _declared_classes(artifacts: Artifacts, expected: list[Expected]) -> None:
 
 def _block_reference(exp: Expected, source: ShardSource) -> None:
     """A streamed component's expected output: one forward with its saved tensors loaded block by block."""
-    from publisher.verify import streaming as vs
 
     bf = vs.block_forward(source, exp.library, exp.class_name, vs.load_config(source), loadpath.load_call(exp.inputs))
     exp.output = bf.output

@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from publisher.handoffs.report import PassForward
+from publisher.loadpath import forward, to_meta
+from publisher.verify.streaming import blocks, meta_model, own_state
 
 if TYPE_CHECKING:
     from publisher.streaming.streamjob import TensorObserver
@@ -167,7 +169,6 @@ class InPassForward:
 
     # ------------------------------------------------------------ planning
     def _model(self) -> Any:
-        from publisher.verify.streaming import meta_model
 
         model = meta_model(self.library, self.class_name, self.config)
         if self.prepare is not None:
@@ -176,8 +177,6 @@ class InPassForward:
 
     def _plan(self, readable: set[str]) -> list[str] | None:
         """Trace the block order on the meta device; map each block's tensors to the checkpoint keys that hold them."""
-        from publisher.loadpath import forward, to_meta
-        from publisher.verify.streaming import blocks, own_state
 
         model = self._model()
         found = blocks(model, 0)
@@ -215,7 +214,6 @@ class InPassForward:
 
     # ------------------------------------------------------------ the forward threads
     def _attach(self, role: str, model: Any) -> None:
-        from publisher.verify.streaming import blocks
 
         for prefix, module, whole in blocks(model, 0):
             if prefix not in self.slots:
@@ -227,7 +225,6 @@ class InPassForward:
     def _loader(self, role: str, prefix: str, module: Any, whole: bool, saved: list) -> Any:
         import torch
 
-        from publisher.verify.streaming import own_state
 
         def hook(mod: Any, args: Any) -> None:
             # never wait for tensors holding the gate (a block inside a block): the engine may need it to deliver them
@@ -303,7 +300,6 @@ class InPassForward:
             return state
 
     def _run(self, role: str, model: Any) -> None:
-        from publisher.loadpath import forward
 
         started = time.thread_time()
         try:

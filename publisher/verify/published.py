@@ -16,9 +16,11 @@ from typing import TYPE_CHECKING
 
 from publisher.errors import VerificationError
 from publisher.handoffs.report import PathResult, VerifyReport
+from publisher.streaming.shards import HubShards
 from publisher.verify.closeness import quality_against_base
 from publisher.verify.commit_hashes import CommitFile, check_commit
 from publisher.verify.full import check_location
+from publisher.verify.streaming import streaming_check
 
 if TYPE_CHECKING:
     from publisher.handoffs.artifacts import Artifacts
@@ -35,8 +37,6 @@ def check_pull_request(artifacts: Artifacts, report: VerifyReport, repo_id: str,
     """--low-disk push whose forward pass did not run during quantization: the shards left the disk after their
     tensor-by-tensor check, so the block-by-block forward (and the quality figures) run on the pull request's commit
     over HTTP range, before the merge. Updates ``report``; raises VerificationError when a check fails."""
-    from publisher.streaming.shards import HubShards
-    from publisher.verify.streaming import streaming_check
 
     todo = {e.component for e in report.expected if artifacts.uploaded(e.component) and e.output is None}
     results = []
@@ -65,8 +65,6 @@ def check_published(report: VerifyReport, repo_id: str, commit: str, work: Path,
     results = [check_commit(repo_id, commit, files, token)] if files else []
     if recheck:
         if report.mode == "streaming":
-            from publisher.streaming.shards import HubShards
-            from publisher.verify.streaming import streaming_check
 
             reloads = [streaming_check(exp, HubShards(repo_id, commit, exp.component, token),
                                        report.tensor_class, forward_optional=forward_optional) for exp in report.expected]

@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from publisher.loadpath import NotApplicable, read_pickled
+from publisher.streaming.safetensors_io import read_header
 from publisher.verify.target_layout import PICKLE
 
 log = logging.getLogger(__name__)
@@ -66,7 +68,6 @@ def describe_files(folder: Path, fmt: str | None) -> StoredSet:
     """Every tensor of the component in ``folder`` (safetensors: headers only; pickle: weights_only=True)."""
     if fmt == PICKLE:
         return _from_pickle(folder)
-    from publisher.streaming.safetensors_io import read_header
 
     metadata: dict[str, str] = {}
     entries: dict[str, tuple[str, tuple[int, ...]]] = {}
@@ -106,7 +107,6 @@ def _parse(metadata: dict[str, str], entries: dict[str, tuple[str, tuple[int, ..
 def _from_pickle(folder: Path) -> StoredSet:
     from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
 
-    from publisher.loadpath import NotApplicable, read_pickled
 
     try:  # torch.load(weights_only=True) only, as the manual path and the library loaders read it
         state = read_pickled(folder)

@@ -26,9 +26,12 @@ from typing import Any
 
 from publisher import loadpath
 from publisher.handoffs.report import Expected, PathResult
+from publisher.loadpath import forward, tensor_digest
+from publisher.loadpath import meta_model as build
 from publisher.runtime import progress
 from publisher.runtime.heap import trim_memory
 from publisher.streaming.shards import CheckpointIndex, ShardSource, TensorReader, build_index
+from publisher.verify import rowwise
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +55,6 @@ def check_tensors(source: ShardSource, expected: dict[str, str], quantized: list
     ``tensor_class``: the recipe's class, or the classes its configs make; ``layer_classes``: layer -> the class its config
     implies (per-layer configs), which takes precedence. ``only``: check just these names (the shard uploader checks a
     shard's tensors as they complete)."""
-    from publisher.loadpath import tensor_digest
 
     index = index or build_index(source)
     names = [n for n in index.names if only is None or n in only]
@@ -98,7 +100,6 @@ def check_tensors(source: ShardSource, expected: dict[str, str], quantized: list
 
 def meta_model(library: str, class_name: str, config: dict[str, Any]) -> Any:
     """The component on the meta device, tied weights tied (the manual load path's own model)."""
-    from publisher.loadpath import meta_model as build
 
     model = build(library, class_name, config)
     if hasattr(model, "tie_weights"):
@@ -224,7 +225,6 @@ class BlockLoader:
         (``rowwise.py``) instead of whole. False (loaded whole, as any block) otherwise."""
         import torch
 
-        from publisher.verify import rowwise
 
         key = prefix + "weight"
         ends = [getattr(self.model, f"get_{which}_embeddings", lambda: None)() for which in ("input", "output")]
@@ -308,7 +308,6 @@ def block_forward(source: ShardSource, library: str, class_name: str, config: di
                   cast: Callable[[str, Any], Any] | None = None) -> BlockForward:
     """One forward pass with at most one block's weights in memory. ``cast(name, tensor)``: applied to each tensor
     as it is read (the quality figures run a float32 or float16 base in the dtypes the quantized side was loaded in)."""
-    from publisher.loadpath import forward
 
     model = meta_model(library, class_name, config)
     index = index or build_index(source)
@@ -349,7 +348,6 @@ def streaming_check(exp: Expected, source: ShardSource, tensor_class: str, env: 
     CPU without its kernel only costs the forward check, and the detail says so."""
     import torch
 
-    from publisher import loadpath
 
     res = PathResult(exp.component, "streaming", env, loadpath.versions(), False)
     if not exp.digests:

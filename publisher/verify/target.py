@@ -23,10 +23,11 @@ from typing import Any
 from publisher import recipe_args
 from publisher import recipes as recipe_registry
 from publisher.errors import UsageError
+from publisher.errors import UsageError as NotDescribable
 from publisher.handoffs.report import PATHS, PLAIN_CLASSES, ContentCheck, Expected, ForwardInputs, PathResult, VerifyReport
 from publisher.handoffs.statefile import STATE_FILE
 from publisher.io.localfiles import named_folder
-from publisher.loadpath import load_call
+from publisher.loadpath import forward, inspect_model, load_call, load_component
 from publisher.verify import against_base, capture, declared, matrix, stored, target_layout
 from publisher.verify import hashes as hashes_check
 from publisher.verify.full import check_location, compare
@@ -114,7 +115,6 @@ def declared_recipe(name: str, checks: dict[str, tuple[declared.Declared | None,
                     ) -> recipe_registry.Recipe | None:
     """The target's declared configs as a recipe (its hardware follows the configs, whoever made them); None when a
     component's config cannot be rebuilt or described here."""
-    from publisher.errors import UsageError as NotDescribable
 
     configs = {comp: d.config for comp, (d, _) in checks.items() if d is not None}
     if len(configs) != len(checks):
@@ -169,7 +169,6 @@ def base_row(comp: TargetComponent, decl: declared.Declared, check: declared.Dec
              recipe: recipe_registry.Recipe | None = None) -> tuple[ContentCheck, Any, str]:
     """The target's component against its base re-quantized with the declared config: the content row, the
     re-quantized model when the target equals it bit for bit (else None), and how it was made."""
-    from publisher.loadpath import load_component
 
     src = against_base.component_folder(chosen, comp, target, token)
     # where the target's configs are made (a GPU-only format on its GPU); anything else, as diffusers does, on the CPU
@@ -195,7 +194,6 @@ def _against(comp: TargetComponent, decl: declared.Declared, check: declared.Dec
              token: str | None, report: VerifyReport, recipe: recipe_registry.Recipe | None = None) -> Expected | None:
     """Compare the target with its base re-quantized; the expected record for the load paths when they are
     bit-identical (else None: the load paths are compared with each other, and the content row decides)."""
-    from publisher.loadpath import forward, inspect_model
 
     row, reference, what = base_row(comp, decl, check, chosen, state, folder, target, token, recipe)
     report.content.append(row)

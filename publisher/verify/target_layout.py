@@ -21,6 +21,7 @@ from publisher import adapters
 from publisher.errors import SourceError
 from publisher.io.jsonfile import read_object
 from publisher.io.localfiles import allowed_roots, plain_name
+from publisher.streaming.safetensors_io import read_header
 
 SAFETENSORS = "safetensors"
 PICKLE = "pickle"
@@ -135,7 +136,6 @@ def _nothing_declared(folder: Path, target: str, models: list[str]) -> str:
 
 def torchao_tensors(folder: Path) -> bool:
     """Whether a local component folder's safetensors headers record torchao tensor subclasses (header only)."""
-    from publisher.streaming.safetensors_io import read_header
 
     for shard in sorted(folder.glob("*.safetensors")) if folder.is_dir() else ():
         metadata = read_header(shard)[0]
