@@ -29,7 +29,8 @@ from publisher import adapters
 from publisher.io.jsonfile import read_object
 from publisher.quality.sources import Weights, load_whole
 from publisher.streaming.shards import TensorReader, build_index
-from publisher.verify.streaming import BLOCK_BUDGET, BlockLoader, meta_model
+from publisher.verify import streaming as blockwise  # BLOCK_BUDGET read when a model is built (tests lower it)
+from publisher.verify.streaming import BlockLoader, meta_model
 
 log = logging.getLogger(__name__)
 
@@ -146,11 +147,11 @@ class Offloaded:
         for name, (library, class_name, weights) in self.models.items():
             model = meta_model(library, class_name, read_object(self.configs / name / "config.json"))
             size = sum(p.numel() * 2 for p in model.parameters())
-            if size <= BLOCK_BUDGET:
+            if size <= blockwise.BLOCK_BUDGET:
                 built[name] = load_whole(model, weights, library)
                 continue
             reader = TensorReader(weights.source, build_index(weights.source))
-            loader = BlockLoader(model, reader, BLOCK_BUDGET, weights.cast)
+            loader = BlockLoader(model, reader, blockwise.BLOCK_BUDGET, weights.cast)
             loader.attach()
             self.open.append((loader, reader))
             built[name] = model.eval()

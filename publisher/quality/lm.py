@@ -24,8 +24,9 @@ from typing import Any
 from publisher.loadpath import forward
 from publisher.quality.sources import Weights
 from publisher.streaming.shards import TensorReader, build_index
+from publisher.verify import streaming as blockwise  # BLOCK_BUDGET read when a model is built (tests lower it)
 from publisher.verify.inpass import InPassForward
-from publisher.verify.streaming import BLOCK_BUDGET, BlockLoader, meta_model
+from publisher.verify.streaming import BlockLoader, meta_model
 
 log = logging.getLogger(__name__)
 
@@ -152,7 +153,7 @@ class _loaded:
         weights, library, class_name, config = self.args
         model = meta_model(library, class_name, config)
         self.reader = TensorReader(weights.source, build_index(weights.source))
-        self.loader = BlockLoader(model, self.reader, BLOCK_BUDGET, weights.cast)
+        self.loader = BlockLoader(model, self.reader, blockwise.BLOCK_BUDGET, weights.cast)
         self.loader.attach()
         return model
 
