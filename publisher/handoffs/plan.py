@@ -9,11 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from publisher.errors import SourceError
-from publisher.io import jsonfile
-from publisher.io.downloads import download
 from publisher.io.integrity import FileHash
-from publisher.io.localfiles import allowed_roots
 from publisher.recipes import Recipe
 
 DENOISERS = ("transformer", "unet", "prior", "decoder")
@@ -70,36 +66,11 @@ class Source:
 
         return f"{(self.endpoint or constants.ENDPOINT).rstrip('/')}/{self.repo_id}"
 
-    def read_json(self, path: str, token: str | None) -> dict[str, Any]:
-        """A JSON file of the base (model_index.json, a config, an index) as an object, through the one JSON
-        reader; its size limit is checked from the listing first, so an oversized file is never downloaded."""
-
-        what = self.where(path)
-        limit = jsonfile.limit_for(path)
-        if self.sizes.get(path, 0) > limit:
-            raise jsonfile.too_big(what, self.sizes[path], limit)
-        return jsonfile.read_object(self.local_path(path, token), what, limit, roots=self.roots())
-
     def where(self, path: str) -> str:
         """How errors name a file of the base: repo@sha/path, or the local path."""
         if self.local_dir is not None:
             return str(self.local_dir / path)
         return f"{self.repo_id}@{(self.sha or '')[:12]}/{path}"
-
-    def roots(self) -> tuple[Path, ...] | None:
-        """Where a local base's files may resolve to (links never lead outside the folder)."""
-
-        return allowed_roots(self.local_dir) if self.local_dir is not None else None
-
-    def local_path(self, path: str, token: str | None) -> Path:
-        """A small file of the base on local disk (downloaded at the pinned sha for a Hub base)."""
-        if path not in self.sizes:
-            raise SourceError(f"{self.display} has no file {path}")
-        if self.local_dir is not None:
-            return self.local_dir / path
-
-        # a Hub file is checked against the hash its repo records before anything reads it
-        return download(self.repo_id, self.sha, [path], self.hashes, token) / path  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from publisher.errors import InputError
 from publisher.handoffs.plan import Source
 from publisher.io import jsonfile
 from publisher.io.localfiles import open_regular
+from publisher.stages.source import base_roots, read_json
 from publisher.streaming.safetensors_io import read_header
 from publisher.streaming.shards import RangeFile
 from publisher.streaming.validate import HeaderEntry
@@ -35,7 +36,7 @@ def check_base(source: Source, files: Sequence[str], token: str | None) -> dict[
             raise jsonfile.too_big(source.where(f), source.sizes[f], limit)
     for f in files:
         if jsonfile.parsed_here(f):
-            source.read_json(f, token)
+            read_json(source, f, token)
     weights = [f for f in files if f.endswith(".safetensors")]
     if source.local_dir is not None:
         headers = {f: _header(source, f, token) for f in weights}
@@ -55,7 +56,7 @@ def _header(source: Source, path: str, token: str | None) -> Header:
     where = source.where(path)
     if source.local_dir is not None:
 
-        with open_regular(source.local_dir / path, source.roots()) as local:
+        with open_regular(source.local_dir / path, base_roots(source)) as local:
             return read_header(local, where)
     from huggingface_hub import hf_hub_url
 
@@ -69,7 +70,7 @@ def _check_index(source: Source, index: str, headers: dict[str, dict[str, Header
     folder = index.rpartition("/")[0]
     prefix = f"{folder}/" if folder else ""
     where = source.where(index)
-    mapping = jsonfile.weight_map(source.read_json(index, token), where)
+    mapping = jsonfile.weight_map(read_json(source, index, token), where)
     named = set(mapping.values())
     odd = sorted(n for n in named if not n.endswith(".safetensors"))
     if odd:

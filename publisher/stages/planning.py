@@ -20,6 +20,7 @@ from publisher.io.localfiles import plain_name
 from publisher.recipes import Recipe
 from publisher.stages import layercheck, prequantized
 from publisher.stages.basecheck import check_base
+from publisher.stages.source import read_json
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ def detect_layout(source: Source, token: str | None, trust_remote_code: bool) ->
     """(kind, pipeline class, [(component name, library, class name)]) for the base."""
     files = set(source.sizes)
     if "model_index.json" in files:
-        index = source.read_json("model_index.json", token)
+        index = read_json(source, "model_index.json", token)
         where = source.where("model_index.json")
         pipeline_class = index.get("_class_name")
         if isinstance(pipeline_class, list):  # [module, class] means a custom (remote-code) pipeline
@@ -116,7 +117,7 @@ def detect_layout(source: Source, token: str | None, trust_remote_code: bool) ->
             comps.append((name, library, class_name))
         return "pipeline", pipeline_class, comps
     if "config.json" in files:
-        config = source.read_json("config.json", token)
+        config = read_json(source, "config.json", token)
         if "_class_name" in config or "_diffusers_version" in config:
             raise SourceError(
                 f"{source.display} is a single diffusers model ({config.get('_class_name')}), not a pipeline; "
@@ -282,7 +283,7 @@ def _with_meta_structure(source: Source, comp: Component, token: str | None) -> 
     cls = library.model_class(comp.class_name)
     assert cls is not None  # checked by the caller
     config_path = f"{comp.name}/config.json" if comp.name else "config.json"
-    model = library.build_meta(cls, source.read_json(config_path, token))
+    model = library.build_meta(cls, read_json(source, config_path, token))
     linears = tuple(n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear))
     modules = frozenset(n for n, _ in model.named_modules() if n)
     # bf16 is the load dtype for every quantized component (2 bytes per parameter)
@@ -322,7 +323,7 @@ def _base_files(source: Source, kind: str, comps: list[Component], token: str | 
         for wf in comp.weight_files:
             wanted.add(wf)
             if wf.endswith(".index.json"):
-                shards = set(weight_map(source.read_json(wf, token), source.where(wf)).values())
+                shards = set(weight_map(read_json(source, wf, token), source.where(wf)).values())
                 unsafe = sorted(s for s in shards if not plain_name(s))
                 if unsafe:
                     raise SourceError(f"{source.display} has an unsafe file name {unsafe[0]!r} in {wf} (a shard must sit "

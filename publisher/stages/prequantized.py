@@ -19,6 +19,7 @@ from typing import Any
 from publisher.errors import SourceError
 from publisher.handoffs.plan import Source
 from publisher.stages.basecheck import Header
+from publisher.stages.source import read_json
 
 # names other quantizers give the parts of a quantized weight (bitsandbytes, GPTQ/AWQ, compressed-tensors, fbgemm fp8)
 QUANTIZED_SUFFIXES = (".qweight", ".qzeros", ".g_idx", ".SCB", ".absmax", ".quant_map", ".quant_state.bitsandbytes__nf4",
@@ -33,7 +34,7 @@ def refuse_quantized_configs(source: Source, folders: Iterable[str], token: str 
         path = f"{folder}/config.json" if folder else "config.json"
         if path not in source.sizes:
             continue
-        declared = source.read_json(path, token).get("quantization_config")
+        declared = read_json(source, path, token).get("quantization_config")
         if isinstance(declared, dict) and declared:
             method = declared.get("quant_method") or "an unnamed method"
             what = _torchao_type(declared) if method == "torchao" else ""

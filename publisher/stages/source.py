@@ -13,7 +13,8 @@ from typing import Any
 
 from publisher.errors import SourceError, UsageError
 from publisher.handoffs.plan import Source
-from publisher.io import hub
+from publisher.io import hub, jsonfile
+from publisher.io.downloads import download
 from publisher.io.integrity import hashes_of
 from publisher.io.localfiles import allowed_roots, list_folder, named_folder, read_bytes
 
@@ -110,3 +111,30 @@ def _front_matter(text: str) -> dict[str, Any]:
         return dict(ModelCard(text, ignore_metadata_errors=True).data.to_dict())
     except ValueError:
         return {}
+
+
+# The base's small files, read for the plan. The pinned Source is a hand-off (data); reading its files, with their
+# checks, is this stage's.
+def read_json(source: Source, path: str, token: str | None) -> dict[str, Any]:
+    """A JSON file of the base (model_index.json, a config, an index) as an object, through the one JSON reader; its
+    size limit is checked from the listing first, so an oversized file is never downloaded."""
+    what = source.where(path)
+    limit = jsonfile.limit_for(path)
+    if source.sizes.get(path, 0) > limit:
+        raise jsonfile.too_big(what, source.sizes[path], limit)
+    return jsonfile.read_object(local_path(source, path, token), what, limit, roots=base_roots(source))
+
+
+def base_roots(source: Source) -> tuple[Path, ...] | None:
+    """Where a local base's files may resolve to (links never lead outside the folder); None for a Hub base."""
+    return allowed_roots(source.local_dir) if source.local_dir is not None else None
+
+
+def local_path(source: Source, path: str, token: str | None) -> Path:
+    """A small file of the base on local disk (downloaded at the pinned sha for a Hub base)."""
+    if path not in source.sizes:
+        raise SourceError(f"{source.display} has no file {path}")
+    if source.local_dir is not None:
+        return source.local_dir / path
+    # a Hub file is checked against the hash its repo records before anything reads it
+    return download(source.repo_id, source.sha, [path], source.hashes, token) / path  # type: ignore[arg-type]
