@@ -83,7 +83,6 @@ def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = 
     src = source_stage.resolve(req.base.model, req.base.revision, token)
     user, who = None, None  # before any file of the base is read: a gated base needs the token's gated access
     if token and not offline:  # offline (no push): no default repo id is asked for, the card says none was chosen
-
         who = hub.call(hub.client(token).whoami, what="checking the token")
         user = who.get("name")
         if src.gated and src.repo_id and (reason := TokenRights.of(who).gated_reason(src.repo_id)) is not None:
@@ -373,7 +372,6 @@ class RecipeRun:
         building = artifacts.folder  # the .partial folder until finalize()
         pushing.write_repo_files(building, dict(self.state, verified=report.passed))
         if device == "cuda" or req.checks.benchmark:
-
             with _timed(self, "benchmark"):
                 self.benchmark = measure(artifacts.components, report.expected, building, ctx.base_dir, device,
                                          bf16=ctx.bf16_rows, recipe=recipe.name)
@@ -419,7 +417,6 @@ class RecipeRun:
             result = self.output.publish(artifacts, report, message=message, description=description, state=state,
                                          check=lambda oid: self.check_pull_request(ctx, siblings, oid))
         except Exception as exc:  # re-raised: the outcome records the one-line reason for --json
-
             self.error = (describe(exc) or (f"{type(exc).__name__}: {exc}", 1))[0]
             raise
         self.pushed, self.files = result, artifacts.files()

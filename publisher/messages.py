@@ -61,12 +61,10 @@ def describe(exc: BaseException) -> tuple[str, int] | None:
         if status == 412:
             return "the target repo changed while publishing (another writer); re-run to publish on top of it", 1
         if isinstance(status, int) and (status >= 500 or status == 429):
-
             return (f"the Hub kept failing ({status}: {exc.server_message or _first_line(exc)}) after "
                     f"{settings()[0]} tries; nothing was changed by the failed request, try again later"), 1
         return f"Hub request failed ({status}): {exc.server_message or _first_line(exc)}", 1
     if isinstance(exc, OSError) and str(exc).startswith("Consistency check failed"):  # a short body, every try
-
         return (f"a download from {hub.endpoint()} was cut short on each of {settings()[0]} tries ({_first_line(exc)}); "
                 "check the network or proxy, then re-run the same command"), 1
     if isinstance(exc, hf.OfflineModeIsEnabled):

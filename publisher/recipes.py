@@ -337,7 +337,6 @@ def _on_jobs(needs: Needs) -> str:
 
 
 def _rule_needs_gpu(call: str) -> bool:
-
     needs, fp8_cpu = rule_for_call(*check_shape(call))
     return needs.cuda and not fp8_cpu
 

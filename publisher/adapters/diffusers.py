@@ -83,7 +83,6 @@ class DiffusersAdapter(LibraryAdapter):
         from diffusers.utils import SAFE_WEIGHTS_INDEX_NAME, SAFETENSORS_WEIGHTS_NAME
 
         if class_name is None:
-
             class_name = read_object(src / "config.json").get("_class_name")
         name = class_name if isinstance(class_name, str) else None
         cls: Any = getattr(diffusers, name or "", None)

@@ -168,7 +168,6 @@ _CACHE: dict[str, Facts] = {}
 
 
 def _probe_facts(config: Any, what: str) -> Facts:
-
     name = type(config).__name__
     rule = rule_for(config)
     needs_gpu = rule is not None and rule.quantize.cuda and not (rule.cpu_producible and _cpu_fp8_granularity(config))

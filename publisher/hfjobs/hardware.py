@@ -26,7 +26,6 @@ def available(token: str | None = None, timeout: float = LIST_TIMEOUT_S) -> tupl
 
     def fetch() -> None:
         try:
-
             found.extend(flavor_table.from_hub(hub.client(token).list_jobs_hardware()))
         except Exception as exc:  # reported at debug level: the table is the documented fallback
             failed.append(exc)

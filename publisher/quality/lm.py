@@ -149,7 +149,6 @@ class _loaded:
         self.args = (weights, library, class_name, config)
 
     def __enter__(self) -> Any:
-
         weights, library, class_name, config = self.args
         model = meta_model(library, class_name, config)
         self.reader = TensorReader(weights.source, build_index(weights.source))

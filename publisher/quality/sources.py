@@ -78,7 +78,6 @@ class Requantize:
     @contextmanager
     def _context(self) -> Iterator[None]:
         if getattr(self.recipe, "cpu_producible", False):
-
             with cpu_quantization_context(self.recipe):
                 yield
         else:

@@ -67,7 +67,6 @@ def check_measurable(settings: Settings, plan: Plan, token: str | None) -> None:
     weights are not on this machine."""
     lpips_bound = [b for b in settings.bounds if b.metric == "lpips"]
     if settings.enabled and lpips_bound and kind_of(plan) == options.PIPELINE:
-
         try:
             perceptual.locate()
         except perceptual.Unavailable as exc:
@@ -85,7 +84,6 @@ def check_measurable(settings: Settings, plan: Plan, token: str | None) -> None:
                     "so); add the tokenizer's files to the base for them", plan.source.model_id)
         return
     if bounded and not settings.explicit_dataset:
-
         reason = unreadable(settings.dataset, token)
         if reason:
             raise UsageError(f"--min-quality {bounded[0].text()} cannot be checked: the evaluation text "
@@ -145,7 +143,6 @@ class Evaluation:
             self._windows()
 
     def _windows(self) -> None:
-
         if not self.plan.source.has_tokenizer:
             self.text_reason = NO_TOKENIZER
             return

@@ -52,10 +52,8 @@ def check_base(source: Source, files: Sequence[str], token: str | None) -> dict[
 
 
 def _header(source: Source, path: str, token: str | None) -> Header:
-
     where = source.where(path)
     if source.local_dir is not None:
-
         with open_regular(source.local_dir / path, base_roots(source)) as local:
             return read_header(local, where)
     from huggingface_hub import hf_hub_url

@@ -64,7 +64,6 @@ class RemoteWeights:
         return [f[len(prefix):] for f in weight_files(self.plan, comp)]
 
     def source(self, comp: Component) -> HubShards:
-
         src = self.plan.source
         return HubShards(src.repo_id, src.sha, comp.name, self.token, listing=self.listing(comp))  # type: ignore[arg-type]
 
@@ -102,7 +101,6 @@ class HashedShards:
         self.prefix = f"{comp.name}/" if comp.name else ""
 
     def open(self, name: str) -> BinaryIO:
-
         src = self.plan.source
         label = f"{self.prefix}{name} of {src.repo_id}@{(src.sha or '')[:12]}"
         return SpillingHashedReader(self.shards.open(name), self.plan.base_hashes[self.prefix + name], label,  # type: ignore[arg-type,return-value]

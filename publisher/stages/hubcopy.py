@@ -268,7 +268,6 @@ class HubCopy:
         self.copied.append(Copied(path, want.size, want.size, False))
 
     def _lfs(self, path: str, want: CommitFile) -> None:
-
         assert want.sha256 is not None
         name = f"{self.plan.source.display}/{path}"
         sample = RangeFile(self._url(path), self.token, name).read(min(512, want.size))  # the pre-upload's sniff

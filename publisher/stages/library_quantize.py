@@ -35,7 +35,6 @@ class Fp8Bound:
         pass
 
     def tensor(self, key: str, value: Any, weight: Any) -> None:
-
         if type(weight).__name__ != "Float8Tensor":
             return
         rep = check_dequantized(weight, value)

@@ -226,7 +226,6 @@ class _Component:
                 self.up.upload(self.folder / f)
 
     def _check(self, names: list[str]) -> None:
-
         files = sorted({f for t in names for f in self.files_of[t]})
         wanted = {n: self.digests.get(n, "") for n in names}
         tc = check_tensors(LocalShards(self.folder, files), wanted, [], self.up.tensor_class, only=set(names))

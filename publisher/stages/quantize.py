@@ -234,7 +234,6 @@ def report_layers(artifacts: Artifacts, base_dir: Path, allow_unquantized: bool)
 
 
 def _streaming_reason(comp: Component, src: Path, recipe: Recipe, device: str, remote: RemoteWeights | None) -> str | None:
-
     listing = remote.listing(comp) if remote is not None else ()
     return supports(comp.library, src, recipe, class_name=comp.class_name, device=device, remote_files=listing,
                     component=comp.name)

@@ -76,7 +76,6 @@ def resolve(model_id: str, revision: str | None, token: str | None) -> Source:
     from huggingface_hub.errors import RevisionNotFoundError
 
     try:
-
         info = hub.call(hub.client(token).model_info, model_id, revision=revision, files_metadata=True,
                           what=f"reading {model_id}")
     except RevisionNotFoundError:

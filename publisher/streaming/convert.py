@@ -104,7 +104,6 @@ def _quantize_context(recipe: Recipe, device: str) -> AbstractContextManager[obj
     from contextlib import nullcontext
 
     if device == "cpu" and recipe.quantize.cuda:
-
         return cpu_quantization_context(recipe)
     return nullcontext()
 

@@ -315,7 +315,6 @@ def _chunk(ctx: _Ctx, w: Work, item: Item) -> None:
 
 
 def _write_chunk(ctx: _Ctx, out: OutTensor, at: int, data: torch.Tensor, last: bool) -> None:
-
     t0 = time.perf_counter()
     h = ctx.partial.get(out.name) or digest_header(out.dtype, out.shape)
     ctx.partial[out.name] = h

@@ -39,7 +39,6 @@ def read_header(path: Path | BinaryIO, name: str | None = None) -> tuple[dict[st
     ``path`` may also be an open binary file (e.g. a Hub file read by HTTP range); ``name`` names it in errors.
     The header must pass every rule of ``validate`` (the safetensors library's own), else ``InputError``."""
     if isinstance(path, (str, Path)):
-
         with open_regular(Path(path)) as local:
             return read_header(local, name or str(path))
     f = path

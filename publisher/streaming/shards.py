@@ -42,7 +42,6 @@ class LocalShards:
         return sorted(p.name for p in self.folder.glob("*.safetensors"))
 
     def open(self, name: str) -> BinaryIO:
-
         return open_regular(self.folder / name)  # unbuffered; never blocks on a FIFO; the caller closes it
 
     def json(self, name: str) -> dict[str, Any] | None:
@@ -63,7 +62,6 @@ class HubShards:
 
     def files(self) -> list[str]:
         if self._listing is None:
-
             api = hub.client(self.token)
             every = hub.call(api.list_repo_files, self.repo_id, revision=self.revision, what=f"listing {self.repo_id}")
             prefix = f"{self.subfolder}/" if self.subfolder else ""

@@ -169,7 +169,6 @@ class InPassForward:
 
     # ------------------------------------------------------------ planning
     def _model(self) -> Any:
-
         model = meta_model(self.library, self.class_name, self.config)
         if self.prepare is not None:
             self.prepare(model)
@@ -214,7 +213,6 @@ class InPassForward:
 
     # ------------------------------------------------------------ the forward threads
     def _attach(self, role: str, model: Any) -> None:
-
         for prefix, module, whole in blocks(model, 0):
             if prefix not in self.slots:
                 continue  # never called on these inputs
@@ -300,7 +298,6 @@ class InPassForward:
             return state
 
     def _run(self, role: str, model: Any) -> None:
-
         started = time.thread_time()
         try:
             self.outputs[role] = forward(model, self.library, self.inputs).detach().clone()

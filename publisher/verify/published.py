@@ -65,7 +65,6 @@ def check_published(report: VerifyReport, repo_id: str, commit: str, work: Path,
     results = [check_commit(repo_id, commit, files, token)] if files else []
     if recheck:
         if report.mode == "streaming":
-
             reloads = [streaming_check(exp, HubShards(repo_id, commit, exp.component, token),
                                        report.tensor_class, forward_optional=forward_optional) for exp in report.expected]
         else:
