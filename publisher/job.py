@@ -192,7 +192,7 @@ def _run_recipes(req: PublishRequest, plan: planning.Plan, token: str | None, to
         for r in todo:
             r.finish(ctx)
         for r in todo if target.push else ():
-            if r.built is not None:
+            if r.built:
                 r.push(ctx, todo)
     except BaseException as exc:
         for r in todo:  # a staged target: repos made for recipes never pushed
@@ -256,7 +256,7 @@ def _step(ctx: RunContext, r: RecipeRun, step: Callable[[], None]) -> bool:
 def _write_cards(ctx: RunContext, runs: Sequence[RecipeRun], only: str | None = None) -> list[Path]:
     """The cards of every built recipe, each linking to its siblings (``only``: rewrite that recipe's card)."""
     checks = ctx.req.checks
-    built = {r.recipe.name: card.Built(*r.result, r.quality, r.benchmark, r.folder) for r in runs if r.built is not None}
+    built = {r.recipe.name: card.Built(*r.result, r.quality, r.benchmark, r.folder) for r in runs if r.built}
     settings = card.CardSettings(ctx.req.command, checks.sample, hub.endpoint(), checks.evaluation, ctx.output.shard_size)
     return card.write_cards(ctx.plan, built, settings, only)
 
@@ -277,7 +277,7 @@ class RecipeRun:
     output: RecipeOutput | None = None  # where its files go, once its build began
     artifacts: Artifacts | None = None  # quantized (and the report verified) ...
     report: VerifyReport | None = None
-    built: tuple[Artifacts, VerifyReport] | None = None  # ... then measured and gated: ready for the card and push
+    built: bool = False  # ... then measured and gated: ready for the card and the push
     finished: bool = False  # the folder took its final name
     benchmark: dict[str, Any] | None = None  # stages.measure result
     quality: LmFigures | GridFigures | None = None  # quality.stage figures
@@ -291,9 +291,9 @@ class RecipeRun:
 
     @property
     def result(self) -> tuple[Artifacts, VerifyReport]:
-        if self.built is None:
+        if not self.built or self.artifacts is None or self.report is None:
             raise RuntimeError(f"{self.recipe.name} was not built")  # a bug in the sequence, not a user error
-        return self.built
+        return self.artifacts, self.report
 
     def target(self) -> str:  # the repo id a push writes to (a push always has one: it needs a token)
         if self.repo_id is None:
@@ -380,7 +380,7 @@ class RecipeRun:
             with _timed(self, "evaluation"):
                 self.quality = ctx.evaluation.run(artifacts, ctx.base_sources(), self.seconds["quantize"], recipe)
             quality.gate(settings, self.quality, recipe.name)
-        self.built = (artifacts, report)
+        self.built = True
 
     def failed(self, ctx: RunContext, exc: PublishError) -> None:
         """After a failed build: say why, never reuse what failed verification, leave nothing half-made behind."""
@@ -392,10 +392,11 @@ class RecipeRun:
 
     def finish(self, ctx: RunContext) -> None:
         """The built folder takes its final name, with its report; without a push it is the result."""
-        if self.built is None or self.folder is None:
+        if not self.built or self.folder is None:
             return
-        unfinished.finish(*self.built, self.folder)
-        self.finished, self.files = True, self.built[0].files()
+        artifacts, report = self.result
+        unfinished.finish(artifacts, report, self.folder)
+        self.finished, self.files = True, artifacts.files()
         if not ctx.req.target.push and self.cache is not None:  # nothing left to resume
             self.cache.drop([c.name for c in ctx.plan.quantized])
 

@@ -75,7 +75,7 @@ def test_three_models_two_recipes_are_six_jobs_and_one_table(cli: Any, hub: Any,
     for (job_id, model, recipe), row in zip(jobs, rows[1:]):
         repo = f"alice/{model.split('/')[-1]}-many-{recipe}"
         assert row[:4] == [model, recipe, repo, "yes"] and row[6] == f"{hub.url}/jobs/alice/{job_id}"
-        assert re.fullmatch(r"\d+\.\d (KB|MB)", row[4]) and row[5] == "-"  # --eval-budget 0: no quality figure
+        assert re.fullmatch(r"\d+\.\d\d (KB|MB)", row[4]) and row[5] == "-"  # --eval-budget 0: no quality figure
         job = hub.jobs.get(job_id)
         assert job.stage == "COMPLETED" and job.spec["labels"]["recipe"] == recipe
         args = json.loads(job.spec["command"][-1])["args"]
@@ -141,7 +141,7 @@ def test_attach_follows_jobs_of_several_models(cli: Any, hub: Any) -> None:
     result = cli(*attach, token=TOKEN)
     assert result.exit_code == 0, result.output
     assert _rows(result.stdout) == [list(COLUMNS)] + [
-        [model, recipe, f"alice/{model.split('/')[1]}-{recipe}", "yes", "2.5 MB", "ppl recovery 99.2%", job.url]
+        [model, recipe, f"alice/{model.split('/')[1]}-{recipe}", "yes", "2.50 MB", "ppl recovery 99.2%", job.url]
         for job, (model, recipe) in zip(jobs, [("org/first", "int8wo"), ("org/second", "int8wo"),
                                                ("org/second", "float8wo")])]
     assert "[org/first int8wo] working on org/first" in result.stderr

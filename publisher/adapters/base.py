@@ -16,6 +16,7 @@ Torch and the libraries are imported inside the methods, so importing an adapter
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import re
 from abc import ABC, abstractmethod
@@ -39,7 +40,8 @@ class LibraryAdapter(ABC):
     and the model class (default: what config.json names).
     """
 
-    library: ClassVar[str]  # the name model_index.json and our hand-offs give the library
+    library: ClassVar[str]  # the name model_index.json and our hand-offs give the library (and its import name)
+    model_base: ClassVar[str]  # the library's base class of every model it loads (``ModelMixin``, ``PreTrainedModel``)
     # the class attribute listing the modules ``from_pretrained(dtype=torch.bfloat16)`` keeps in float32
     keep_fp32_attr: ClassVar[str]
     # the library renames or merges checkpoint keys while loading (the manual load path applies its rules too)
@@ -75,9 +77,12 @@ class LibraryAdapter(ABC):
     # -- the library's facts, asked without a model ------------------------------------------------------------------
 
     @classmethod
-    @abstractmethod
     def model_class(cls, class_name: str) -> Any:
         """The library's model class of that name, or None when it names none (a tokenizer, a scheduler...)."""
+        library = importlib.import_module(cls.library)
+        model_cls = getattr(library, class_name, None)
+        base = getattr(library, cls.model_base)
+        return model_cls if isinstance(model_cls, type) and issubclass(model_cls, base) else None
 
     @classmethod
     @abstractmethod

@@ -20,16 +20,10 @@ class DiffusersAdapter(LibraryAdapter):
     """Mirrors ``ModelMixin.from_pretrained`` (diffusers 0.42) up to the point where weights are read."""
 
     library = "diffusers"
+    model_base = "ModelMixin"
     keep_fp32_attr = "_keep_in_fp32_modules"
     pattern_order = "diffusers tries every pattern on the parameter fqn (….weight) before any on the module fqn"
     card_pipeline_names = ", TorchAoConfig"  # on the line that imports DiffusionPipeline
-
-    @classmethod
-    def model_class(cls, class_name: str) -> Any:
-        import diffusers
-
-        model_cls = getattr(diffusers, class_name, None)
-        return model_cls if isinstance(model_cls, type) and issubclass(model_cls, diffusers.ModelMixin) else None
 
     @classmethod
     def build_meta(cls, model_cls: Any, config: dict[str, Any]) -> torch.nn.Module:

@@ -19,6 +19,7 @@ class TransformersAdapter(LibraryAdapter):
     """Mirrors ``PreTrainedModel.from_pretrained`` (transformers 5.23) up to the point where weights are read."""
 
     library = "transformers"
+    model_base = "PreTrainedModel"
     # its other list, _keep_in_fp32_modules, is for float16 only
     keep_fp32_attr = "_keep_in_fp32_modules_strict"
     renames_checkpoint_keys = True
@@ -26,13 +27,6 @@ class TransformersAdapter(LibraryAdapter):
     entries_apply_to_whole_module = True
     pattern_order = "transformers tries each pattern on the parameter fqn, then the module fqn"
     card_pipeline_import = "from transformers import TorchAoConfig as TransformersTorchAoConfig"
-
-    @classmethod
-    def model_class(cls, class_name: str) -> Any:
-        import transformers
-
-        model_cls = getattr(transformers, class_name, None)
-        return model_cls if isinstance(model_cls, type) and issubclass(model_cls, transformers.PreTrainedModel) else None
 
     @classmethod
     def build_meta(cls, model_cls: Any, config: dict[str, Any]) -> torch.nn.Module:

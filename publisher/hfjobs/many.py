@@ -19,6 +19,7 @@ from publisher.hfjobs import remote
 from publisher.hfjobs.follow import RemoteOutcome
 from publisher.quality import options as quality_options
 from publisher.request import PublishRequest
+from publisher.stages.card import human_size
 
 COLUMNS = ("model", "recipe", "repo", "verified", "size", "quality", "job")
 
@@ -66,15 +67,8 @@ def _verified(outcome: RemoteOutcome) -> str:
 
 def _size(result: dict[str, Any] | None) -> str:
     """The published files' total size, from the job's result ("-" when it printed none)."""
-    files = (result or {}).get("files") or []
-    total = float(sum(int(f.get("size") or 0) for f in files if isinstance(f, dict)))
-    if not files:
-        return "-"
-    for unit in ("B", "KB", "MB", "GB"):
-        if total < 1000 or unit == "GB":
-            return f"{total:.0f} {unit}" if unit == "B" else f"{total:.1f} {unit}"
-        total /= 1000
-    return "-"  # pragma: no cover - the loop returns at GB
+    files = [f for f in (result or {}).get("files") or [] if isinstance(f, dict)]
+    return human_size(sum(int(f.get("size") or 0) for f in files)) if files else "-"
 
 
 def _quality(result: dict[str, Any] | None) -> str:

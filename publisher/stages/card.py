@@ -115,7 +115,8 @@ def article(word: str) -> str:
     return "an" if word[:1].lower() in "aeiou" else "a"
 
 
-def _human(n: int | float | None) -> str:
+def human_size(n: int | float | None) -> str:
+    """Bytes in decimal units, as the card and the CLI's tables show them (2.50 MB)."""
     if n is None:
         return "n/a"
     n = float(n)
@@ -144,7 +145,7 @@ def environment() -> Any:
 
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(template_path().parent), undefined=jinja2.StrictUndefined,
                              keep_trailing_newline=True, autoescape=False)
-    env.filters["human"] = _human
+    env.filters["human"] = human_size
     env.filters["cell"] = _cell
     return env
 
@@ -241,7 +242,7 @@ def shard_note(artifacts: Artifacts, shard_size: int | None) -> str | None:
         cls = getattr(__import__(c.library), c.class_name, None)
         default = inspect.signature(cls.save_pretrained).parameters["max_shard_size"].default if cls is not None else "?"
         defaults.append(f"{c.label}: {default}")
-    return (f"The weights are split into safetensors shards of at most {_human(shard_size)} (`--max-shard-size`; "
+    return (f"The weights are split into safetensors shards of at most {human_size(shard_size)} (`--max-shard-size`; "
             f"`save_pretrained`'s default is {', '.join(defaults)}). Only the shard boundaries differ from the library's "
             "layout: which file holds which tensor, and the index. Every tensor, its header entry and metadata, and "
             "every config are what `save_pretrained` writes, and the library loaders read the shards as usual.")

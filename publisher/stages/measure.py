@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from publisher.io.integrity import sha256_file
 from publisher.loadpath import forward, load_call, load_component
 from publisher.runtime import procs
 
@@ -128,9 +129,7 @@ class Bf16Rows:
     @staticmethod
     def key(request: dict[str, Any]) -> tuple[Any, ...]:
         """What decides the figure: the request, and the bytes of its inputs file (its path could be reused)."""
-        import hashlib
-
-        return (*sorted(request.items()), hashlib.sha256(Path(request["inputs"]).read_bytes()).hexdigest())
+        return (*sorted(request.items()), sha256_file(Path(request["inputs"])))
 
     def get(self, request: dict[str, Any], label: str, recipe: str) -> dict[str, Any]:
         key = self.key(request)
