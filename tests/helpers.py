@@ -69,6 +69,16 @@ def seed(repo_id: str, folder: Path, token: str, **kwargs: Any) -> str:
     return api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message="seed").oid
 
 
+def ranged_bytes(hub: Any, prefix: str) -> int:
+    """Bytes the loopback Hub was asked for by Range GETs of files under ``prefix`` (a /<repo>/resolve/<sha>/ path)."""
+    total = 0
+    for method, path, rng in hub.app.seen:
+        if method == "GET" and rng and path.startswith(prefix):
+            start, _, end = rng.removeprefix("bytes=").partition("-")
+            total += int(end) - int(start) + 1
+    return total
+
+
 def download_fault(hub: Any, how: str, match: str, *, at: int = 0, count: int = 1) -> str:
     """Damage downloads where this session's downloads flow: hf_xet's CAS with Xet (the file's first xorb; ``at`` is
     ignored), the HTTP body with Xet off (``at``: the byte flipped, or where the body is cut). ``how``: "flip" or

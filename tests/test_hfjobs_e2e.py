@@ -11,13 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import queue
 import re
-import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -26,11 +20,10 @@ import pytest
 from action_harness import assert_secret_absent, run_action
 from helpers import IN_PROCESS, SKIP_EVAL_AND_MATRIX
 from huggingface_hub import HfApi
+from jobs_harness import interrupted_while_following, result_in_log
 
 from publisher.hfjobs.bootstrap import EXIT_MARKER, RESULT_MARKER
-from publisher.hfjobs.follow import RemoteOutcome, decode_result, take_marker
 
-ROOT = Path(__file__).resolve().parent.parent
 SMALL = ["--sample-steps", "2", "--sample-size", "64"]
 TOKEN = "tok_alice"
 
@@ -38,14 +31,6 @@ TOKEN = "tok_alice"
 def _started(text: str) -> list[str]:
     """The job ids the command announced, in order."""
     return re.findall(r"^started job (\w+) for ", text, re.MULTILINE)
-
-
-def _result_in_log(hub: Any, job_id: str) -> dict[str, Any] | None:
-    """What the job itself wrote to its log as its --json result (decoded here independently of the CLI)."""
-    outcome = RemoteOutcome("", "", job_id, "", "")
-    for _, line in hub.jobs.get(job_id).log:
-        take_marker(outcome, line)
-    return decode_result(outcome)
 
 
 def _assert_token_only_a_secret(hub: Any, job_id: str, token: str) -> None:
@@ -80,7 +65,7 @@ def test_publish_tiny_flux_on_two_parallel_jobs_and_attach_again(cli: Any, hub: 
         job = hub.jobs.get(job_id)
         assert job.stage == "COMPLETED"
         assert f"started job {job_id} for {entry['recipe']} on cpu-basic: {hub.url}/jobs/alice/{job_id}" in result.stderr
-        assert _result_in_log(hub, job_id) == entry  # the result printed here is the one the job computed
+        assert result_in_log(hub, job_id) == entry  # the result printed here is the one the job computed
         assert job.spec["dockerImage"] == "python:3.11" and job.spec["flavor"] == "cpu-basic"
         assert job.spec["timeoutSeconds"] == 7200 and job.spec["labels"]["recipe"] == entry["recipe"]
         args = json.loads(job.spec["command"][-1])["args"]
@@ -144,33 +129,19 @@ def test_attach_reports_the_cli_error_of_a_failed_job(cli: Any, hub: Any) -> Non
 @pytest.mark.slow
 def test_ctrl_c_cancels_the_submitted_job(hub: Any, flux_repo: str) -> None:
     hub.jobs.scheduling_s = 300.0  # the job waits for its hardware, as on the real service
-    env = {**os.environ, "HF_TOKEN": TOKEN, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "publisher.cli", flux_repo, "--quant", "int8wo", "--on-hf-jobs", "cpu-basic",
-           "--repo-id", "alice/ctrl-c-{recipe}"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-    lines: queue.Queue[str] = queue.Queue()
-    assert proc.stderr is not None
-    stderr = proc.stderr
-    threading.Thread(target=lambda: [lines.put(line) for line in stderr], daemon=True).start()
+
+    def scheduling(seen: str) -> None:
+        (started,) = _started(seen)
+        assert hub.jobs.get(started).stage == "SCHEDULING"
+
     try:
-        seen = ""
-        deadline = time.monotonic() + 300
-        while "following 1 job(s)" not in seen and time.monotonic() < deadline and proc.poll() is None:
-            try:
-                seen += lines.get(timeout=1)
-            except queue.Empty:
-                continue
-        assert "following 1 job(s)" in seen, seen
-        (job_id,) = _started(seen)
-        assert hub.jobs.get(job_id).stage == "SCHEDULING"
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=60) == 130
-        time.sleep(0.5)  # the reader thread drains what is left
-        rest = "".join(iter(lambda: lines.get_nowait() if not lines.empty() else "", ""))
+        seen, rest, code = interrupted_while_following(
+            [flux_repo, "--quant", "int8wo", "--on-hf-jobs", "cpu-basic", "--repo-id", "alice/ctrl-c-{recipe}"], TOKEN,
+            jobs=1, wait_s=60, before=scheduling)
     finally:
         hub.jobs.scheduling_s = 0.0
-        if proc.poll() is None:
-            proc.kill()
+    assert code == 130
+    (job_id,) = _started(seen)
     assert f"Ctrl-C: cancelled job {job_id} (int8wo on cpu-basic)" in rest
     assert rest.splitlines()[-1] == f"Error: interrupted (Ctrl-C): cancelled the running jobs on the Hub ({job_id})"
     assert hub.jobs.get(job_id).stage == "CANCELED" and hub.jobs.get(job_id).proc is None
@@ -185,7 +156,7 @@ def test_the_action_runs_on_hf_jobs(hub: Any, flux_repo: str, tmp_path: Path) ->
     assert run.outputs["verified"] == "true" and run.outputs["repo-id"] == "alice/tiny-flux-action-jobs"
     result = json.loads(run.outputs["result-json"])
     (job_id,) = _started(run.log)
-    assert result == _result_in_log(hub, job_id) and result["commit"] == run.outputs["commit-sha"]
+    assert result == result_in_log(hub, job_id) and result["commit"] == run.outputs["commit-sha"]
     assert run.outputs["output-dir"] == ""  # nothing was made on the runner
     args = json.loads(hub.jobs.get(job_id).spec["command"][-1])["args"]
     assert "--output-dir" not in args and args[args.index("--verify-mode") + 1] == "streaming"  # extra-args reach the job

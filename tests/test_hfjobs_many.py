@@ -11,13 +11,7 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import queue
 import re
-import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -25,12 +19,11 @@ from typing import Any
 import pytest
 from helpers import IN_PROCESS, SKIP_EVAL_AND_MATRIX, seed
 from huggingface_hub import HfApi
+from jobs_harness import interrupted_while_following, result_in_log
 
 from publisher.hfjobs.bootstrap import EXIT_MARKER, RESULT_MARKER
-from publisher.hfjobs.follow import RemoteOutcome, decode_result, take_marker
 from publisher.hfjobs.many import COLUMNS
 
-ROOT = Path(__file__).resolve().parent.parent
 TOKEN = "tok_alice"
 
 
@@ -45,13 +38,6 @@ def three_models(hub: Any, llama_repo: str, tiny_llama_dir: Path) -> list[str]:
 def _started(text: str) -> list[tuple[str, str, str]]:
     """(job id, model, recipe) of every job the command announced, in order."""
     return re.findall(r"^started job (\w+) for (\S+) (\S+) on ", text, re.MULTILINE)
-
-
-def _result_in_log(hub: Any, job_id: str) -> dict[str, Any] | None:
-    outcome = RemoteOutcome("", "", job_id, "", "")
-    for _, line in hub.jobs.get(job_id).log:
-        take_marker(outcome, line)
-    return decode_result(outcome)
 
 
 def _rows(stdout: str) -> list[list[str]]:
@@ -80,7 +66,7 @@ def test_three_models_two_recipes_are_six_jobs_and_one_table(cli: Any, hub: Any,
         assert job.stage == "COMPLETED" and job.spec["labels"]["recipe"] == recipe
         args = json.loads(job.spec["command"][-1])["args"]
         assert args[:2] == ["publish", model] and args[args.index("--repo-id") + 1] == repo
-        assert api.model_info(repo).sha == _result_in_log(hub, job_id)["commit"]  # type: ignore[index]
+        assert api.model_info(repo).sha == result_in_log(hub, job_id)["commit"]  # type: ignore[index]
         assert f"[{model} {recipe}] " in result.stderr  # each log line prefixed with its model and recipe
     assert TOKEN not in result.output
     print(f"six loopback jobs (3 models x 2 recipes): {took:.0f} s\n{result.stdout}")
@@ -92,7 +78,7 @@ def test_three_models_two_recipes_are_six_jobs_and_one_table(cli: Any, hub: Any,
     for (job_id, model, recipe), entry in zip(jobs, listed):
         assert (entry["model"], entry["recipe"], entry["job_id"]) == (model, recipe, job_id)
         own = {k: v for k, v in entry.items() if k not in ("model", "job_id", "job_url")}
-        assert own == _result_in_log(hub, job_id) and entry["verified"] and entry["error"] is None
+        assert own == result_in_log(hub, job_id) and entry["verified"] and entry["error"] is None
 
 
 def _job_count(hub: Any) -> int:
@@ -176,32 +162,14 @@ def test_a_failed_job_of_several_models_is_a_row_and_the_list_says_it(cli: Any, 
 @pytest.mark.slow
 def test_ctrl_c_cancels_the_jobs_of_every_model(hub: Any, three_models: list[str]) -> None:
     hub.jobs.scheduling_s = 300.0  # the jobs wait for their hardware, as on the real service
-    env = {**os.environ, "HF_TOKEN": TOKEN, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    cmd = [sys.executable, "-m", "publisher.cli", *three_models, "--quant", "int8wo", "--on-hf-jobs", "cpu-basic",
-           "--repo-id", "alice/{model}-ctrl-c-{recipe}"]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-    lines: queue.Queue[str] = queue.Queue()
-    assert proc.stderr is not None
-    stderr = proc.stderr
-    threading.Thread(target=lambda: [lines.put(line) for line in stderr], daemon=True).start()
     try:
-        seen = ""
-        deadline = time.monotonic() + 300
-        while "following 3 job(s)" not in seen and time.monotonic() < deadline and proc.poll() is None:
-            try:
-                seen += lines.get(timeout=1)
-            except queue.Empty:
-                continue
-        assert "following 3 job(s)" in seen, seen
-        ids = [job_id for job_id, _, _ in _started(seen)]
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=90) == 130
-        time.sleep(0.5)  # the reader thread drains what is left
-        rest = "".join(iter(lambda: lines.get_nowait() if not lines.empty() else "", ""))
+        seen, rest, code = interrupted_while_following(
+            [*three_models, "--quant", "int8wo", "--on-hf-jobs", "cpu-basic", "--repo-id", "alice/{model}-ctrl-c-{recipe}"],
+            TOKEN, jobs=3, wait_s=90)
     finally:
         hub.jobs.scheduling_s = 0.0
-        if proc.poll() is None:
-            proc.kill()
+    assert code == 130
+    ids = [job_id for job_id, _, _ in _started(seen)]
     for job_id, model in zip(ids, three_models):
         assert f"Ctrl-C: cancelled job {job_id} ({model} int8wo on cpu-basic)" in rest
         assert hub.jobs.get(job_id).stage == "CANCELED" and hub.jobs.get(job_id).proc is None

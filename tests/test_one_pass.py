@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import IN_PROCESS, SKIP_EVAL_AND_MATRIX, TRANSFER, seed
+from helpers import IN_PROCESS, SKIP_EVAL_AND_MATRIX, TRANSFER, ranged_bytes, seed
 
 from publisher import recipes
 
@@ -328,13 +328,7 @@ def _ranged(hub: Any, repo: str, folder: str) -> int:
     """Bytes the loopback Hub (and its storage bridge) served by Range GETs of ``repo``'s files under ``folder``."""
     from huggingface_hub import HfApi
 
-    prefix = f"/{repo}/resolve/{HfApi().model_info(repo).sha}/{folder}/"
-    total = 0
-    for method, path, rng in hub.app.seen:
-        if method == "GET" and rng and path.startswith(prefix):
-            start, _, end = rng.removeprefix("bytes=").partition("-")
-            total += int(end) - int(start) + 1
-    return total
+    return ranged_bytes(hub, f"/{repo}/resolve/{HfApi().model_info(repo).sha}/{folder}/")
 
 
 def _weights(repo: str) -> dict[str, str]:

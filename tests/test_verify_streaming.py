@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import SKIP_EVAL_AND_MATRIX, TRANSFER, seed
+from helpers import SKIP_EVAL_AND_MATRIX, TRANSFER, ranged_bytes, seed
 
 from publisher import recipes
 
@@ -180,16 +180,6 @@ def _cached_weights(repo_id: str) -> list[Path]:
     return [p for p in hub_cache.rglob("transformer/*.safetensors")] if hub_cache.exists() else []
 
 
-def _ranged_bytes(hub: Any, prefix: str) -> int:
-    """Bytes the loopback Hub was asked for by Range GETs of files under ``prefix`` (a /<repo>/resolve/ path)."""
-    total = 0
-    for method, path, rng in hub.app.seen:
-        if method == "GET" and rng and path.startswith(prefix):
-            start, _, end = rng.removeprefix("bytes=").partition("-")
-            total += int(end) - int(start) + 1
-    return total
-
-
 @pytest.mark.transfer
 @pytest.mark.slow
 def test_low_disk_publish_reads_by_range_uploads_shards_and_merges_a_checked_pr(cli: Any, hub: Any, tiny_flux_dir: Path,
@@ -213,7 +203,7 @@ def test_low_disk_publish_reads_by_range_uploads_shards_and_merges_a_checked_pr(
     assert any("transformer/diffusion_pytorch_model" in p for p in ranged)
     weights = (tiny_flux_dir / "transformer").glob("*.safetensors")
     base_bytes = sum(p.stat().st_size for p in weights)
-    assert _ranged_bytes(hub, prefix + f"{HfApi().model_info('bfl/tiny-flux-lowdisk').sha}/transformer/") <= 1.05 * base_bytes
+    assert ranged_bytes(hub, prefix + f"{HfApi().model_info('bfl/tiny-flux-lowdisk').sha}/transformer/") <= 1.05 * base_bytes
     assert not _cached_weights("bfl/tiny-flux-lowdisk")
     # each output shard was uploaded (LFS, before any commit) and deleted; configs and the card stay
     assert not list((out / "transformer").glob("*.safetensors")) and (out / "transformer" / "config.json").is_file()
