@@ -13,6 +13,7 @@ HTTP): ``make test`` runs the tests marked ``transfer`` that way too, so each of
 from __future__ import annotations
 
 import gc
+import hashlib
 import os
 import shutil
 import socket
@@ -72,8 +73,10 @@ os.environ.setdefault("HF_AO_PUBLISH_ENVS", str(Path(os.environ.get("XDG_CACHE_H
                                                  / "hf-ao-publish-tests" / "envs"))
 # What the matrix's loads found is kept for a later run with the same files in the same environment (verify/memo.py):
 # a test session starts with none, so the first publish of each repo measures for real; the LFS pass of `make test`
-# (the second session) reads what the Xet pass measured, as a user's re-run would.
-MEASURED = Path(os.environ["HF_AO_PUBLISH_ENVS"]).parent / "measured"
+# (the second session) reads what the Xet pass measured, as a user's re-run would. One folder per checkout: a session
+# in another checkout on the same machine (a second worktree) starts by emptying its own, never this one's.
+_CHECKOUT = hashlib.sha256(str(Path(__file__).resolve().parent.parent).encode()).hexdigest()[:12]
+MEASURED = Path(os.environ["HF_AO_PUBLISH_ENVS"]).parent / "measured" / _CHECKOUT
 os.environ["HF_AO_PUBLISH_MEASURED"] = str(MEASURED)
 if TRANSFER == "xet" and not os.environ.get("PYTEST_XDIST_WORKER"):  # once, in the controller, before any worker
     shutil.rmtree(MEASURED, ignore_errors=True)

@@ -11,7 +11,8 @@ usage.md shows under that name. A command that cannot run here says why in the d
 `# not run by the tests: REASON`; the test reads it. Identical commands in several docs run once.
 
 Publishes run through the real CLI in this process (the `cli` fixture; one that follows Hugging Face Jobs as a child
-process, interrupted once its jobs are submitted: "up to the submission"); pushes in both transfer modes (`transfer`).
+process, interrupted once its jobs are submitted: "up to the submission"); pushes in both transfer modes (`transfer`;
+the verify and recheck commands that read the first push back run on the default path, Xet, only).
 The Action's workflows (docs/action.md) run through the runner harness in tests/test_action_docs.py.
 """
 
@@ -31,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import TRANSFER
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -192,6 +194,8 @@ def _my_pipeline(cli: Any) -> None:
 
 def _verify_published(cli: Any) -> None:
     _publish_flux_int8wo(cli)
+    if TRANSFER == "lfs":  # the push is what the LFS pass runs again (pushes in both transfer modes, issue 37); what
+        return  # follows reads a published repo, on the default path here and on both in the transfer tests' downloads
     result = _run(cli, _by("hf-ao-publish verify alice/FLUX.1-dev-torchao-int8wo"))
     assert "load checks passed" in result.stderr and "other environments:" in result.stderr  # the default matrix
     # compatibility.md's check of one more environment, which must pass
