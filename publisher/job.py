@@ -224,10 +224,12 @@ def _build(ctx: RunContext, todo: list[RecipeRun]) -> None:
 
 
 def _quantize_and_build(ctx: RunContext, runs: list[RecipeRun], targets: list[RecipeTarget]) -> None:
-    # the verification's interpreters import torch & co while the recipes quantize (the zygote then serves them all)
+    # the verification's interpreters import torch & co while the recipes quantize (on the CPU the zygote then serves
+    # them all; a GPU load takes one interpreter started ahead per load path and recipe)
     for device in dict.fromkeys(t.device for t in targets):
         workers.start_early(ctx.token, device, ctx.output.verify_mode(ctx.req.checks.verify_mode),
-                            max((c.param_bytes for c in ctx.plan.quantized), default=0))
+                            max((c.param_bytes for c in ctx.plan.quantized), default=0),
+                            recipes=sum(t.device == device for t in targets))
     started = time.monotonic()
     got = quantize_recipes(ctx.plan, ctx.base_dir, targets, engine=ctx.req.make.engine, remote=ctx.remote,
                            max_shard_size=ctx.output.shard_size, elsewhere=ctx.output.elsewhere, inputs=ctx.inputs,

@@ -20,15 +20,15 @@ SPREAD = {"test_families", "test_job", "test_hub", "test_cli", "test_publish_con
 # Files in the order their work is handed out, the costliest first (seconds on 2 cores, `--durations` of a full run), so
 # that no long test starts last and leaves the other worker idle; files not named here follow, in their usual order.
 # Every file of more than a few seconds is named: test_zygotes (some 30 s on one worker), which came last by name,
-# left the other worker idle for half a minute at the end of the run. test_verify_matrix as on a fresh clone (its
-# environments built from PyPI: 30 s more than from the cache).
+# left the other worker idle for half a minute at the end of the run; test_prestarted (some 45 s alone) beside it.
+# test_verify_matrix as on a fresh clone (its environments built from PyPI: 30 s more than from the cache).
 # The docs' commands first (minutes of publishes with the product's defaults, spread test by test); the Action's
 # workflows (docs/action.md, one test of a few minutes) after them, so that their publishes of the same bases and
 # recipes read the compatibility loads the commands measured (verify/memo.py) instead of measuring them again.
 COST_ORDER = ["test_docs_commands", "test_families", "test_stages_card", "test_docs_action", "test_quality_defaults",
               "test_verify_full", "test_hfjobs_e2e", "test_job",
               "test_hub", "test_cli", "test_signals", "test_quality_e2e", "test_verify_matrix", "test_action",
-              "test_scripts_gpu_check", "test_zygotes", "test_verify_streaming", "test_one_pass", "test_streaming_convert",
+              "test_scripts_gpu_check", "test_zygotes", "test_prestarted", "test_verify_streaming", "test_one_pass", "test_streaming_convert",
               "test_verify_peers", "test_testing_tiny", "test_integrity", "test_hostile_input", "test_hf_extension",
               "test_testing_hubserver", "test_publish_configs", "test_cli_bad_input", "test_action_run",
               "test_family_failures", "test_verify_envs"]

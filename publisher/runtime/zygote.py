@@ -1,7 +1,7 @@
 """A zygote: an interpreter that has imported torch (and what else it is told) and nothing of a run, and forks a
-child per script to run.
+child per script to run; or, with ``--once``, an interpreter started ahead that becomes the one script it is handed.
 
-Run as a *script* (``python zygote.py [MODULE...]``) by publisher/runtime/zygotes.py, in any interpreter (it
+Run as a *script* (``python zygote.py [--once] [MODULE...]``) by publisher/runtime/zygotes.py, in any interpreter (it
 imports nothing of ``publisher``, only the standard library and the modules named). It imports the modules named
 (default: torch and ``torch._dynamo``, torch's own module that torchao's import brings in on every load path),
 freezes what they made, says it is ready, and then serves requests from stdin, one JSON line each::
@@ -13,6 +13,13 @@ sends stdout and stderr to those files, leads a process group of its own (the ca
 ``SCRIPT`` as ``__main__`` (``runpy.run_path``, as ``python SCRIPT ARG...`` would, ``sys.path[0]`` its folder).
 The zygote answers ``{"pid": N}`` at once and ``{"exit": CODE}`` when the child has ended (CODE as ``subprocess``
 gives it: negative for a signal). It ends when stdin closes, so it never outlives its caller for long.
+
+``--once`` is for a script that must not run in a forked child (a load on a GPU: CUDA cannot be used across a
+fork, publisher/runtime/prestarted.py): the same imports and ready line, then one request, answered ``{"pid": N}``
+(its own pid), and the interpreter itself becomes the child described above (it already leads its own process group:
+the caller starts it in a new session) and runs the script; its exit status is the script's, as the caller's
+``subprocess`` sees it. stdin closed before a request comes: it ends, having run nothing. What the imports may
+leave of CUDA differs between the two modes (``_holds_cuda``).
 
 What the modules read from the environment when imported is the zygote's: the caller starts one per environment
 (publisher/runtime/zygotes.py says which variables count). What they print when imported (torchao's lines about its
@@ -31,10 +38,12 @@ import tempfile
 PRELOAD = ("torch", "torch._dynamo")  # when no module is named
 
 
-def _become(req, proto, printed):
-    """In the forked child: become the process ``python SCRIPT ARG...`` would be, up to running the script."""
+def _become(req, proto, printed, forked=True):
+    """In the forked child (or the ``--once`` interpreter itself): become the process ``python SCRIPT ARG...`` would
+    be, up to running the script."""
     os.close(proto)
-    os.setsid()
+    if forked:  # a --once interpreter leads its group already (a session leader cannot call setsid)
+        os.setsid()
     for fd, name in ((1, "stdout"), (2, "stderr")):
         out = os.open(req[name], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         os.dup2(out, fd)
@@ -81,7 +90,9 @@ def _exit_code(status):
     return os.WEXITSTATUS(status)
 
 
-def serve(preload):
+def _prepare(preload, once):
+    """Make the imports with fd 1 kept for the answers; (the answers' fd, what the imports printed by fd), or None when
+    not ready (said on the answers' fd: the caller runs the script in a fresh interpreter instead)."""
     proto = os.dup(1)  # the answers; fd 1 itself goes nowhere, so an import that prints cannot garble them
     null = os.open(os.devnull, os.O_WRONLY)
     os.dup2(null, 1)
@@ -92,15 +103,39 @@ def serve(preload):
         printed = _import(preload)
     except BaseException:  # noqa: BLE001 - reported as "not ready": the caller starts fresh interpreters, which
         os.write(proto, b'{"ready": false}\n')  # fail (or not) on their own, from a clean state
-        return 1
+        return None
     gc.collect()
     gc.enable()
     gc.freeze()  # the children's collections skip what the imports made (and forking copies fewer pages)
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():  # CUDA does not survive a fork: no zygote, then
+    if _holds_cuda(sys.modules.get("torch"), once):
         os.write(proto, b'{"ready": false}\n')
-        return 1
+        return None
     os.write(proto, b'{"ready": true}\n')
+    return proto, printed
+
+
+def _holds_cuda(torch, once):
+    """Whether the imports left CUDA in a state this mode cannot serve from.
+
+    A zygote: torch's CUDA state initialized at all (CUDA does not survive a fork). A --once interpreter does not
+    fork: the process that initialized CUDA is the one that uses it, as in a fresh interpreter making the same imports
+    (torchao 0.18's import does, on a machine with a CUDA GPU: its kernel checks call
+    ``torch.cuda.get_device_capability()``, which runs torch's lazy CUDA init). It only must not hold a CUDA context
+    while it waits (GPU memory, beside the quantization it was started with): torch's init creates none, an
+    allocation or ``set_device`` would. Where torch cannot say (a build without ``_cuda_hasPrimaryContext``): refused."""
+    if torch is None or not torch.cuda.is_initialized():
+        return False
+    if not once:
+        return True
+    has_context = getattr(torch._C, "_cuda_hasPrimaryContext", None)
+    return has_context is None or any(has_context(i) for i in range(torch.cuda.device_count()))
+
+
+def serve(preload):
+    prepared = _prepare(preload, once=False)
+    if prepared is None:
+        return 1
+    proto, printed = prepared
     for line in sys.stdin.buffer:
         req = json.loads(line)
         sys.stdout.flush()
@@ -118,5 +153,25 @@ def serve(preload):
     return 0
 
 
+def once(preload):
+    """Ready, one request, then this interpreter is the script's process (as a forked child is), ending as it ends."""
+    prepared = _prepare(preload, once=True)
+    if prepared is None:
+        return 1
+    proto, printed = prepared
+    line = sys.stdin.buffer.readline()
+    if not line:  # the caller ended, or closed an interpreter it did not need
+        return 0
+    req = json.loads(line)
+    os.write(proto, json.dumps({"pid": os.getpid()}).encode() + b"\n")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    _become(req, proto, printed, forked=False)
+    runpy.run_path(sys.argv[0], run_name="__main__")  # an exception or SystemExit goes up to the top, as in serve
+    return 0
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--once"]:
+        sys.exit(once(sys.argv[2:] or PRELOAD))
     sys.exit(serve(sys.argv[1:] or PRELOAD))

@@ -1,4 +1,5 @@
-"""Python scripts run in children forked from a zygote of their interpreter, or in a fresh interpreter.
+"""Python scripts run in children forked from a zygote of their interpreter, in an interpreter started ahead, or in a
+fresh interpreter.
 
 A verify worker is a fresh interpreter by design (publisher/verify/workers.py), and most of its time goes to
 imports: torch (some 3 s of a worker's 5 s on a 2-core machine), then the library and torchao (1 to 2 s).
@@ -13,21 +14,26 @@ imports before it reads a checkpoint: transformers' and diffusers' model base cl
 in the interpreter's versions). A zygote serves one interpreter, one such list and one environment: it is reused
 only while every variable its imports could read is what it was when it started (``NOT_READ_BY_TORCH`` and
 ``NOT_READ_BY_LIBRARIES`` list those that may differ: the token, our own, ...); at most ``max_zygotes()`` live at
-once (the least recently used is closed: 8, or fewer where memory is short). Where there is no zygote the script runs in a fresh interpreter: not on
+once (the least recently used is closed: 8, or fewer where memory is short).
+
+A caller whose script must not be forked (a load on a GPU: CUDA cannot be used across a fork, so it is initialized
+in the new process only) says so (``forked=False``): the script runs in an interpreter that ``prestart`` started ahead
+(the same interpreter, imports and environment, compared as a zygote's), which made the imports and then becomes the
+script's process itself (no fork: publisher/runtime/prestarted.py), used once; where none waits, in a fresh one.
+
+Where there is no zygote (or, unforked, no interpreter started ahead) the script runs in a fresh interpreter: not on
 Linux (fork after torch's import is what PyTorch's own data loaders do on Linux; macOS's system libraries refuse
-it), with ``HF_AO_PUBLISH_ZYGOTE=0``, for a caller that asks so (a load on a GPU: CUDA cannot be used across a
-fork, so it is initialized in the new process only), or when the interpreter cannot run one (a stand-in script, an
-interpreter that exits, an import that fails, torch's import having initialized CUDA). Zygotes end with the
-process (and on their own when it is gone: their stdin closes).
+it; the interpreters started ahead are kept to the same platform), with ``HF_AO_PUBLISH_ZYGOTE=0``, or when the
+interpreter cannot run one (a stand-in script, an interpreter that exits, an import that fails, the imports having
+initialized CUDA; for an interpreter started ahead, having made a CUDA context: runtime/zygote.py ``_holds_cuda``). Zygotes and interpreters started ahead end with the process (and on their own when it is
+gone: their stdin closes).
 """
 
 from __future__ import annotations
 
 import atexit
-import json
 import logging
 import os
-import select
 import signal
 import subprocess
 import sys
@@ -36,16 +42,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
 
-from publisher.runtime import procs, zygote
+from publisher.runtime import prestarted, procs, zygote
+from publisher.runtime.zygote_pipe import READY_TIMEOUT_S, Gone, Server
 
 log = logging.getLogger(__name__)
 
-SERVER = Path(zygote.__file__).resolve()
 SWITCH = "HF_AO_PUBLISH_ZYGOTE"
-ZYGOTE_BYTES = 360 * 1024 * 1024  # one that imported torch and the libraries' base classes (measured: 353 MB unique)
-READY_TIMEOUT_S = 600  # importing torch from a cold disk on a slow machine
+# one that imported torch and the libraries' base classes (measured: 353 MB unique); an interpreter started ahead
+# holds the same
+ZYGOTE_BYTES = 360 * 1024 * 1024
 TORCH = tuple(zygote.PRELOAD)  # torch and torch._dynamo: the first import of every script we run
 # ... and what every load path imports before it reads a checkpoint: the libraries' model base classes (in the versions
 # we run, transformers' imports torchao); a script that loads no model never gets these
@@ -57,21 +63,14 @@ NOT_READ_BY_TORCH = ("HF_", "HUGGINGFACE_", "HUGGING_FACE_", "TRANSFORMERS_", "D
 NOT_READ_BY_LIBRARIES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_AO_PUBLISH_", "PYTEST_CURRENT_TEST")
 
 
-class Gone(Exception):
-    """The zygote ended or said something else than the protocol's next line."""
-
-
-class Zygote:
+class Zygote(Server):
     """One zygote process (publisher/runtime/zygote.py run by ``python``), serving one script at a time."""
 
     def __init__(self, python: str, env: Mapping[str, str], preload: Sequence[str]) -> None:
-        self.proc = subprocess.Popen([python, str(SERVER), *preload], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=subprocess.DEVNULL, env=dict(env), start_new_session=True)
-        self._buf = b""
+        super().__init__(python, env, preload)
         self.lock = threading.Lock()
         try:
-            if self._line(time.monotonic() + READY_TIMEOUT_S) != {"ready": True}:
-                raise Gone("not a zygote")
+            self.ready()
         except BaseException:
             self.close()
             raise
@@ -80,21 +79,15 @@ class Zygote:
             timeout: float | None) -> int:
         """Fork a child that runs ``argv`` (script and arguments) in ``cwd``, its stdout and stderr to ``outputs``;
         its exit code. Raises ``subprocess.TimeoutExpired`` after killing it, ``Gone`` if the zygote went away."""
-        req = {"argv": list(argv), "env": dict(env), "cwd": cwd, "stdout": str(outputs[0]), "stderr": str(outputs[1])}
-        assert self.proc.stdin is not None
-        try:
-            self.proc.stdin.write(json.dumps(req).encode() + b"\n")
-            self.proc.stdin.flush()
-        except OSError as exc:
-            raise Gone(str(exc)) from exc
-        pid = int(self._line(time.monotonic() + READY_TIMEOUT_S)["pid"])
+        self.send(argv, env, cwd, outputs)
+        pid = int(self.line(time.monotonic() + READY_TIMEOUT_S)["pid"])
         deadline = time.monotonic() + timeout if timeout is not None else None
         try:
-            return int(self._line(deadline)["exit"])
+            return int(self.line(deadline)["exit"])
         except subprocess.TimeoutExpired:
             _kill_group(pid)
             try:
-                self._line(time.monotonic() + 60)  # the killed child's exit: the zygote serves on
+                self.line(time.monotonic() + 60)  # the killed child's exit: the zygote serves on
             except BaseException:
                 self.close()
                 raise
@@ -103,42 +96,6 @@ class Zygote:
             _kill_group(pid)
             self.close()
             raise
-
-    def _line(self, deadline: float | None) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        fd = self.proc.stdout.fileno()
-        while b"\n" not in self._buf:
-            wait = None if deadline is None else deadline - time.monotonic()
-            if wait is not None and wait <= 0:
-                raise subprocess.TimeoutExpired(self.proc.args, 0)
-            if not select.select([fd], [], [], wait)[0]:
-                continue
-            chunk = os.read(fd, 4096)
-            if not chunk:
-                raise Gone("ended")
-            self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
-        try:
-            data = json.loads(line)
-        except ValueError as exc:
-            raise Gone(f"said {line[:100]!r}") from exc
-        if not isinstance(data, dict):
-            raise Gone(f"said {line[:100]!r}")
-        return data
-
-    def close(self) -> None:
-        """Close its stdin (it ends when idle) and make sure it has ended."""
-        try:
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
-        except OSError:
-            pass
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            procs.kill_group(self.proc)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
 
 
 _Key = tuple[str, tuple[str, ...], frozenset[tuple[str, str]]]
@@ -153,7 +110,7 @@ def start(python: str, env: Mapping[str, str], preload: tuple[str, ...] = TORCH)
     overlap what the caller does meanwhile (the verification's, the quantization: issue 41). Returns at once; a
     ``run`` that comes before it is ready waits for it (sooner than a fresh one), and one whose environment differs by
     then starts its own (said at debug level)."""
-    if sys.platform != "linux" or env.get(SWITCH) == "0":
+    if not _enabled(env):
         return
     key = _key(python, env, preload)
     with _lock:
@@ -164,20 +121,34 @@ def start(python: str, env: Mapping[str, str], preload: tuple[str, ...] = TORCH)
     threading.Thread(target=_zygote, args=(python, dict(env), preload), name="zygote-start", daemon=True).start()
 
 
+def prestart(python: str, env: Mapping[str, str], preload: tuple[str, ...] = TORCH, count: int = 1) -> int:
+    """Start ``count`` single-use interpreters (publisher/runtime/prestarted.py) that later ``run(..., forked=False)``
+    calls with these arguments take, one each, so their imports overlap what the caller does meanwhile (a GPU load's
+    verification while the recipes quantize: issue 41). Those already waiting for the same key count; at most
+    ``max_prestarted()`` wait in all. Returns at once, with how many it started."""
+    if not _enabled(env):
+        return 0
+    key = _key(python, env, preload)
+    # like a zygote, it gets none of the libraries' variables (no token): the script it becomes gets the caller's
+    return prestarted.start(key, python, dict(key[2]), preload, count, max_prestarted())
+
+
 def run(python: str, script: Path, args: Sequence[str], *, env: Mapping[str, str], timeout: float | None,
         outputs: Path, forked: bool = True, cwd: Path | None = None,
         preload: tuple[str, ...] = TORCH) -> subprocess.CompletedProcess[str]:
     """``python script args...`` with ``env`` in ``cwd`` (default: ours), like ``procs.run`` (stdout and stderr in
-    the result; a timeout raises ``subprocess.TimeoutExpired`` after the kill), forked from a zygote where there is
-    one and ``forked``, from one that imported ``preload``. A forked child writes its stdout and stderr to
-    ``outputs`` + ``.stdout`` / ``.stderr``, which are read back."""
+    the result; a timeout raises ``subprocess.TimeoutExpired`` after the kill), forked from a zygote that imported
+    ``preload`` where there is one and ``forked``; not ``forked``, in an interpreter ``prestart`` started with these
+    arguments where one waits. Such a child writes its stdout and stderr to ``outputs`` + ``.stdout`` / ``.stderr``,
+    which are read back."""
     argv = [str(script), *args]
+    files = (outputs.with_name(outputs.name + ".stdout"), outputs.with_name(outputs.name + ".stderr"))
+    workdir = str(cwd or os.getcwd())
     z = _zygote(python, env, preload) if forked else None
     if z is not None:
-        files = (outputs.with_name(outputs.name + ".stdout"), outputs.with_name(outputs.name + ".stderr"))
         with z.lock:
             try:
-                code = z.run(argv, env, str(cwd or os.getcwd()), files, timeout)
+                code = z.run(argv, env, workdir, files, timeout)
             except Gone as exc:
                 log.debug("the zygote of %s went away (%s); a fresh interpreter instead", python, exc)
                 _forget(z)
@@ -186,11 +157,42 @@ def run(python: str, script: Path, args: Sequence[str], *, env: Mapping[str, str
             finally:
                 if z.proc.poll() is not None:
                     _forget(z)
+    p = None if forked else _prestarted(python, env, preload)
+    if p is not None:
+        try:
+            p.hand(argv, env, workdir, files)
+        except (Gone, subprocess.TimeoutExpired) as exc:  # it ran nothing (and is gone): a fresh interpreter runs it
+            log.debug("an interpreter of %s started ahead could not take the script (%s); fresh interpreters "
+                      "instead", python, exc)
+            prestarted.refuse(_key(python, env, preload))
+        else:
+            code = p.wait(timeout)
+            return subprocess.CompletedProcess([python, *argv], code, _read(files[0]), _read(files[1]))
     return procs.run([python, *argv], env=env, timeout=timeout, cwd=cwd)
 
 
+def _prestarted(python: str, env: Mapping[str, str], preload: tuple[str, ...]) -> prestarted.Prestarted | None:
+    if not _enabled(env):
+        return None
+    key = _key(python, env, preload)
+    p = prestarted.take(key)
+    if p is not None:
+        log.debug("an interpreter of %s started ahead is used", python)
+        return p
+    for other in prestarted.keys():  # started ahead for another environment: say what changed since
+        if isinstance(other, tuple) and other[:2] == (python, preload):
+            changed = sorted({k for k, _ in other[2] ^ key[2]})
+            log.debug("the interpreters of %s started ahead are not used: the environment changed since (%s)",
+                      python, ", ".join(changed))
+    return None
+
+
+def _enabled(env: Mapping[str, str]) -> bool:
+    return sys.platform == "linux" and env.get(SWITCH) != "0"
+
+
 def _zygote(python: str, env: Mapping[str, str], preload: tuple[str, ...]) -> Zygote | None:
-    if sys.platform != "linux" or env.get(SWITCH) == "0":
+    if not _enabled(env):
         return None
     key = _key(python, env, preload)
     with _lock:
@@ -229,9 +231,20 @@ def max_zygotes() -> int:
     compatibility matrix (up to 6) and the card snippets' (8), so that a run measuring several recipes, or a process
     running several publishes, starts each once; fewer where they would take more than a sixth of the memory
     available (each holds about ZYGOTE_BYTES), never under 3."""
+    return max(3, min(8, _affordable()))
+
+
+def max_prestarted() -> int:
+    """How many single-use interpreters may wait at once: at most as many as zygotes, and none past the memory
+    bound (each is a head start only: a script with none runs fresh)."""
+    return min(8, _affordable())
+
+
+def _affordable() -> int:
+    """How many processes of ZYGOTE_BYTES fit in a sixth of the memory available."""
     import psutil
 
-    return max(3, min(8, int(psutil.virtual_memory().available / 6 // ZYGOTE_BYTES)))
+    return int(psutil.virtual_memory().available / 6 // ZYGOTE_BYTES)
 
 
 def _forget(z: Zygote) -> None:

@@ -12,7 +12,9 @@ component that caused it, and no component goes unchecked because another one cr
 
 "Fresh" is what a user's new process is: on Linux the interpreter is forked from a zygote that has made the
 imports every load path makes first (torch, the libraries' model base classes: ``zygotes.LIBRARIES``), in the
-environment of the call; the model's class, the quantizer and torchao's tensor classes it imports itself.
+environment of the call; the model's class, the quantizer and torchao's tensor classes it imports itself. A load on
+a GPU is never forked (CUDA cannot cross a fork): it runs in an interpreter started ahead with those imports
+(``start_early``), which becomes the worker itself, or else in a new one.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from publisher import loadpath
-from publisher.handoffs.report import Expected
+from publisher.handoffs.report import PATHS, Expected
 from publisher.runtime import zygotes
 from publisher.verify import memo
 
@@ -45,13 +47,19 @@ def worker_env(token: str | None) -> dict[str, str]:
     return env
 
 
-def start_early(token: str | None, device: str, mode: str, largest: int) -> None:
-    """Start the zygote this interpreter's workers will fork from, without waiting for it: its imports overlap the
-    quantization. The environment and imports are those ``_spawn`` gives ``zygotes.run``; if the environment has
-    changed by then, it is not used. Not for a GPU load (a fresh interpreter: CUDA cannot cross a fork), nor where the
-    verification will stream in this process (``mode``; ``auto`` as ``full.choose_mode`` will likely decide it from
-    the ``largest`` component's bf16 bytes, an upper bound of its quantized ones)."""
-    if device != "cpu" or mode == "streaming":
+def start_early(token: str | None, device: str, mode: str, largest: int, recipes: int = 1) -> None:
+    """Start the interpreters this interpreter's workers will run in, without waiting for them: their imports overlap
+    the quantization. The environment and imports are those ``_spawn`` gives ``zygotes.run``; if the environment has
+    changed by then, they are not used. On the CPU, the zygote the workers fork from; for a GPU load (a fresh
+    interpreter: CUDA cannot cross a fork), single-use interpreters, one for each load path of each of the
+    ``recipes`` verified here (verify/full.py ``check_location``: one interpreter per load path in this environment;
+    the other environments' are other interpreters). Not where the verification will stream in this process
+    (``mode``; ``auto`` as ``full.choose_mode`` will likely decide it from the ``largest`` component's bf16 bytes, an
+    upper bound of its quantized ones: on the CPU only, a GPU recipe reloads whole)."""
+    if mode == "streaming":
+        return
+    if device != "cpu":
+        zygotes.prestart(sys.executable, worker_env(token), zygotes.LIBRARIES, count=len(PATHS) * recipes)
         return
     if mode == "auto":
         import psutil
@@ -122,7 +130,8 @@ def _spawn(exps: Sequence[Expected], path: str, python: str, where: str, revisio
     timeout = WORKER_TIMEOUT_S * len(exps)
     failure: dict[str, Any] | None = None
     try:  # its own process group, killed with it if we stop waiting (timeout, SIGINT/SIGTERM)
-        # a GPU load starts a new interpreter: CUDA must be initialized after any fork, never before one
+        # a GPU load is not forked (CUDA must be initialized after any fork, never before one): an interpreter
+        # started ahead (start_early) or a new one
         proc = zygotes.run(python, WORKER, [str(req_file)], env=env, timeout=timeout, outputs=work / f"output-{batch}",
                            forked=device == "cpu", preload=zygotes.LIBRARIES)
         if proc.returncode != 0:
