@@ -68,17 +68,25 @@ def _none_waiting(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 def _waiting(pid: int | None = None) -> set[int]:
-    """The interpreters started ahead that are still running, children of ``pid`` (default: this process)."""
+    """The interpreters started ahead that are still running, children of ``pid`` (default: this process). A child
+    just started may not have exec'd yet (its command line is still its parent's): waited for, up to 10 s."""
     import psutil
 
-    found = set()
-    for p in psutil.Process(pid).children():
-        try:
-            if "--once" in p.cmdline() and p.status() != psutil.STATUS_ZOMBIE:
-                found.add(p.pid)
-        except psutil.NoSuchProcess:
-            continue
-    return found
+    parent = psutil.Process(pid)
+    deadline = time.monotonic() + 10
+    while True:
+        found, unborn = set(), False
+        for p in parent.children():
+            try:
+                cmdline = p.cmdline()
+                if "--once" in cmdline and p.status() != psutil.STATUS_ZOMBIE:
+                    found.add(p.pid)
+                unborn = unborn or cmdline == parent.cmdline()
+            except psutil.NoSuchProcess:
+                continue
+        if not unborn or time.monotonic() > deadline:
+            return found
+        time.sleep(0.05)
 
 
 def _gone(pid: int) -> bool:
