@@ -121,3 +121,37 @@ def run_snippet(code: str, cwd: Path, env: dict[str, str], timeout: float) -> An
     script.write_text(code)
     return zygotes.run(sys.executable, script, [], env=env, timeout=timeout, outputs=script.with_suffix(""), cwd=cwd,
                        preload=zygotes.LIBRARIES)
+
+
+# A script that writes what a user's script could notice about its process (argv, folder, ids, stdin, a few variables,
+# the modules in ``modules`` it found imported, huggingface_hub's endpoint as its import read it), prints a line to
+# each stream, and then crashes, sleeps or exits as its second argument says: zygotes and interpreters started ahead
+# are checked with it against a fresh ``python SCRIPT ARG...`` (tests/test_zygotes.py, tests/test_prestarted.py).
+_PROBE = """
+import json, os, sys
+facts = {
+    "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "pid": os.getpid(), "ppid": os.getppid(),
+    "pgid": os.getpgid(0), "name": __name__, "stdin": os.readlink("/proc/self/fd/0"),
+    "env": {k: os.environ.get(k) for k in ("HF_ENDPOINT", "HF_TOKEN", "PROBE_VAR")},
+    "imported": sorted(m for m in MODULES if m in sys.modules),
+}
+hub = sys.modules.get("huggingface_hub.constants")  # what the libraries' imports read from the environment
+facts["hub_endpoint"] = hub.ENDPOINT if hub else None
+open(sys.argv[1], "w").write(json.dumps(facts))
+print("to stderr", file=sys.stderr)
+print("to stdout")
+if len(sys.argv) > 2 and sys.argv[2] == "crash":
+    os.kill(os.getpid(), 11)
+if len(sys.argv) > 2 and sys.argv[2] == "sleep":
+    import time
+    time.sleep(600)
+sys.exit(int(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2].isdigit() else 0)
+"""
+
+
+def write_probe(folder: Path, modules: tuple[str, ...]) -> Path:
+    """The probe script above, as ``folder/scripts/probe.py``, reporting which of ``modules`` were imported."""
+    script = folder / "scripts" / "probe.py"
+    script.parent.mkdir()
+    script.write_text(_PROBE.replace("MODULES", repr(modules), 1))
+    return script

@@ -18,39 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import write_probe
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="zygotes fork: Linux only")
-
-# What a user's script could notice about its process.
-PROBE = """
-import json, os, sys
-facts = {
-    "argv": sys.argv, "cwd": os.getcwd(), "path0": sys.path[0], "pid": os.getpid(), "ppid": os.getppid(),
-    "pgid": os.getpgid(0), "name": __name__, "stdin": os.readlink("/proc/self/fd/0"),
-    "env": {k: os.environ.get(k) for k in ("HF_ENDPOINT", "HF_TOKEN", "PROBE_VAR")},
-    "imported": sorted(m for m in ("torch", "torch._dynamo", "huggingface_hub", "transformers", "diffusers", "torchao",
-                                   "publisher") if m in sys.modules),
-}
-hub = sys.modules.get("huggingface_hub.constants")  # what the libraries' imports read from the environment
-facts["hub_endpoint"] = hub.ENDPOINT if hub else None
-open(sys.argv[1], "w").write(json.dumps(facts))
-print("to stderr", file=sys.stderr)
-print("to stdout")
-if len(sys.argv) > 2 and sys.argv[2] == "crash":
-    os.kill(os.getpid(), 11)
-if len(sys.argv) > 2 and sys.argv[2] == "sleep":
-    import time
-    time.sleep(600)
-sys.exit(int(sys.argv[2]) if len(sys.argv) > 2 and sys.argv[2].isdigit() else 0)
-"""
 
 
 @pytest.fixture
 def probe(tmp_path: Path) -> Path:
-    script = tmp_path / "scripts" / "probe.py"
-    script.parent.mkdir()
-    script.write_text(PROBE)
-    return script
+    return write_probe(tmp_path, ("torch", "torch._dynamo", "huggingface_hub", "transformers", "diffusers", "torchao", "publisher"))
 
 
 def _run(probe: Path, tmp_path: Path, *args: str, env: dict[str, str] | None = None, timeout: float = 120,
