@@ -149,6 +149,30 @@ def test_diffusers_bit_identical(flux_src: Path, tmp_path: Path, recipe: recipes
     assert torch.equal(_flux_out(tmp_path / "lib"), _flux_out(tmp_path / "stream"))
 
 
+@pytest.mark.parametrize("name", ["float8wo", "float8dq", "float8dq-tensor"])
+def test_float8_row_blocks_bit_identical(flux_src: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         name: str) -> None:
+    """The engine quantizes large float8 weights a block of rows at a time (streaming/fp8blocks.py); with blocks of a
+    few rows every tiny weight here takes that path (rows not a multiple of the block included), and the output is
+    still the library path's (torchao's own from_hp), byte for byte."""
+    from publisher.streaming import fp8blocks
+
+    monkeypatch.setattr(fp8blocks, "ROW_BLOCK_BYTES", 3 * 64 * 4)  # 3 rows of 64 float32
+    taken: list[tuple[int, ...]] = []
+    real = fp8blocks.in_row_blocks
+
+    def spy(hp_tensor: object, **kwargs: object) -> object:
+        made = real(hp_tensor, **kwargs)  # type: ignore[arg-type]
+        if made is not None:
+            taken.append(tuple(hp_tensor.shape))  # type: ignore[attr-defined]
+        return made
+
+    monkeypatch.setattr(fp8blocks, "in_row_blocks", spy)
+    _, result = _run_both(flux_src, tmp_path, "diffusers", recipes.get(name), max_shard_size="100KB")
+    assert_same_output(tmp_path / "lib", tmp_path / "stream")
+    assert len(taken) == len(result.quantized) and any(rows % fp8blocks.rows_per_block(cols) for rows, cols in taken)
+
+
 @pytest.mark.parametrize("recipe", CPU_RECIPES, ids=lambda r: r.name)
 def test_transformers_bit_identical(llama_src: Path, tmp_path: Path, recipe: recipes.Recipe) -> None:
     import torch

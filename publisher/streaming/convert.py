@@ -33,6 +33,7 @@ from publisher.io.jsonfile import read_object, weight_map
 from publisher.recipes import build_config, cuda_capability
 from publisher.runtime.heap import peak_rss_bytes
 from publisher.streaming.engine import Lane, execute_lanes, remove_stale_shards
+from publisher.streaming.fp8blocks import float8_in_row_blocks
 from publisher.streaming.layout import build_layout
 from publisher.streaming.safetensors_io import read_header
 from publisher.streaming.shards import RangeIgnored
@@ -213,6 +214,7 @@ def stream_quantize_many(jobs: Sequence[StreamJob], *, observers: Sequence[Tenso
     lanes = [p.lane for p in got if isinstance(p, _Prepared)]
     if lanes:
         with ExitStack() as stack:
+            stack.enter_context(float8_in_row_blocks())  # float8 weights without torchao's fp32 temporaries, same bytes
             for p in got:
                 if isinstance(p, _Prepared):
                     stack.enter_context(_quantize_context(p.job.recipe, p.device))
