@@ -97,6 +97,37 @@ def test_a_load_path_zygote_serves_the_environment_the_libraries_were_imported_i
     assert third["ppid"] != first["ppid"] and third["hub_endpoint"] == "http://two.invalid"
 
 
+def test_where_a_library_cannot_be_imported_a_load_forks_from_a_zygote_of_its_own_library(probe: Path,
+                                                                                         tmp_path: Path) -> None:
+    """In an environment where diffusers cannot be imported (as transformers 4.57's, whose huggingface_hub is too old
+    for it), a zygote of both libraries cannot start: a transformers load forks from one of torch and transformers
+    (workers.preload_for, the ``fallback``), instead of paying every import in a fresh interpreter; a diffusers load
+    there has no zygote and runs fresh, where its import fails as a user's would."""
+    from publisher.runtime import zygotes
+    from publisher.verify import workers
+
+    broken = tmp_path / "site" / "diffusers"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('this diffusers cannot be imported here')\n")
+    env = {**os.environ, "PYTHONPATH": str(broken.parent)}
+    assert workers.preload_for({"transformers"}) == (*zygotes.TORCH, "transformers.modeling_utils")
+    assert workers.preload_for({"diffusers", "transformers"}) == (
+        *zygotes.TORCH, "diffusers.models.modeling_utils", "transformers.modeling_utils")
+
+    def run(name: str, libraries: set[str]) -> dict[str, Any]:
+        out = tmp_path / f"{name}.json"
+        done = zygotes.run(sys.executable, probe, [str(out)], env=env, timeout=120, outputs=tmp_path / name,
+                           preload=zygotes.LIBRARIES, fallback=workers.preload_for(libraries))
+        assert done.returncode == 0, done.stderr
+        return dict(json.loads(out.read_text()))
+
+    facts = run("transformers", {"transformers"})
+    assert facts["ppid"] != os.getpid() and "transformers" in facts["imported"] and "diffusers" not in facts["imported"]
+    assert run("again", {"transformers"})["ppid"] == facts["ppid"]  # that zygote serves the next load too
+    facts = run("diffusers", {"diffusers"})
+    assert facts["ppid"] == os.getpid() and facts["imported"] == []  # no zygote: a fresh interpreter
+
+
 def test_what_the_imports_print_every_child_prints_first(probe: Path, tmp_path: Path) -> None:
     """A module the zygote imports prints when imported (torchao about its optional kernels, torch a deprecation
     warning): every child's stdout and stderr start with it, as those of a fresh interpreter that imported it first

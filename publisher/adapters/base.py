@@ -42,6 +42,8 @@ class LibraryAdapter(ABC):
 
     library: ClassVar[str]  # the name model_index.json and our hand-offs give the library (and its import name)
     model_base: ClassVar[str]  # the library's base class of every model it loads (``ModelMixin``, ``PreTrainedModel``)
+    # the module of that base class: what every load of the library imports first (a load-path zygote's preload)
+    base_module: ClassVar[str]
     # the class attribute listing the modules ``from_pretrained(dtype=torch.bfloat16)`` keeps in float32
     keep_fp32_attr: ClassVar[str]
     # the library renames or merges checkpoint keys while loading (the manual load path applies its rules too)

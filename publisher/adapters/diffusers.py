@@ -21,6 +21,7 @@ class DiffusersAdapter(LibraryAdapter):
 
     library = "diffusers"
     model_base = "ModelMixin"
+    base_module = "diffusers.models.modeling_utils"
     keep_fp32_attr = "_keep_in_fp32_modules"
     pattern_order = "diffusers tries every pattern on the parameter fqn (….weight) before any on the module fqn"
     card_pipeline_names = ", TorchAoConfig"  # on the line that imports DiffusionPipeline

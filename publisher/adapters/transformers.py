@@ -20,6 +20,7 @@ class TransformersAdapter(LibraryAdapter):
 
     library = "transformers"
     model_base = "PreTrainedModel"
+    base_module = "transformers.modeling_utils"
     # its other list, _keep_in_fp32_modules, is for float16 only
     keep_fp32_attr = "_keep_in_fp32_modules_strict"
     renames_checkpoint_keys = True

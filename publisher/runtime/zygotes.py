@@ -11,7 +11,8 @@ working directory and arguments, its own process group, stdout and stderr in fil
 What a zygote imports is the caller's choice, and only what the script would import first anyway: ``TORCH`` for
 any script (a card snippet's first line is ``import torch``), ``LIBRARIES`` for a load path (what every load path
 imports before it reads a checkpoint: transformers' and diffusers' model base classes, with whatever those import
-in the interpreter's versions). A zygote serves one interpreter, one such list and one environment: it is reused
+in the interpreter's versions; where one of them cannot be imported, the caller's ``fallback``: those of the
+libraries the script loads). A zygote serves one interpreter, one such list and one environment: it is reused
 only while every variable its imports could read is what it was when it started (``NOT_READ_BY_TORCH`` and
 ``NOT_READ_BY_LIBRARIES`` list those that may differ: the token, our own, ...); at most ``max_zygotes()`` live at
 once (the least recently used is closed: 8, or fewer where memory is short).
@@ -134,17 +135,20 @@ def prestart(python: str, env: Mapping[str, str], preload: tuple[str, ...] = TOR
 
 
 def run(python: str, script: Path, args: Sequence[str], *, env: Mapping[str, str], timeout: float | None,
-        outputs: Path, forked: bool = True, cwd: Path | None = None,
-        preload: tuple[str, ...] = TORCH) -> subprocess.CompletedProcess[str]:
+        outputs: Path, forked: bool = True, cwd: Path | None = None, preload: tuple[str, ...] = TORCH,
+        fallback: tuple[str, ...] | None = None) -> subprocess.CompletedProcess[str]:
     """``python script args...`` with ``env`` in ``cwd`` (default: ours), like ``procs.run`` (stdout and stderr in
     the result; a timeout raises ``subprocess.TimeoutExpired`` after the kill), forked from a zygote that imported
     ``preload`` where there is one and ``forked``; not ``forked``, in an interpreter ``prestart`` started with these
     arguments where one waits. Such a child writes its stdout and stderr to ``outputs`` + ``.stdout`` / ``.stderr``,
-    which are read back."""
+    which are read back. ``fallback``: the imports of a zygote to fork from where one of ``preload`` cannot start in
+    that interpreter (an import that fails there), before a fresh interpreter."""
     argv = [str(script), *args]
     files = (outputs.with_name(outputs.name + ".stdout"), outputs.with_name(outputs.name + ".stderr"))
     workdir = str(cwd or os.getcwd())
     z = _zygote(python, env, preload) if forked else None
+    if z is None and forked and fallback is not None and fallback != preload:
+        z = _zygote(python, env, fallback)
     if z is not None:
         with z.lock:
             try:

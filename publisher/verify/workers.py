@@ -11,8 +11,8 @@ components unfinished: each of them runs again in an interpreter of its own, so 
 component that caused it, and no component goes unchecked because another one crashed its interpreter.
 
 "Fresh" is what a user's new process is: on Linux the interpreter is forked from a zygote that has made the
-imports every load path makes first (torch, the libraries' model base classes: ``zygotes.LIBRARIES``), in the
-environment of the call; the model's class, the quantizer and torchao's tensor classes it imports itself. A load on
+imports every load path makes first (torch, the libraries' model base classes: ``zygotes.LIBRARIES``; where one of
+them cannot be imported, those of the libraries it loads: ``preload_for``), in the environment of the call; the model's class, the quantizer and torchao's tensor classes it imports itself. A load on
 a GPU is never forked (CUDA cannot cross a fork): it runs in an interpreter started ahead with those imports
 (``start_early``), which becomes the worker itself, or else in a new one.
 """
@@ -24,11 +24,11 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
-from publisher import loadpath
+from publisher import adapters, loadpath
 from publisher.handoffs.report import PATHS, Expected
 from publisher.runtime import zygotes
 from publisher.verify import memo
@@ -67,6 +67,14 @@ def start_early(token: str | None, device: str, mode: str, largest: int, recipes
         if largest + 2**30 > 0.8 * psutil.virtual_memory().available:
             return
     zygotes.start(sys.executable, worker_env(token), zygotes.LIBRARIES)
+
+
+def preload_for(libraries: Collection[str]) -> tuple[str, ...]:
+    """torch, then the base-class module of each of ``libraries`` (adapters' ``base_module``): a load's own first
+    imports, for an environment where a zygote of both libraries cannot start (transformers 4.57's cannot import
+    diffusers at all: its huggingface_hub is too old for it), whose loads would otherwise each run in a fresh
+    interpreter. One zygote of both serves every other environment's loads, whichever library they use."""
+    return (*zygotes.TORCH, *(adapters.of(lib).base_module for lib in adapters.LIBRARIES if lib in libraries))
 
 
 def run_workers(exps: Sequence[Expected], path: str, python: str, where: str, revision: str | None, work: Path,
@@ -133,7 +141,8 @@ def _spawn(exps: Sequence[Expected], path: str, python: str, where: str, revisio
         # a GPU load is not forked (CUDA must be initialized after any fork, never before one): an interpreter
         # started ahead (start_early) or a new one
         proc = zygotes.run(python, WORKER, [str(req_file)], env=env, timeout=timeout, outputs=work / f"output-{batch}",
-                           forked=device == "cpu", preload=zygotes.LIBRARIES)
+                           forked=device == "cpu", preload=zygotes.LIBRARIES,
+                           fallback=preload_for({e.library for e in exps}))
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
             failure = {"ok": False, "error": f"interpreter {python} failed: {last[:300]}"}
