@@ -24,13 +24,18 @@ To add an environment for every publish, add an entry here; for one run, pass ``
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import logging
 import os
 import re
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +86,13 @@ def default_matrix(classes: Iterable[str] | None, libraries: set[str], installed
 NEWEST_CORE = ("torch", "torchao")  # then the components' libraries, then accelerate
 NEWEST_WHY = "the newest {package} release on the package index (looked up when the run started)"
 LOOKUP_TIMEOUT_S = 60.0
+# A newest release found is kept this long for later runs with the same pip and pip configuration (``remembered``):
+# runs one after the other (several models, the suite's publishes) ask the index once, not five pip processes a run.
+# A release published meanwhile joins the matrix at most this late.
+NEWEST_TTL_S = 900.0
+# Where pip reads its configuration (pip's own list, every platform's): a changed file is another index
+_PIP_CONFIGS = ("/etc/pip.conf", "/etc/xdg/pip/pip.conf", "~/.pip/pip.conf", "~/.config/pip/pip.conf",
+                "~/Library/Application Support/pip/pip.conf", "~/AppData/Roaming/pip/pip.ini", "C:/ProgramData/pip/pip.ini")
 _NEWEST_LINE = re.compile(r"^\S+ \(([^)\s]+)\)\s*$")
 
 
@@ -105,13 +117,14 @@ def offline() -> bool:
     return bool(constants.HF_HUB_OFFLINE)  # huggingface_hub's own reading of the variable, as the rest of the run's
 
 
-def newest(libraries: set[str], installed: dict[str, str]) -> Newest:
+def newest(libraries: set[str], installed: dict[str, str], remembered: Path | None = None) -> Newest:
     """The newest release of each package (``newest_packages``) on the index pip is configured with, asked
-    concurrently (``pip index versions``: the user's mirror or folder of wheels counts); offline, nothing."""
+    concurrently (``pip index versions``: the user's mirror or folder of wheels counts); offline, nothing.
+    ``remembered``: a file of the answers found in the last ``NEWEST_TTL_S`` seconds, read and kept there."""
     packages = newest_packages(libraries)
     if offline():
         return Newest({}, (), "the newest releases were not looked up: offline (HF_HUB_OFFLINE is set)")
-    found, failed = _look_up(packages)
+    found, failed = _look_up(packages, remembered)
     found = {p: v.split("+")[0] for p, v in found.items()}  # a local build tag (2.15.0+cpu) is a build, not a release
     versions = {p: v for p, v in found.items() if installed.get(p, "").split("+")[0] != v}
     same = tuple(p for p in found if p not in versions)
@@ -122,8 +135,24 @@ def newest(libraries: set[str], installed: dict[str, str]) -> Newest:
 
 
 @functools.lru_cache(maxsize=8)
-def _look_up(packages: tuple[str, ...]) -> tuple[dict[str, str], dict[str, str]]:
-    """package -> newest release, and package -> why it could not be looked up (once per run)."""
+def _look_up(packages: tuple[str, ...], remembered: Path | None = None) -> tuple[dict[str, str], dict[str, str]]:
+    """package -> newest release, and package -> why it could not be looked up (once per run; what ``remembered``
+    holds younger than ``NEWEST_TTL_S`` for this pip and its configuration is not asked again)."""
+    keys = {p: _source_key(p) for p in packages}
+    kept = _read_remembered(remembered)
+    now = time.time()
+    found = {p: v for p, k in keys.items() if (v := _fresh(kept.get(k), now)) is not None}
+    if found:
+        log.info("compatibility matrix: the newest release of %s as the package index gave it in the last %.0f min",
+                 ", ".join(found), NEWEST_TTL_S / 60)
+    asked, failed = _ask_index([p for p in packages if p not in found])
+    if remembered is not None and asked:
+        _remember(remembered, {keys[p]: {"version": v, "at": now} for p, v in asked.items()}, now)
+    found.update(asked)
+    return {p: found[p] for p in packages if p in found}, failed
+
+
+def _ask_index(packages: list[str]) -> tuple[dict[str, str], dict[str, str]]:
     cmd = [sys.executable, "-m", "pip", "index", "versions", "--disable-pip-version-check", "--no-input",
            "--retries", "1", "--timeout", "15"]
     env = {**os.environ, "PIP_NO_INPUT": "1"}
@@ -146,6 +175,54 @@ def _look_up(packages: tuple[str, ...]) -> tuple[dict[str, str], dict[str, str]]
             errors = [line.removeprefix("ERROR: ").strip() for line in err.splitlines() if line.startswith("ERROR:")]
             failed[package] = (errors[-1] if errors else f"pip index versions exited {proc.returncode}")[:200]
     return found, failed
+
+
+def _source_key(package: str) -> str:
+    """What pip's answer for ``package`` depends on: the interpreter (its pip), the PIP_* variables and every pip
+    configuration file's contents (an index, a mirror, a folder of wheels)."""
+    configs = [os.environ.get("PIP_CONFIG_FILE") or "", *_PIP_CONFIGS, str(Path(sys.prefix) / "pip.conf"),
+               *(str(Path(d) / "pip" / "pip.conf") for d in os.environ.get("XDG_CONFIG_DIRS", "").split(os.pathsep) if d)]
+    contents = []
+    for name in configs:
+        path = Path(name).expanduser()
+        try:
+            contents.append([str(path), path.read_text(encoding="utf-8", errors="replace") if name else None])
+        except OSError:  # absent (most of them), or unreadable: pip reads nothing there either
+            contents.append([str(path), None])
+    what = [sys.executable, package, sorted((k, v) for k, v in os.environ.items() if k.startswith("PIP_")), contents]
+    return hashlib.sha256(json.dumps(what).encode()).hexdigest()
+
+
+def _read_remembered(path: Path | None) -> dict[str, dict[str, object]]:
+    if path is None:
+        return {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # none kept yet, or a damaged file: ask the index
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _fresh(entry: object, now: float) -> str | None:
+    """The version an entry of the file holds, when it is younger than ``NEWEST_TTL_S``; else None."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("version"), str):
+        return None
+    at = entry.get("at")
+    return entry["version"] if isinstance(at, (int, float)) and 0 <= now - at < NEWEST_TTL_S else None
+
+
+def _remember(path: Path, entries: dict[str, dict[str, object]], now: float) -> None:
+    """Add ``entries`` to the file, dropping the expired ones; written whole and renamed into place, so a reader
+    never sees half of it (concurrent runs: the last one's file wins, and the other's answers are asked again)."""
+    kept = {k: v for k, v in _read_remembered(path).items() if _fresh(v, now) is not None}
+    kept.update(entries)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".newest-", delete=False, encoding="utf-8") as f:
+            json.dump(kept, f)
+        os.replace(f.name, path)
+    except OSError as exc:  # a read-only cache: the answers are asked again next time, nothing else changes
+        log.debug("the newest releases could not be kept in %s: %s", path, exc)
 
 
 def most_environments() -> int:

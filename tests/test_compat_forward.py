@@ -118,6 +118,34 @@ def test_the_newest_releases_join_the_matrix(sources: dict[str, Path], caplog: p
     assert report.notes == [f"Compatibility: {skipped.record.skipped}."] and not report.compat
 
 
+def test_a_newest_release_found_is_kept_a_while_for_the_next_runs(sources: dict[str, Path],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later run (another process) with the same pip and configuration reads what was found in the last
+    NEWEST_TTL_S instead of asking the index again; what could not be looked up is asked again; after the TTL, or with
+    another configuration, the index is asked."""
+    store = Path(os.environ["HF_AO_PUBLISH_ENVS"]) / matrix.NEWEST_FILE
+    write_wheel(sources["user"], "accelerate", "99.0.0", "")
+    asked: list[str] = []
+    ask = compat._ask_index
+    monkeypatch.setattr(compat, "_ask_index", lambda packages: (asked.extend(packages), ask(packages))[1])
+
+    def run() -> compat.Newest:
+        compat._look_up.cache_clear()  # a new process
+        asked.clear()
+        return compat.newest({"transformers"}, {}, store)
+
+    assert run().versions == {"accelerate": "99.0.0"} and "accelerate" in asked
+    write_wheel(sources["user"], "accelerate", "99.1.0", "")  # released since
+    again = run()
+    assert again.versions == {"accelerate": "99.0.0"} and asked == ["torch", "torchao", "transformers"]
+    assert "the newest release of torch, torchao, transformers was not looked up" in again.skipped
+    monkeypatch.setenv("PIP_FIND_LINKS", str(sources["cpu"]))  # another configuration: asked, nothing there
+    assert run().versions == {} and "accelerate" in asked
+    monkeypatch.setenv("PIP_FIND_LINKS", str(sources["user"]))
+    monkeypatch.setattr(compat, "NEWEST_TTL_S", 0.0)  # expired
+    assert run().versions == {"accelerate": "99.1.0"} and "accelerate" in asked
+
+
 def test_offline_the_newest_releases_are_skipped_with_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     compat._look_up.cache_clear()
     from huggingface_hub import constants

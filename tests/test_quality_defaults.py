@@ -113,7 +113,10 @@ def test_offline_with_a_token_and_a_local_base(hub: Any, tiny_llama_dir: Path, t
     assert result["repo_id"] is None and result["verified"]
     assert result["evaluation"]["reason"] == ("the evaluation text Salesforce/wikitext:wikitext-2-raw-v1:test cannot be "
                                               "read offline (HF_HUB_OFFLINE is set, and the text is streamed from the Hub)")
-    assert result["evaluation"]["new_tokens"] > 0  # the continuation needs no text: it ran
+    # the continuation needs no text: it ran (or, on a machine loaded enough that the default budget does not allow 4
+    # tokens, the budget is why it made none: the budget is a bound, not an estimate; never the offline run)
+    figures = result["evaluation"]
+    assert figures["new_tokens"] > 0 or "of --eval-budget" in figures["continuation_reason"], figures
     card = (out / "README.md").read_text()
     assert "**Repo id:** none was chosen" in card and "ConnectionError" not in card and "OfflineModeIsEnabled" not in card
 

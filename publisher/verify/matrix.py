@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 DEFAULT = "default"
 NONE = "none"
 LATEST = "latest"  # the newest releases on the index alone (the default matrix includes them)
+NEWEST_FILE = "newest.json"  # beside the environments: the newest releases found lately (compat.NEWEST_TTL_S)
 
 
 @dataclass
@@ -119,7 +120,7 @@ def matrix_envs(compat_values: Sequence[str], classes: Sequence[str] | None, lib
             wanted[env_builder.parse_spec(entry.spec).text] = entry.why
     for spec in specs:
         wanted.setdefault(spec, "--compat")
-    found = compat.newest(libraries, installed) if latest else None
+    found = compat.newest(libraries, installed, env_builder.envs_root() / NEWEST_FILE) if latest else None
     newest = {env_builder.parse_spec(f"{p}=={v}").text for p, v in found.versions.items()} if found else set()
     out = [_built(spec, gating=False, why=why, newest=spec in newest) for spec, why in wanted.items() if spec not in skip]
     if found is not None:
