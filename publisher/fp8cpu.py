@@ -46,7 +46,6 @@ Device-dependent exceptions, handled or documented:
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager as ContextManager
 from contextlib import contextmanager, nullcontext
@@ -54,6 +53,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 from publisher.errors import QuantizeError
+from publisher.runtime.patches import Patches
 
 
 class _Needs(Protocol):
@@ -82,9 +82,7 @@ FP8_E4M3_SUBNORMAL_ABS_ERROR = 2.0**-10
 # Slack for the bf16 rounding of the scale and of the dequantized output (2**-9 relative each).
 _BOUND_SLACK = 2.0**-8
 
-_lock = threading.RLock()
-_depth = 0
-_saved: dict[str, Any] = {}
+_PATCHES = Patches()  # torchao's CPU float8 guards, replaced while allow_cpu_float8_quantization() is held
 
 
 def _patch_targets() -> tuple[Any, Any]:
@@ -169,46 +167,32 @@ def allow_cpu_float8_quantization() -> Iterator[None]:
     availability (so the torch path is always taken). Weights on any other device raise. Re-entrant;
     the patches are process-wide while open, so do not quantize for a GPU in another thread then.
     """
-    global _depth
     quant_api, float8_tensor = _patch_targets()
-    with _lock:
-        if _depth == 0:
-            _saved.update(
-                check=quant_api._check_hardware_support,
-                quantize_tensor=quant_api._float8_dynamic_activation_float8_weight_quantize_tensor,
-                sm89=quant_api.is_sm_at_least_89,
-                mslk=float8_tensor._is_mslk_available,
-            )
-            original = _saved["quantize_tensor"]
 
-            def quantize_tensor_on_cpu(weight: Any, config: Any) -> Any:
-                _check_config(config)
-                if weight.device.type != "cpu":
-                    raise QuantizeError(
-                        f"allow_cpu_float8_quantization quantizes CPU weights only; this one is on {weight.device} "
-                        "(on a GPU with compute capability >= 8.9 quantize without it)"
-                    )
-                result = original(weight, config)
-                if isinstance(result, float8_tensor.Float8Tensor):
-                    canonicalize_nan_(result.qdata)
-                return result
+    def install() -> dict[tuple[object, str], object]:
+        original = quant_api._float8_dynamic_activation_float8_weight_quantize_tensor
 
-            quant_api._check_hardware_support = _granularity_only_check
-            quant_api._float8_dynamic_activation_float8_weight_quantize_tensor = quantize_tensor_on_cpu
-            quant_api.is_sm_at_least_89 = lambda: True  # only guards the handler; weights are CPU-checked above
-            float8_tensor._is_mslk_available = lambda: False
-        _depth += 1
-    try:
+        def quantize_tensor_on_cpu(weight: Any, config: Any) -> Any:
+            _check_config(config)
+            if weight.device.type != "cpu":
+                raise QuantizeError(
+                    f"allow_cpu_float8_quantization quantizes CPU weights only; this one is on {weight.device} "
+                    "(on a GPU with compute capability >= 8.9 quantize without it)"
+                )
+            result = original(weight, config)
+            if isinstance(result, float8_tensor.Float8Tensor):
+                canonicalize_nan_(result.qdata)
+            return result
+
+        return {
+            (quant_api, "_check_hardware_support"): _granularity_only_check,
+            (quant_api, "_float8_dynamic_activation_float8_weight_quantize_tensor"): quantize_tensor_on_cpu,
+            (quant_api, "is_sm_at_least_89"): lambda: True,  # only guards the handler; weights are CPU-checked above
+            (float8_tensor, "_is_mslk_available"): lambda: False,
+        }
+
+    with _PATCHES.held(install):
         yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0:
-                quant_api._check_hardware_support = _saved["check"]
-                quant_api._float8_dynamic_activation_float8_weight_quantize_tensor = _saved["quantize_tensor"]
-                quant_api.is_sm_at_least_89 = _saved["sm89"]
-                float8_tensor._is_mslk_available = _saved["mslk"]
-                _saved.clear()
 
 
 def _check_config(config: Any) -> None:

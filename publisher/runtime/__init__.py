@@ -7,4 +7,5 @@ procs.py    child processes in their own process group, killed with it when we s
 zygote.py   run as a script: an interpreter that has imported torch (and what else it is told) forks a child per script
 zygotes.py  scripts run forked from a zygote of their interpreter where there is one, else in a fresh one
 gcfreeze.py the cyclic garbage collector paused while the libraries are imported, their objects frozen after
+patches.py  attributes of a library replaced while a holder is inside, re-entrant, put back by the last one
 """

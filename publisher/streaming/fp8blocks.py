@@ -37,10 +37,11 @@ tests/test_streaming_convert.py compare both paths' tensors, outputs and publish
 from __future__ import annotations
 
 import inspect
-import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
+
+from publisher.runtime.patches import Patches
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -54,9 +55,7 @@ _FROM_HP_PARAMS = ("cls", "hp_tensor", "float8_dtype", "granularity", "mm_config
                    "kernel_preference", "act_quant_kwargs")
 _DEQUANTIZE_PARAMS = ("self", "output_dtype")
 
-_lock = threading.RLock()
-_depth = 0
-_saved: dict[str, Any] = {}
+_PATCHES = Patches()  # Float8Tensor's two methods, replaced while float8_in_row_blocks() is held
 
 
 def rows_per_block(cols: int) -> int:
@@ -186,38 +185,29 @@ def float8_in_row_blocks() -> Iterator[None]:
     and ``Float8Tensor.dequantize`` (float8wo's linear) work on large CPU weights a block of rows at a time;
     everything else goes to torchao's own. Re-entrant; the patches are process-wide while open, as fp8cpu's (they
     change memory, not bytes). A no-op on a torchao whose methods this module does not restate."""
-    global _depth
     module = _float8_tensor_module()
     if module is None:  # pragma: no cover - pinned torchao is 0.18
         yield
         return
     cls = module.Float8Tensor
-    with _lock:
-        if _depth == 0:
-            _saved.update(from_hp=cls.__dict__["from_hp"], dequantize=cls.__dict__["dequantize"])
-            from_hp_original, dequantize_original = _saved["from_hp"].__func__, _saved["dequantize"]
-            signature = inspect.signature(from_hp_original)
 
-            def from_hp(klass: Any, *args: Any, **kwargs: Any) -> Any:
-                bound = signature.bind(klass, *args, **kwargs)
-                bound.apply_defaults()
-                given = dict(bound.arguments)
-                del given["cls"]
-                made = in_row_blocks(**given) if klass is cls else None
-                return made if made is not None else from_hp_original(klass, *args, **kwargs)
+    def install() -> dict[tuple[object, str], object]:
+        from_hp_original, dequantize_original = cls.__dict__["from_hp"].__func__, cls.__dict__["dequantize"]
+        signature = inspect.signature(from_hp_original)
 
-            def dequantize(self: Any, output_dtype: torch.dtype | None = None) -> Any:
-                made = dequantized_in_row_blocks(self, output_dtype or self.dtype) if type(self) is cls else None
-                return made if made is not None else dequantize_original(self, output_dtype)
+        def from_hp(klass: Any, *args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(klass, *args, **kwargs)
+            bound.apply_defaults()
+            given = dict(bound.arguments)
+            del given["cls"]
+            made = in_row_blocks(**given) if klass is cls else None
+            return made if made is not None else from_hp_original(klass, *args, **kwargs)
 
-            cls.from_hp = classmethod(from_hp)
-            cls.dequantize = dequantize
-        _depth += 1
-    try:
+        def dequantize(self: Any, output_dtype: torch.dtype | None = None) -> Any:
+            made = dequantized_in_row_blocks(self, output_dtype or self.dtype) if type(self) is cls else None
+            return made if made is not None else dequantize_original(self, output_dtype)
+
+        return {(cls, "from_hp"): classmethod(from_hp), (cls, "dequantize"): dequantize}
+
+    with _PATCHES.held(install):
         yield
-    finally:
-        with _lock:
-            _depth -= 1
-            if _depth == 0:
-                cls.from_hp = _saved.pop("from_hp")
-                cls.dequantize = _saved.pop("dequantize")
