@@ -31,11 +31,11 @@ import os
 import re
 import subprocess
 import sys
-import tempfile
-import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from publisher.io import keptfile
 
 log = logging.getLogger(__name__)
 
@@ -139,15 +139,14 @@ def _look_up(packages: tuple[str, ...], remembered: Path | None = None) -> tuple
     """package -> newest release, and package -> why it could not be looked up (once per run; what ``remembered``
     holds younger than ``NEWEST_TTL_S`` for this pip and its configuration is not asked again)."""
     keys = {p: _source_key(p) for p in packages}
-    kept = _read_remembered(remembered)
-    now = time.time()
-    found = {p: v for p, k in keys.items() if (v := _fresh(kept.get(k), now)) is not None}
+    kept = keptfile.read(remembered, NEWEST_TTL_S) if remembered is not None else {}
+    found = {p: v for p, k in keys.items() if isinstance(v := kept.get(k, {}).get("version"), str)}
     if found:
         log.info("compatibility matrix: the newest release of %s as the package index gave it in the last %.0f min",
                  ", ".join(found), NEWEST_TTL_S / 60)
     asked, failed = _ask_index([p for p in packages if p not in found])
     if remembered is not None and asked:
-        _remember(remembered, {keys[p]: {"version": v, "at": now} for p, v in asked.items()}, now)
+        keptfile.keep(remembered, {keys[p]: {"version": v} for p, v in asked.items()}, NEWEST_TTL_S)
     found.update(asked)
     return {p: found[p] for p in packages if p in found}, failed
 
@@ -191,38 +190,6 @@ def _source_key(package: str) -> str:
             contents.append([str(path), None])
     what = [sys.executable, package, sorted((k, v) for k, v in os.environ.items() if k.startswith("PIP_")), contents]
     return hashlib.sha256(json.dumps(what).encode()).hexdigest()
-
-
-def _read_remembered(path: Path | None) -> dict[str, dict[str, object]]:
-    if path is None:
-        return {}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):  # none kept yet, or a damaged file: ask the index
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def _fresh(entry: object, now: float) -> str | None:
-    """The version an entry of the file holds, when it is younger than ``NEWEST_TTL_S``; else None."""
-    if not isinstance(entry, dict) or not isinstance(entry.get("version"), str):
-        return None
-    at = entry.get("at")
-    return entry["version"] if isinstance(at, (int, float)) and 0 <= now - at < NEWEST_TTL_S else None
-
-
-def _remember(path: Path, entries: dict[str, dict[str, object]], now: float) -> None:
-    """Add ``entries`` to the file, dropping the expired ones; written whole and renamed into place, so a reader
-    never sees half of it (concurrent runs: the last one's file wins, and the other's answers are asked again)."""
-    kept = {k: v for k, v in _read_remembered(path).items() if _fresh(v, now) is not None}
-    kept.update(entries)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=".newest-", delete=False, encoding="utf-8") as f:
-            json.dump(kept, f)
-        os.replace(f.name, path)
-    except OSError as exc:  # a read-only cache: the answers are asked again next time, nothing else changes
-        log.debug("the newest releases could not be kept in %s: %s", path, exc)
 
 
 def most_environments() -> int:

@@ -7,4 +7,5 @@ xetupload.py   Xet uploads of byte streams, and the bounds on hf_xet's download 
 tokens.py      what a Hub token may do, read from whoami-v2
 localfiles.py  reading local folders we do not own without being led outside them
 jsonfile.py    the one reader for the JSON files the tool parses
+keptfile.py    a JSON file of entries kept for a while beside a cache, expired by age, replaced whole
 """

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from publisher.errors import EnvBuildError, UsageError
+from publisher.io import keptfile
 from publisher.verify import torch_sources
 
 log = logging.getLogger(__name__)
@@ -182,29 +183,14 @@ def build(spec: EnvSpec, root: Path | None = None, *, unasked: bool = False) -> 
 
 
 def _remembered_failure(root: Path, spec: EnvSpec, key: str) -> str:
-    try:
-        entry = json.loads((root / UNBUILDABLE).read_text()).get(spec.text) or {}
-    except (OSError, ValueError):
-        return ""
-    if time.time() - float(entry.get("at", 0)) > UNBUILDABLE_TTL_S or entry.get("key") != key:
+    entry = keptfile.read(root / UNBUILDABLE, UNBUILDABLE_TTL_S).get(spec.text)
+    if entry is None or entry.get("key") != key:
         return ""
     return f"{entry.get('reason', '')} (remembered from {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime(entry['at']))})"
 
 
 def _remember_failure(root: Path, spec: EnvSpec, key: str, reason: str) -> None:
-    path = root / UNBUILDABLE
-    try:
-        data = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError):
-        data = {}
-    data[spec.text] = {"reason": reason, "at": time.time(), "key": key}
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}")
-        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-        tmp.replace(path)
-    except OSError:  # a read-only cache: the build is tried again next run
-        pass
+    keptfile.keep(root / UNBUILDABLE, {spec.text: {"reason": reason, "key": key}}, UNBUILDABLE_TTL_S)
 
 
 def _build_new(spec: EnvSpec, root: Path, final: Path, heavy_torch: bool = True) -> BuiltEnv:
