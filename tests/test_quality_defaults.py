@@ -106,17 +106,16 @@ def test_offline_with_a_token_and_a_local_base(hub: Any, tiny_llama_dir: Path, t
     out = tmp_path / "out"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_TOKEN": "tok_alice"}
     cmd = [sys.executable, "-m", "publisher.cli", str(tiny_llama_dir), "--quant", "int8wo", "--compat", "none"]
-    proc = subprocess.run([*cmd, "--no-push", "--output-dir", str(out), "--json"], env=env, capture_output=True,
-                          text=True, timeout=600)
+    # a budget of its own: the default (auto, a few seconds for this model) is a bound, and on a loaded machine it can
+    # leave the continuation no token; what this test asks is why perplexity is missing offline
+    proc = subprocess.run([*cmd, "--no-push", "--output-dir", str(out), "--json", "--eval-budget", "60"], env=env,
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["repo_id"] is None and result["verified"]
     assert result["evaluation"]["reason"] == ("the evaluation text Salesforce/wikitext:wikitext-2-raw-v1:test cannot be "
                                               "read offline (HF_HUB_OFFLINE is set, and the text is streamed from the Hub)")
-    # the continuation needs no text: it ran (or, on a machine loaded enough that the default budget does not allow 4
-    # tokens, the budget is why it made none: the budget is a bound, not an estimate; never the offline run)
-    figures = result["evaluation"]
-    assert figures["new_tokens"] > 0 or "of --eval-budget" in figures["continuation_reason"], figures
+    assert result["evaluation"]["new_tokens"] > 0  # the continuation needs no text: it ran
     card = (out / "README.md").read_text()
     assert "**Repo id:** none was chosen" in card and "ConnectionError" not in card and "OfflineModeIsEnabled" not in card
 
