@@ -211,13 +211,14 @@ def test_what_the_imports_leave_of_cuda(probe: Path, tmp_path: Path, cuda: str) 
     forked = json.loads(out.read_text())
     assert done.returncode == 0 and forked["ppid"] == os.getpid() and forked["imported"] == []  # no zygote
     assert zygotes.prestart(sys.executable, env, ("torch",), count=1) == 1
-    (ahead,) = _waiting()
+    # one that found a context says so and ends right after its imports: it may be gone before it is looked for
+    ahead = _waiting()
     done, facts = _run(probe, tmp_path, env=env, preload=("torch",))
     assert done.returncode == 0
     if cuda == "initialized":
-        assert facts["pid"] == ahead and facts["imported"] == ["torch"]
+        assert len(ahead) == 1 and facts["pid"] in ahead and facts["imported"] == ["torch"]
     else:
-        assert facts["pid"] != ahead and facts["imported"] == [] and _gone(ahead)
+        assert facts["pid"] not in ahead and facts["imported"] == [] and all(_gone(p) for p in ahead)
 
 
 def test_start_early_for_a_gpu_load_runs_the_load_path_workers_in_interpreters_started_ahead(

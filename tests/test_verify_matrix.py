@@ -137,7 +137,8 @@ def test_verify_target_with_a_spec_environment(cli: Any, published: tuple[dict[s
 def test_a_load_measured_before_is_read_not_measured_again(published: tuple[dict[str, Any], str, Path], cli: Any,
                                                            tmp_path: Path) -> None:
     """The same files, inputs and environment: the matrix reads what an earlier run measured (verify/memo.py) and
-    gives the same results; one byte of the component's files changed, it measures again, and keeps that."""
+    gives the same results; one byte of the component's files changed, it measures again, and keeps that; only the
+    base's name in a config is not part of the question."""
     import shutil
 
     folder = tmp_path / "copy"
@@ -158,3 +159,10 @@ def test_a_load_measured_before_is_read_not_measured_again(published: tuple[dict
     assert "measured by an earlier run" not in said and again == got
     said, kept = verify()
     assert read in said and kept == got
+    # the base's name diffusers records (published from a Hub id or from a folder of another name): no load reads it
+    text = config.read_text()
+    named = json.loads(text)["_name_or_path"]
+    config.write_text(text.replace(f'"_name_or_path": {json.dumps(named)}', '"_name_or_path": "./my-pipeline"', 1))
+    assert json.loads(config.read_text())["_name_or_path"] == "./my-pipeline"
+    said, renamed = verify()
+    assert read in said and renamed == got

@@ -128,6 +128,53 @@ def test_where_a_library_cannot_be_imported_a_load_forks_from_a_zygote_of_its_ow
     assert facts["ppid"] == os.getpid() and facts["imported"] == []  # no zygote: a fresh interpreter
 
 
+def test_a_list_that_cannot_be_imported_is_remembered_for_the_next_process(probe: Path, tmp_path: Path) -> None:
+    """Where the caller names a file (a built environment's: workers.py), the import list that failed there is kept,
+    and the next process starts the fallback's zygote at once, without making torch's and transformers' imports only
+    to fail at diffusers' again; its load gives the same result. A list that imports is never written down."""
+    from publisher.runtime import zygotes
+
+    broken = tmp_path / "site" / "diffusers"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("raise ImportError('this diffusers cannot be imported here')\n")
+    notes = tmp_path / "env" / "notes.json"
+    notes.parent.mkdir()
+    script = tmp_path / "one_process.py"
+    script.write_text(
+        "import json, logging, os, sys\n"
+        "from pathlib import Path\n"
+        "from publisher.runtime import zygotes\n"
+        "from publisher.verify import workers\n"
+        "logging.basicConfig(level=logging.DEBUG, format='%(message)s')\n"
+        "name, notes = sys.argv[1], Path(sys.argv[2])\n"
+        "out = notes.parent / f'{name}.json'\n"
+        "for preload in (zygotes.TORCH, zygotes.LIBRARIES):  # the first imports: kept apart from what failed\n"
+        "    done = zygotes.run(sys.executable, Path(sys.argv[3]), [str(out)], env=dict(os.environ), timeout=120,\n"
+        "                       outputs=notes.parent / name, preload=preload,\n"
+        "                       fallback=workers.preload_for({'transformers'}), remember=notes)\n"
+        "    assert done.returncode == 0, done.stderr\n"
+        "    facts = json.loads(out.read_text())\n"
+        "    print(json.dumps([facts['ppid'] != os.getpid(), 'transformers' in facts['imported']]))\n")
+    env = {**os.environ, "PYTHONPATH": str(broken.parent)}
+
+    def one_process(name: str) -> tuple[list[Any], str]:
+        done = subprocess.run([sys.executable, str(script), name, str(notes), str(probe)], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr
+        return [json.loads(line) for line in done.stdout.splitlines()], done.stderr
+
+    first, log = one_process("first")
+    assert first == [[True, False], [True, True]]  # forked both times; the second from the fallback's zygote
+    assert "cannot import diffusers.models.modeling_utils" in log and "found by an earlier run" not in log
+    kept = json.loads(notes.read_text())
+    assert list(kept) == [" ".join(zygotes.LIBRARIES)]  # not torch's list, which imported
+    assert kept[" ".join(zygotes.LIBRARIES)]["module"] == "diffusers.models.modeling_utils"
+    second, log = one_process("second")
+    assert second == first
+    assert "diffusers.models.modeling_utils cannot be imported there (found by an earlier run)" in log
+    assert "cannot import diffusers" not in log  # not tried again
+
+
 def test_what_the_imports_print_every_child_prints_first(probe: Path, tmp_path: Path) -> None:
     """A module the zygote imports prints when imported (torchao about its optional kernels, torch a deprecation
     warning): every child's stdout and stderr start with it, as those of a fresh interpreter that imported it first

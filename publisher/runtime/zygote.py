@@ -62,6 +62,12 @@ def _become(req, proto, printed, forked=True):
     sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
 
 
+class ImportFailed(Exception):
+    def __init__(self, module):
+        super().__init__(module)
+        self.module = module
+
+
 def _import(preload):
     """Import the modules; what they print on fd 1 and fd 2 (Python's own streams and C code's alike), by fd."""
     kept = {}
@@ -70,7 +76,10 @@ def _import(preload):
         os.dup2(kept[fd][1].fileno(), fd)
     try:
         for name in preload:
-            __import__(name)
+            try:
+                __import__(name)
+            except Exception as exc:
+                raise ImportFailed(name) from exc
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -101,8 +110,11 @@ def _prepare(preload, once):
     gc.disable()
     try:
         printed = _import(preload)
-    except BaseException:  # noqa: BLE001 - reported as "not ready": the caller starts fresh interpreters, which
-        os.write(proto, b'{"ready": false}\n')  # fail (or not) on their own, from a clean state
+    except BaseException as exc:  # noqa: BLE001 - reported as "not ready": the caller starts fresh interpreters,
+        # which fail (or not) on their own, from a clean state; a module that failed is named (the caller need not
+        # try this list in this interpreter again)
+        module = exc.module if isinstance(exc, ImportFailed) else None
+        os.write(proto, json.dumps({"ready": False, "unimportable": module}).encode() + b"\n")
         return None
     gc.collect()
     gc.enable()

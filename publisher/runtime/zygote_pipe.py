@@ -28,6 +28,14 @@ class Gone(Exception):
     """The process ended or said something else than the protocol's next line."""
 
 
+class Unimportable(Gone):
+    """The process could not import ``module``, one of its list: it is not ready, and never will be with that list."""
+
+    def __init__(self, module: str) -> None:
+        super().__init__(f"cannot import {module}")
+        self.module = module
+
+
 class Server:
     """One zygote.py process: ``python zygote.py [--once] MODULE...`` in ``env``."""
 
@@ -49,10 +57,11 @@ class Server:
             raise Gone(str(exc)) from exc
 
     def ready(self) -> None:
-        """Wait for the ready line (the imports made); ``Gone`` if it says otherwise or ends, ``TimeoutExpired``
-        after READY_TIMEOUT_S."""
-        if self.line(time.monotonic() + READY_TIMEOUT_S) != {"ready": True}:
-            raise Gone("not ready")
+        """Wait for the ready line (the imports made); ``Unimportable`` if an import failed, ``Gone`` if it says
+        otherwise or ends, ``TimeoutExpired`` after READY_TIMEOUT_S."""
+        said = self.line(time.monotonic() + READY_TIMEOUT_S)
+        if said != {"ready": True}:
+            raise Unimportable(said["unimportable"]) if isinstance(said.get("unimportable"), str) else Gone("not ready")
 
     def line(self, deadline: float | None) -> dict[str, Any]:
         """The next answer; ``subprocess.TimeoutExpired`` at ``deadline`` (``time.monotonic``), ``Gone`` when the

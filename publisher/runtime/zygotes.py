@@ -12,10 +12,11 @@ What a zygote imports is the caller's choice, and only what the script would imp
 any script (a card snippet's first line is ``import torch``), ``LIBRARIES`` for a load path (what every load path
 imports before it reads a checkpoint: transformers' and diffusers' model base classes, with whatever those import
 in the interpreter's versions; where one of them cannot be imported, the caller's ``fallback``: those of the
-libraries the script loads). A zygote serves one interpreter, one such list and one environment: it is reused
+libraries the script loads; a failure the caller asks to ``remember`` is kept in a file, and later processes start
+the fallback at once). A zygote serves one interpreter, one such list and one environment: it is reused
 only while every variable its imports could read is what it was when it started (``NOT_READ_BY_TORCH`` and
 ``NOT_READ_BY_LIBRARIES`` list those that may differ: the token, our own, ...); at most ``max_zygotes()`` live at
-once (the least recently used is closed: 8, or fewer where memory is short).
+once (the least recently used is closed: 12, or fewer where memory is short).
 
 A caller whose script must not be forked (a load on a GPU: CUDA cannot be used across a fork, so it is initialized
 in the new process only) says so (``forked=False``): the script runs in an interpreter that ``prestart`` started ahead
@@ -44,8 +45,9 @@ from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
+from publisher.io import keptfile
 from publisher.runtime import prestarted, procs, zygote
-from publisher.runtime.zygote_pipe import READY_TIMEOUT_S, Gone, Server
+from publisher.runtime.zygote_pipe import READY_TIMEOUT_S, Gone, Server, Unimportable
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,9 @@ TORCH = tuple(zygote.PRELOAD)  # torch and torch._dynamo: the first import of ev
 # ... and what every load path imports before it reads a checkpoint: the libraries' model base classes (in the versions
 # we run, transformers' imports torchao); a script that loads no model never gets these
 LIBRARIES = (*TORCH, "transformers.modeling_utils", "diffusers.models.modeling_utils")
+# How long an import list that failed in an interpreter stays refused there (``run``'s ``remember``): an interpreter
+# whose packages change in place would learn again after this
+REMEMBER_TTL_S = 7 * 24 * 3600
 # Variables a zygote's imports do not read. Torch reads none of the Hugging Face libraries' (or ours); the libraries
 # read theirs at import (huggingface_hub its endpoint and folders, ...) but the token only when a call needs it, and
 # none reads ours. PYTEST_CURRENT_TEST changes with every test and is read by none.
@@ -136,19 +141,21 @@ def prestart(python: str, env: Mapping[str, str], preload: tuple[str, ...] = TOR
 
 def run(python: str, script: Path, args: Sequence[str], *, env: Mapping[str, str], timeout: float | None,
         outputs: Path, forked: bool = True, cwd: Path | None = None, preload: tuple[str, ...] = TORCH,
-        fallback: tuple[str, ...] | None = None) -> subprocess.CompletedProcess[str]:
+        fallback: tuple[str, ...] | None = None, remember: Path | None = None) -> subprocess.CompletedProcess[str]:
     """``python script args...`` with ``env`` in ``cwd`` (default: ours), like ``procs.run`` (stdout and stderr in
     the result; a timeout raises ``subprocess.TimeoutExpired`` after the kill), forked from a zygote that imported
     ``preload`` where there is one and ``forked``; not ``forked``, in an interpreter ``prestart`` started with these
     arguments where one waits. Such a child writes its stdout and stderr to ``outputs`` + ``.stdout`` / ``.stderr``,
     which are read back. ``fallback``: the imports of a zygote to fork from where one of ``preload`` cannot start in
-    that interpreter (an import that fails there), before a fresh interpreter."""
+    that interpreter (an import that fails there), before a fresh interpreter. ``remember``: a file where such a
+    failure is kept for later processes (of an interpreter whose packages never change: a spec-built environment's),
+    so they start the ``fallback`` zygote at once instead of making ``preload``'s imports up to the one that fails."""
     argv = [str(script), *args]
     files = (outputs.with_name(outputs.name + ".stdout"), outputs.with_name(outputs.name + ".stderr"))
     workdir = str(cwd or os.getcwd())
-    z = _zygote(python, env, preload) if forked else None
+    z = _zygote(python, env, preload, remember) if forked else None
     if z is None and forked and fallback is not None and fallback != preload:
-        z = _zygote(python, env, fallback)
+        z = _zygote(python, env, fallback, remember)
     if z is not None:
         with z.lock:
             try:
@@ -195,7 +202,7 @@ def _enabled(env: Mapping[str, str]) -> bool:
     return sys.platform == "linux" and env.get(SWITCH) != "0"
 
 
-def _zygote(python: str, env: Mapping[str, str], preload: tuple[str, ...]) -> Zygote | None:
+def _zygote(python: str, env: Mapping[str, str], preload: tuple[str, ...], remember: Path | None = None) -> Zygote | None:
     if not _enabled(env):
         return None
     key = _key(python, env, preload)
@@ -212,11 +219,19 @@ def _zygote(python: str, env: Mapping[str, str], preload: tuple[str, ...]) -> Zy
             changed = sorted({k for k, _ in early[2] ^ key[2]})
             log.debug("the zygote of %s started early is not used: the environment changed since (%s)", python,
                       ", ".join(changed))
+        kept = keptfile.read(remember, REMEMBER_TTL_S).get(" ".join(preload)) if remember is not None else None
+        if kept is not None:
+            log.debug("no zygote of %s for %s: %s cannot be imported there (found by an earlier run)", python,
+                      ", ".join(preload), kept.get("module"))
+            _without.add(key)
+            return None
         try:  # the zygote gets none of the libraries' variables (no token): its children get the caller's
             z = Zygote(python, dict(key[2]), preload)
         except (OSError, Gone, subprocess.TimeoutExpired) as exc:
             log.debug("no zygote for %s (%s): fresh interpreters", python, exc)
             _without.add(key)
+            if isinstance(exc, Unimportable) and remember is not None:
+                keptfile.keep(remember, {" ".join(preload): {"module": exc.module}}, REMEMBER_TTL_S)
             return None
         _zygotes[key] = z
         while len(_zygotes) > max_zygotes():
@@ -231,16 +246,18 @@ def _key(python: str, env: Mapping[str, str], preload: tuple[str, ...]) -> _Key:
 
 
 def max_zygotes() -> int:
-    """How many zygotes may live at once: enough for this interpreter and every environment of the default
-    compatibility matrix (up to 6) and the card snippets' (8), so that a run measuring several recipes, or a process
-    running several publishes, starts each once; fewer where they would take more than a sixth of the memory
+    """How many zygotes may live at once: 12, enough for this interpreter's two (a load path's imports, a card
+    snippet's) and the environments of a language model's and a pipeline's default compatibility matrices together
+    (9 on our CPU machines, with the newest releases), so that a run measuring several recipes, or a process running
+    several publishes, starts each once (the least recently used goes first: an environment measured for every recipe
+    in turn would go just before it was needed again); fewer where they would take more than a sixth of the memory
     available (each holds about ZYGOTE_BYTES), never under 3."""
-    return max(3, min(8, _affordable()))
+    return max(3, min(12, _affordable()))
 
 
 def max_prestarted() -> int:
-    """How many single-use interpreters may wait at once: at most as many as zygotes, and none past the memory
-    bound (each is a head start only: a script with none runs fresh)."""
+    """How many single-use interpreters may wait at once: at most 8, and none past the memory bound (each is a head
+    start only: a script with none runs fresh)."""
     return min(8, _affordable())
 
 

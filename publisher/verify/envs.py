@@ -49,6 +49,7 @@ PTH = "zz-hf-ao-publish-layer.pth"  # processed after the layer's own .pth files
 PIP_TIMEOUT_S = 1800
 UNBUILDABLE = "unbuildable.json"  # unasked specs that could not be built here, remembered for a day
 UNBUILDABLE_TTL_S = 24 * 3600
+ZYGOTE_NOTES = "hf-ao-publish-zygote.json"  # in a built environment's folder: import lists its zygotes cannot make
 _NAME = re.compile(r"^\s*[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -152,6 +153,14 @@ def cache_key(spec: EnvSpec) -> str:
 
 def _folder_name(spec: EnvSpec, key: str) -> str:
     return f"{re.sub(r'[^A-Za-z0-9.]+', '-', spec.text).strip('-')[:60]}-{key}"
+
+
+def zygote_notes(python: str) -> Path | None:
+    """Where runs keep the import lists a zygote of ``python`` could not make (runtime/zygotes.py ``run``'s
+    ``remember``: transformers 4.57's environment cannot import diffusers), when ``python`` is a built environment's,
+    whose packages never change once built; None for any other interpreter (a user's may change)."""
+    folder = Path(python).parent.parent  # <root>/<name>/bin/python
+    return folder / ZYGOTE_NOTES if (folder / RECORD).is_file() else None
 
 
 def layer_python(folder: Path) -> Path:

@@ -10,7 +10,8 @@ current run's own expected record (``full.compare``), so a kept result can only 
 
 Only the compatibility matrix reads this: this environment's own loads (the verification that must pass) run every
 time. A key is made only when every part of it is known: a spec-built environment (its record), a local folder
-(every file of the component hashed) or a Hub commit (its sha), an inputs file.
+(every file of the component hashed, a config's ``_name_or_path`` value aside: ``_content``) or a Hub commit (its
+sha), an inputs file.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from publisher.io.integrity import sha256_file
 from publisher.verify.envs import RECORD, envs_root
 
 # A repo's own report files and the unfinished folder's marker change with every run and are read by no load path
+CONFIG = "config.json"
 NOT_READ = frozenset({"README.md", "verification.json", "hf_ao_publish.json", ".gitattributes", "quality_grid.jpg", MARKER})
 
 
@@ -39,7 +41,7 @@ def key(request: dict[str, Any], python: str, worker: Path) -> str | None:
     where, subfolder, revision = request["location"], request.get("subfolder"), request.get("revision")
     folder = Path(where) / subfolder if subfolder else Path(where)
     if Path(where).is_dir():
-        files = {p.name: sha256_file(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name not in NOT_READ}
+        files = {p.name: _content(p) for p in sorted(folder.iterdir()) if p.is_file() and p.name not in NOT_READ}
         source: Any = {"files": files}
     elif revision and len(revision) == 40:  # a Hub commit: content-addressed
         source = {"repo": where, "revision": revision, "subfolder": subfolder}
@@ -53,6 +55,22 @@ def key(request: dict[str, Any], python: str, worker: Path) -> str | None:
         **{k: request.get(k) for k in ("path", "library", "class_name", "subfolder", "threads", "device", "dtype")},
     }
     return hashlib.sha256(json.dumps(question, sort_keys=True).encode()).hexdigest()
+
+
+def _content(path: Path) -> str:
+    """A file's key: the sha256 of its bytes, but for the value of a config's ``_name_or_path`` (diffusers records
+    the base's name there: the same weights published from ``bfl/tiny-flux`` and from ``./my-pipeline`` differ only
+    in it), which no load reads: ``from_pretrained`` sets it again to what it loads from. Every other byte counts."""
+    if path.name != CONFIG:
+        return sha256_file(path)
+    data = path.read_bytes()
+    try:
+        name = json.loads(data).get("_name_or_path")
+    except (ValueError, AttributeError):  # not a JSON object: its bytes
+        name = None
+    if isinstance(name, str):
+        data = data.replace(b'"_name_or_path": ' + json.dumps(name).encode(), b'"_name_or_path": ""', 1)
+    return hashlib.sha256(data).hexdigest()
 
 
 def root() -> Path:

@@ -12,7 +12,9 @@ component that caused it, and no component goes unchecked because another one cr
 
 "Fresh" is what a user's new process is: on Linux the interpreter is forked from a zygote that has made the
 imports every load path makes first (torch, the libraries' model base classes: ``zygotes.LIBRARIES``; where one of
-them cannot be imported, those of the libraries it loads: ``preload_for``), in the environment of the call; the model's class, the quantizer and torchao's tensor classes it imports itself. A load on
+them cannot be imported, those of the libraries it loads: ``preload_for``, at once in a built environment where an
+earlier run found that), in the environment of the call; the model's class, the quantizer and torchao's tensor
+classes it imports itself. A load on
 a GPU is never forked (CUDA cannot cross a fork): it runs in an interpreter started ahead with those imports
 (``start_early``), which becomes the worker itself, or else in a new one.
 """
@@ -31,7 +33,7 @@ from typing import Any
 from publisher import adapters, loadpath
 from publisher.handoffs.report import PATHS, Expected
 from publisher.runtime import zygotes
-from publisher.verify import memo
+from publisher.verify import envs, memo
 
 log = logging.getLogger(__name__)
 
@@ -142,7 +144,7 @@ def _spawn(exps: Sequence[Expected], path: str, python: str, where: str, revisio
         # started ahead (start_early) or a new one
         proc = zygotes.run(python, WORKER, [str(req_file)], env=env, timeout=timeout, outputs=work / f"output-{batch}",
                            forked=device == "cpu", preload=zygotes.LIBRARIES,
-                           fallback=preload_for({e.library for e in exps}))
+                           fallback=preload_for({e.library for e in exps}), remember=envs.zygote_notes(python))
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
             failure = {"ok": False, "error": f"interpreter {python} failed: {last[:300]}"}
