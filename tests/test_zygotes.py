@@ -102,7 +102,9 @@ def test_where_a_library_cannot_be_imported_a_load_forks_from_a_zygote_of_its_ow
     """In an environment where diffusers cannot be imported (as transformers 4.57's, whose huggingface_hub is too old
     for it), a zygote of both libraries cannot start: a transformers load forks from one of torch and transformers
     (workers.preload_for, the ``fallback``), instead of paying every import in a fresh interpreter; a diffusers load
-    there has no zygote and runs fresh, where its import fails as a user's would."""
+    there has no zygote and runs fresh, where its import fails as a user's would. Where the caller names a file (a
+    built environment's: workers.py), the list that failed is kept there, and the next process starts the fallback's
+    zygote at once, without making torch's and transformers' imports only to fail at diffusers' again."""
     from publisher.runtime import zygotes
     from publisher.verify import workers
 
@@ -113,11 +115,12 @@ def test_where_a_library_cannot_be_imported_a_load_forks_from_a_zygote_of_its_ow
     assert workers.preload_for({"transformers"}) == (*zygotes.TORCH, "transformers.modeling_utils")
     assert workers.preload_for({"diffusers", "transformers"}) == (
         *zygotes.TORCH, "diffusers.models.modeling_utils", "transformers.modeling_utils")
+    notes = tmp_path / "env" / "notes.json"
 
     def run(name: str, libraries: set[str]) -> dict[str, Any]:
         out = tmp_path / f"{name}.json"
         done = zygotes.run(sys.executable, probe, [str(out)], env=env, timeout=120, outputs=tmp_path / name,
-                           preload=zygotes.LIBRARIES, fallback=workers.preload_for(libraries))
+                           preload=zygotes.LIBRARIES, fallback=workers.preload_for(libraries), remember=notes)
         assert done.returncode == 0, done.stderr
         return dict(json.loads(out.read_text()))
 
@@ -126,53 +129,33 @@ def test_where_a_library_cannot_be_imported_a_load_forks_from_a_zygote_of_its_ow
     assert run("again", {"transformers"})["ppid"] == facts["ppid"]  # that zygote serves the next load too
     facts = run("diffusers", {"diffusers"})
     assert facts["ppid"] == os.getpid() and facts["imported"] == []  # no zygote: a fresh interpreter
+    # kept: each list that failed (both libraries', and the diffusers load's fallback) and the module it failed at;
+    # not the one that imported (transformers')
+    kept = json.loads(notes.read_text())
+    assert kept.keys() == {" ".join(zygotes.LIBRARIES), " ".join(workers.preload_for({"diffusers"}))}
+    assert {entry["module"] for entry in kept.values()} == {"diffusers.models.modeling_utils"}
 
-
-def test_a_list_that_cannot_be_imported_is_remembered_for_the_next_process(probe: Path, tmp_path: Path) -> None:
-    """Where the caller names a file (a built environment's: workers.py), the import list that failed there is kept,
-    and the next process starts the fallback's zygote at once, without making torch's and transformers' imports only
-    to fail at diffusers' again; its load gives the same result. A list that imports is never written down."""
-    from publisher.runtime import zygotes
-
-    broken = tmp_path / "site" / "diffusers"
-    broken.mkdir(parents=True)
-    (broken / "__init__.py").write_text("raise ImportError('this diffusers cannot be imported here')\n")
-    notes = tmp_path / "env" / "notes.json"
-    notes.parent.mkdir()
-    script = tmp_path / "one_process.py"
+    # the next process: the fallback's zygote at once, the load forked from it as before
+    script = tmp_path / "next_process.py"
     script.write_text(
         "import json, logging, os, sys\n"
         "from pathlib import Path\n"
         "from publisher.runtime import zygotes\n"
-        "from publisher.verify import workers\n"
         "logging.basicConfig(level=logging.DEBUG, format='%(message)s')\n"
-        "name, notes = sys.argv[1], Path(sys.argv[2])\n"
-        "out = notes.parent / f'{name}.json'\n"
-        "for preload in (zygotes.TORCH, zygotes.LIBRARIES):  # the first imports: kept apart from what failed\n"
-        "    done = zygotes.run(sys.executable, Path(sys.argv[3]), [str(out)], env=dict(os.environ), timeout=120,\n"
-        "                       outputs=notes.parent / name, preload=preload,\n"
-        "                       fallback=workers.preload_for({'transformers'}), remember=notes)\n"
-        "    assert done.returncode == 0, done.stderr\n"
-        "    facts = json.loads(out.read_text())\n"
-        "    print(json.dumps([facts['ppid'] != os.getpid(), 'transformers' in facts['imported']]))\n")
-    env = {**os.environ, "PYTHONPATH": str(broken.parent)}
-
-    def one_process(name: str) -> tuple[list[Any], str]:
-        done = subprocess.run([sys.executable, str(script), name, str(notes), str(probe)], env=env, cwd=tmp_path,
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr
-        return [json.loads(line) for line in done.stdout.splitlines()], done.stderr
-
-    first, log = one_process("first")
-    assert first == [[True, False], [True, True]]  # forked both times; the second from the fallback's zygote
-    assert "cannot import diffusers.models.modeling_utils" in log and "found by an earlier run" not in log
-    kept = json.loads(notes.read_text())
-    assert list(kept) == [" ".join(zygotes.LIBRARIES)]  # not torch's list, which imported
-    assert kept[" ".join(zygotes.LIBRARIES)]["module"] == "diffusers.models.modeling_utils"
-    second, log = one_process("second")
-    assert second == first
-    assert "diffusers.models.modeling_utils cannot be imported there (found by an earlier run)" in log
-    assert "cannot import diffusers" not in log  # not tried again
+        "out, probe, notes = (Path(a) for a in sys.argv[1:4])\n"
+        "done = zygotes.run(sys.executable, probe, [str(out)], env=dict(os.environ), timeout=120,\n"
+        "                   outputs=out.with_suffix(''), preload=zygotes.LIBRARIES,\n"
+        "                   fallback=tuple(json.loads(sys.argv[4])), remember=notes)\n"
+        "assert done.returncode == 0, done.stderr\n")
+    out = tmp_path / "next.json"
+    done = subprocess.run([sys.executable, str(script), str(out), str(probe), str(notes),
+                           json.dumps(workers.preload_for({"transformers"}))],
+                          env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    facts = json.loads(out.read_text())
+    assert "transformers" in facts["imported"] and "diffusers" not in facts["imported"]  # forked from the fallback
+    assert "diffusers.models.modeling_utils cannot be imported there (found by an earlier run)" in done.stderr
+    assert "cannot import diffusers" not in done.stderr  # not tried again
 
 
 def test_what_the_imports_print_every_child_prints_first(probe: Path, tmp_path: Path) -> None:
