@@ -16,7 +16,7 @@ libraries the script loads; a failure the caller asks to ``remember`` is kept in
 the fallback at once). A zygote serves one interpreter, one such list and one environment: it is reused
 only while every variable its imports could read is what it was when it started (``NOT_READ_BY_TORCH`` and
 ``NOT_READ_BY_LIBRARIES`` list those that may differ: the token, our own, ...); at most ``max_zygotes()`` live at
-once (the least recently used is closed: 12, or fewer where memory is short).
+once (the least recently used is closed: 8, or fewer where memory is short).
 
 A caller whose script must not be forked (a load on a GPU: CUDA cannot be used across a fork, so it is initialized
 in the new process only) says so (``forked=False``): the script runs in an interpreter that ``prestart`` started ahead
@@ -246,18 +246,16 @@ def _key(python: str, env: Mapping[str, str], preload: tuple[str, ...]) -> _Key:
 
 
 def max_zygotes() -> int:
-    """How many zygotes may live at once: 12, enough for this interpreter's two (a load path's imports, a card
-    snippet's) and the environments of a language model's and a pipeline's default compatibility matrices together
-    (9 on our CPU machines, with the newest releases), so that a run measuring several recipes, or a process running
-    several publishes, starts each once (the least recently used goes first: an environment measured for every recipe
-    in turn would go just before it was needed again); fewer where they would take more than a sixth of the memory
+    """How many zygotes may live at once: enough for this interpreter and every environment of the default
+    compatibility matrix (up to 6) and the card snippets' (8), so that a run measuring several recipes, or a process
+    running several publishes, starts each once; fewer where they would take more than a sixth of the memory
     available (each holds about ZYGOTE_BYTES), never under 3."""
-    return max(3, min(12, _affordable()))
+    return max(3, min(8, _affordable()))
 
 
 def max_prestarted() -> int:
-    """How many single-use interpreters may wait at once: at most 8, and none past the memory bound (each is a head
-    start only: a script with none runs fresh)."""
+    """How many single-use interpreters may wait at once: at most as many as zygotes, and none past the memory
+    bound (each is a head start only: a script with none runs fresh)."""
     return min(8, _affordable())
 
 
