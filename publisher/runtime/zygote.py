@@ -63,6 +63,8 @@ def _become(req, proto, printed, forked=True):
 
 
 class ImportFailed(Exception):
+    """One of the modules named could not be imported (``module``): the answer names it."""
+
     def __init__(self, module):
         super().__init__(module)
         self.module = module
