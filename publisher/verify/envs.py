@@ -155,12 +155,18 @@ def _folder_name(spec: EnvSpec, key: str) -> str:
     return f"{re.sub(r'[^A-Za-z0-9.]+', '-', spec.text).strip('-')[:60]}-{key}"
 
 
+def built_folder(python: str) -> Path | None:
+    """The folder of the built environment ``python`` is the interpreter of (its record there), whose packages never
+    change once built; None for any other interpreter (a user's, which may change)."""
+    folder = Path(python).parent.parent  # <root>/<name>/bin/python (layer_python)
+    return folder if (folder / RECORD).is_file() else None
+
+
 def zygote_notes(python: str) -> Path | None:
     """Where runs keep the import lists a zygote of ``python`` could not make (runtime/zygotes.py ``run``'s
-    ``remember``: transformers 4.57's environment cannot import diffusers), when ``python`` is a built environment's,
-    whose packages never change once built; None for any other interpreter (a user's may change)."""
-    folder = Path(python).parent.parent  # <root>/<name>/bin/python
-    return folder / ZYGOTE_NOTES if (folder / RECORD).is_file() else None
+    ``remember``: transformers 4.57's environment cannot import diffusers): a built environment's folder only."""
+    folder = built_folder(python)
+    return folder / ZYGOTE_NOTES if folder is not None else None
 
 
 def layer_python(folder: Path) -> Path:

@@ -26,17 +26,17 @@ from typing import Any
 
 from publisher.handoffs.artifacts import MARKER
 from publisher.io.integrity import sha256_file
-from publisher.verify.envs import RECORD, envs_root
+from publisher.verify.envs import RECORD, built_folder, envs_root
 
+CONFIG = "config.json"  # a component's config: its ``_name_or_path`` value is no part of the question (``_content``)
 # A repo's own report files and the unfinished folder's marker change with every run and are read by no load path
-CONFIG = "config.json"
 NOT_READ = frozenset({"README.md", "verification.json", "hf_ao_publish.json", ".gitattributes", "quality_grid.jpg", MARKER})
 
 
 def key(request: dict[str, Any], python: str, worker: Path) -> str | None:
     """The key of one worker request (a component along a path), or None when a part of it cannot be pinned."""
-    record = Path(python).parent.parent / RECORD  # a spec-built environment: <root>/<name>/bin/python
-    if not record.is_file() or not request.get("inputs"):
+    built = built_folder(python)  # a spec-built environment's record pins every package
+    if built is None or not request.get("inputs"):
         return None
     where, subfolder, revision = request["location"], request.get("subfolder"), request.get("revision")
     folder = Path(where) / subfolder if subfolder else Path(where)
@@ -48,7 +48,7 @@ def key(request: dict[str, Any], python: str, worker: Path) -> str | None:
     else:
         return None
     question = {
-        "environment": [python, record.read_text(encoding="utf-8")],
+        "environment": [python, (built / RECORD).read_text(encoding="utf-8")],
         "worker": sha256_file(worker),
         "source": source,
         "inputs": sha256_file(Path(request["inputs"])),
