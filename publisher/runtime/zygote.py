@@ -62,26 +62,21 @@ def _become(req, proto, printed, forked=True):
     sys.path.insert(0, os.path.dirname(os.path.abspath(sys.argv[0])))
 
 
-class ImportFailed(Exception):
-    """One of the modules named could not be imported (``module``): the answer names it."""
-
-    def __init__(self, module):
-        super().__init__(module)
-        self.module = module
-
-
 def _import(preload):
-    """Import the modules; what they print on fd 1 and fd 2 (Python's own streams and C code's alike), by fd."""
+    """Import the modules, up to the first that fails: what they print on fd 1 and fd 2 (Python's own streams and C
+    code's alike), by fd, and the name of the one that failed (None when all were imported)."""
     kept = {}
     for fd in (1, 2):
         kept[fd] = (os.dup(fd), tempfile.TemporaryFile())  # noqa: SIM115 - closed below
         os.dup2(kept[fd][1].fileno(), fd)
+    failed = None
     try:
         for name in preload:
             try:
                 __import__(name)
-            except Exception as exc:
-                raise ImportFailed(name) from exc
+            except Exception:  # noqa: BLE001 - named in the answer: this list will never import here
+                failed = name
+                break
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
@@ -92,7 +87,7 @@ def _import(preload):
             file.seek(0)
             printed[fd] = file.read()
             file.close()
-    return printed
+    return printed, failed
 
 
 def _exit_code(status):
@@ -111,12 +106,12 @@ def _prepare(preload, once):
     del sys.path[0]  # this script's folder: nothing in it may stand in for a module torch imports
     gc.disable()
     try:
-        printed = _import(preload)
-    except BaseException as exc:  # noqa: BLE001 - reported as "not ready": the caller starts fresh interpreters,
-        # which fail (or not) on their own, from a clean state; a module that failed is named (the caller need not
-        # try this list in this interpreter again)
-        module = exc.module if isinstance(exc, ImportFailed) else None
-        os.write(proto, json.dumps({"ready": False, "unimportable": module}).encode() + b"\n")
+        printed, failed = _import(preload)
+    except BaseException:  # noqa: BLE001 - reported as "not ready": the caller starts fresh interpreters, which
+        os.write(proto, b'{"ready": false}\n')  # fail (or not) on their own, from a clean state
+        return None
+    if failed is not None:  # the same, and the caller need not try this list in this interpreter again
+        os.write(proto, json.dumps({"ready": False, "unimportable": failed}).encode() + b"\n")
         return None
     gc.collect()
     gc.enable()
