@@ -87,6 +87,19 @@ def _float8_tensor_module() -> Any | None:
     return float8_tensor
 
 
+def _widened(t: torch.Tensor, step: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Each block of ``step`` rows of the 2-D ``t``: its first row, the block, and the block widened to float32 in one
+    buffer reused for every block (no allocation per block; the buffer is the caller's to work in until the next)."""
+    import torch
+
+    work = torch.empty(step * t.shape[1], dtype=torch.float32)
+    for start in range(0, t.shape[0], step):
+        block = t[start:start + step]
+        x = work[:block.numel()].view(block.shape)
+        x.copy_(block)
+        yield start, block, x
+
+
 def _plain_cpu_2d(t: Any) -> bool:
     import torch
 
@@ -124,22 +137,18 @@ def in_row_blocks(hp_tensor: torch.Tensor, float8_dtype: torch.dtype, granularit
                                       hp_value_ub=hp_value_ub)
                  if per_tensor else torch.empty((rows, cols // block_size[1]), dtype=torch.float32))
         qdata = torch.empty((rows, cols), dtype=float8_dtype)
-        work = torch.empty(step * cols, dtype=torch.float32)  # one buffer for every block: no allocation per block
-        for start in range(0, rows, step):
-            block = w[start:start + step]
+        for start, block, x in _widened(w, step):
             if per_tensor:
                 block_scale = scale
             else:
                 block_scale = _choose_scale_float8(block, float8_dtype=float8_dtype, block_size=block_size,
                                                    hp_value_lb=hp_value_lb, hp_value_ub=hp_value_ub)
                 scale[start:start + step] = block_scale
-            # _quantize_affine_float8's steps, each into the buffer: widen, divide, clamp, then the cast (.to is copy_)
-            x = work[:block.numel()].view(block.shape)
-            x.copy_(block)
+            # _quantize_affine_float8's steps after the widening, in the buffer: divide, clamp, then the cast (.to is
+            # copy_)
             x.div_(_maybe_expand_scale_to_tensor_shape(block_scale, block.shape))
             x.clamp_(min=-max_value, max=max_value)
             qdata[start:start + step].copy_(x)
-        del work, x
     return float8_tensor.Float8Tensor(qdata, scale, block_size=block_size, mm_config=mm_config,
                                       act_quant_kwargs=act_quant_kwargs, kernel_preference=kernel_preference,
                                       dtype=hp_tensor.dtype)
@@ -166,16 +175,11 @@ def dequantized_in_row_blocks(weight: Any, output_dtype: torch.dtype) -> torch.T
         return None  # one block, or scales that are not per row, per group of a row, or per tensor
     with torch.no_grad():
         out = torch.empty((rows, cols), dtype=output_dtype)
-        work = torch.empty(step * cols, dtype=torch.float32)
-        for start in range(0, rows, step):
-            block = qdata[start:start + step]
+        for start, block, x in _widened(qdata, step):
             block_scale = scale if scale.shape[0] == 1 else scale[start:start + step]
-            # _dequantize_affine_float8's steps into the buffer: widen, multiply, then the cast (.to is copy_)
-            x = work[:block.numel()].view(block.shape)
-            x.copy_(block)
+            # _dequantize_affine_float8's steps after the widening, in the buffer: multiply, then the cast (.to is copy_)
             x.mul_(_maybe_expand_scale_to_tensor_shape(block_scale, block.shape))
             out[start:start + step].copy_(x)
-        del work, x
     return out.t() if transposed else out
 
 
