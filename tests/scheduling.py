@@ -28,7 +28,7 @@ SPREAD = {"test_families", "test_job", "test_hub", "test_cli", "test_publish_con
 COST_ORDER = ["test_docs_commands", "test_families", "test_stages_card", "test_docs_action", "test_quality_defaults",
               "test_verify_full", "test_hfjobs_e2e", "test_job",
               "test_hub", "test_cli", "test_signals", "test_quality_e2e", "test_verify_matrix", "test_action",
-              "test_scripts_gpu_check", "test_zygotes", "test_prestarted", "test_verify_streaming", "test_one_pass", "test_streaming_convert",
+              "test_scripts_gpu_check", "test_zygotes", "test_prestarted", "test_zygote_layers", "test_verify_streaming", "test_one_pass", "test_streaming_convert",
               "test_verify_peers", "test_testing_tiny", "test_integrity", "test_hostile_input", "test_hf_extension",
               "test_testing_hubserver", "test_publish_configs", "test_cli_bad_input", "test_action_run",
               "test_family_failures", "test_verify_envs"]

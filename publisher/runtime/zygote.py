@@ -14,6 +14,18 @@ sends stdout and stderr to those files, leads a process group of its own (the ca
 The zygote answers ``{"pid": N}`` at once and ``{"exit": CODE}`` when the child has ended (CODE as ``subprocess``
 gives it: negative for a signal). It ends when stdin closes, so it never outlives its caller for long.
 
+A request ``{"branch": {"python": PYTHON, "preload": [MODULE...], "env": {...}, "socket": PATH}}`` forks a zygote of
+another list instead: PYTHON is this interpreter (its libraries imported on top of its torch), or a layer over it (a venv of the same Python whose only ``.pth``
+file appends this interpreter's site-packages after its own: publisher/verify/envs.py builds them), and its torch is
+this one's. The child connects to the Unix socket PATH (the caller listens there; that connection is its stdin and
+its answers from then on), becomes what PYTHON would be at start-up (its prefix, executable and ``sys.path``), takes
+``env``, imports the modules named and serves like any zygote. So the layer's scripts start past torch's import,
+made once for every layer. It refuses (``{"ready": false, "not_a_layer": WHY}``, and ends) wherever that would differ
+from a fresh PYTHON that imported torch first: another Python, a ``.pth`` file that does more than append our
+site-packages, or a top-level package in the layer that is imported here already (a layer holding its own torch or
+one of torch's dependencies): the caller then starts a zygote in PYTHON itself. The zygote answers ``{"pid": N}``
+and, the branch being a server of its own, no exit line.
+
 ``--once`` is for a script that must not run in a forked child (a load on a GPU: CUDA cannot be used across a
 fork, publisher/runtime/prestarted.py): the same imports and ready line, then one request, answered ``{"pid": N}``
 (its own pid), and the interpreter itself becomes the child described above (it already leads its own process group:
@@ -27,11 +39,15 @@ optional kernels, torch's deprecation warnings, ...) is kept, and every child wr
 before it runs the script, as a fresh interpreter that imported them first would have.
 """
 
+import ast
 import gc
+import importlib
 import json
 import os
 import runpy
 import signal
+import site
+import socket
 import sys
 import tempfile
 
@@ -145,21 +161,121 @@ def serve(preload):
     if prepared is None:
         return 1
     proto, printed = prepared
-    for line in sys.stdin.buffer:
+    return _serve(sys.stdin.buffer, proto, printed)
+
+
+def _serve(requests, proto, printed):
+    branches: set[int] = set()
+    for line in requests:
         req = json.loads(line)
         sys.stdout.flush()
         sys.stderr.flush()
+        branches -= {pid for pid in branches if os.waitpid(pid, os.WNOHANG)[0]}  # reap the branches that ended
         pid = os.fork()
         if pid == 0:
+            if "branch" in req:
+                return _branch(req["branch"], proto, printed)
             # the child runs the script and ends as an interpreter ends: an exception or SystemExit from the script
             # goes up from here to the top, the interpreter prints it, runs the atexit handlers, sets the exit code
             _become(req, proto, printed)
             runpy.run_path(sys.argv[0], run_name="__main__")
             return 0
         os.write(proto, json.dumps({"pid": pid}).encode() + b"\n")
+        if "branch" in req:  # a zygote of its own, which answers its caller directly from now on
+            branches.add(pid)
+            continue
         _, status = os.waitpid(pid, 0)
         os.write(proto, json.dumps({"exit": _exit_code(status)}).encode() + b"\n")
     return 0
+
+
+def _branch(spec, parent_proto, printed):
+    """In a child of this zygote: the zygote of the layer ``spec["python"]`` (see the module's docstring); its exit
+    status."""
+    os.close(parent_proto)  # the parent's answers are the parent's: its caller must see them end with it
+    os.setsid()  # a group of its own, which its caller kills on close
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(spec["socket"])
+    fd = conn.detach()
+    os.dup2(fd, 0)  # its requests come on fd 0, as a zygote's come on its stdin ...
+    os.close(fd)
+    proto = os.dup(0)  # ... and its answers go back on the same connection
+    why = None if spec["python"] == sys.executable else _enter_layer(spec["python"])  # ours: no layer to enter
+    if why is not None:
+        os.write(proto, json.dumps({"ready": False, "not_a_layer": why}).encode() + b"\n")
+        return 1
+    os.environ.clear()
+    os.environ.update(spec["env"])  # what the libraries read when imported (torch read ours, alike for it)
+    gc.disable()
+    more, failed = _import(spec["preload"])
+    if failed is not None:
+        os.write(proto, json.dumps({"ready": False, "unimportable": failed}).encode() + b"\n")
+        return 1
+    gc.collect()
+    gc.enable()
+    gc.freeze()
+    if _holds_cuda(sys.modules.get("torch"), False):
+        os.write(proto, b'{"ready": false}\n')
+        return 1
+    os.write(proto, b'{"ready": true}\n')
+    return _serve(open(0, "rb", closefd=False), proto, {fd: printed[fd] + more[fd] for fd in (1, 2)})  # noqa: SIM115
+
+
+def _enter_layer(python):
+    """Make this interpreter what the venv ``python`` is at start-up when that is a layer over this one (see the
+    module's docstring): its prefix, executable and ``sys.path`` (its site-packages before ours, where a fresh
+    interpreter has it). None when done, else why it is not such a layer (nothing changed then)."""
+    prefix = os.path.dirname(os.path.dirname(os.path.abspath(python)))
+    try:
+        with open(os.path.join(prefix, "pyvenv.cfg"), encoding="utf-8") as f:
+            cfg = dict(line.split("=", 1) for line in f.read().splitlines() if "=" in line)
+    except OSError as exc:
+        return f"no pyvenv.cfg ({exc.strerror})"
+    cfg = {k.strip(): v.strip() for k, v in cfg.items()}
+    if os.path.realpath(python) != os.path.realpath(sys.executable) or cfg.get("version") != "{}.{}.{}".format(*sys.version_info[:3]):
+        return "another Python"
+    if cfg.get("include-system-site-packages", "false").lower() != "false":
+        return "it includes the system's site-packages"
+    layer_site = os.path.join(prefix, "lib", "python{}.{}".format(*sys.version_info[:2]), "site-packages")
+    try:
+        names = sorted(os.listdir(layer_site))
+    except OSError as exc:
+        return f"no site-packages ({exc.strerror})"
+    appended = []
+    for name in (n for n in names if n.endswith(".pth")):
+        with open(os.path.join(layer_site, name), encoding="utf-8") as f:
+            for line in f.read().splitlines():
+                dir_ = _appended_dir(line)
+                if dir_ is None and line.strip() and not line.startswith("#"):
+                    return f"{name} does more than append a site-packages folder"
+                if dir_ is not None:
+                    appended.append(dir_)
+    if not appended or not all(d in sys.path for d in appended):
+        return "its .pth files do not append this interpreter's site-packages"
+    imported = {m.partition(".")[0] for m in sys.modules}
+    for name in names:
+        top = name.partition(".")[0]
+        if not name.endswith((".dist-info", ".egg-info", ".pth")) and top != "__pycache__" and top in imported:
+            return f"it holds {top}, imported here already"
+    sys.path.insert(sys.path.index(appended[0]), layer_site)
+    importlib.invalidate_caches()
+    sys.prefix = sys.exec_prefix = prefix
+    site.PREFIXES = [prefix]
+    sys.executable = python
+    return None
+
+
+def _appended_dir(line):
+    """The folder of a ``.pth`` line ``import site; site.addsitedir('DIR')`` (what publisher/verify/envs.py writes),
+    else None."""
+    head, sep, rest = line.strip().partition("site.addsitedir(")
+    if head.strip() != "import site;" or not sep or not rest.endswith(")"):
+        return None
+    try:
+        value = ast.literal_eval(rest[:-1])
+    except (ValueError, SyntaxError):
+        return None
+    return value if isinstance(value, str) else None
 
 
 def once(preload):

@@ -15,8 +15,18 @@ in the interpreter's versions; where one of them cannot be imported, the caller'
 libraries the script loads; a failure the caller asks to ``remember`` is kept in a file, and later processes start
 the fallback at once). A zygote serves one interpreter, one such list and one environment: it is reused
 only while every variable its imports could read is what it was when it started (``NOT_READ_BY_TORCH`` and
-``NOT_READ_BY_LIBRARIES`` list those that may differ: the token, our own, ...); at most ``max_zygotes()`` live at
-once (the least recently used is closed: 8, or fewer where memory is short).
+``NOT_READ_BY_LIBRARIES`` list those that may differ: the token, our own, ...); what lives at
+once (the least recently used is closed past ``zygote_budget()``: 8 zygotes of their own, more branches, less where
+memory is short).
+
+A layered environment (a venv over this interpreter that shadows a few packages: publisher/verify/envs.py builds
+them for the compatibility matrix and --verify-env) imports the same torch from the same files. Where the caller
+says so (``branch_from``), its zygote is forked from this interpreter's torch zygote and becomes that environment
+there (its prefix, executable and ``sys.path``) before it imports the rest of its list; this interpreter's own
+load-path zygote branches from it the same way (no layer to enter). One import of torch for all of them (about 2.8 s
+of CPU each here) instead of one each. The zygote refuses where the child would differ
+from a fresh interpreter of the layer (publisher/runtime/zygote.py ``_enter_layer``), and the layer gets a zygote of
+its own as before.
 
 A caller whose script must not be forked (a load on a GPU: CUDA cannot be used across a fork, so it is initialized
 in the new process only) says so (``forked=False``): the script runs in an interpreter that ``prestart`` started ahead
@@ -47,7 +57,7 @@ from pathlib import Path
 
 from publisher.io import keptfile
 from publisher.runtime import prestarted, procs, zygote
-from publisher.runtime.zygote_pipe import READY_TIMEOUT_S, Gone, Server, Unimportable
+from publisher.runtime.zygote_pipe import READY_TIMEOUT_S, Branch, Channel, Gone, NotALayer, NotReady, Server, Unimportable
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +65,7 @@ SWITCH = "HF_AO_PUBLISH_ZYGOTE"
 # one that imported torch and the libraries' base classes (measured: 353 MB unique); an interpreter started ahead
 # holds the same
 ZYGOTE_BYTES = 360 * 1024 * 1024
+BRANCH_BYTES = 150 * 1024 * 1024  # a branch of a torch zygote that imported the libraries (runtime/zygote.py)
 TORCH = tuple(zygote.PRELOAD)  # torch and torch._dynamo: the first import of every script we run
 # ... and what every load path imports before it reads a checkpoint: the libraries' model base classes (in the versions
 # we run, transformers' imports torchao); a script that loads no model never gets these
@@ -69,31 +80,32 @@ NOT_READ_BY_TORCH = ("HF_", "HUGGINGFACE_", "HUGGING_FACE_", "TRANSFORMERS_", "D
 NOT_READ_BY_LIBRARIES = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_AO_PUBLISH_", "PYTEST_CURRENT_TEST")
 
 
-class Zygote(Server):
-    """One zygote process (publisher/runtime/zygote.py run by ``python``), serving one script at a time."""
+class Zygote:
+    """One zygote, serving one script at a time: a process of its own (``Server``: publisher/runtime/zygote.py run by
+    ``python``), or a branch of this interpreter's torch zygote for a layered environment (``Branch``)."""
 
-    def __init__(self, python: str, env: Mapping[str, str], preload: Sequence[str]) -> None:
-        super().__init__(python, env, preload)
+    def __init__(self, channel: Channel) -> None:
+        self.channel = channel
         self.lock = threading.Lock()
         try:
-            self.ready()
+            channel.ready()
         except BaseException:
-            self.close()
+            channel.close()
             raise
 
     def run(self, argv: Sequence[str], env: Mapping[str, str], cwd: str, outputs: tuple[Path, Path],
             timeout: float | None) -> int:
         """Fork a child that runs ``argv`` (script and arguments) in ``cwd``, its stdout and stderr to ``outputs``;
         its exit code. Raises ``subprocess.TimeoutExpired`` after killing it, ``Gone`` if the zygote went away."""
-        self.send(argv, env, cwd, outputs)
-        pid = int(self.line(time.monotonic() + READY_TIMEOUT_S)["pid"])
+        self.channel.send(argv, env, cwd, outputs)
+        pid = int(self.channel.line(time.monotonic() + READY_TIMEOUT_S)["pid"])
         deadline = time.monotonic() + timeout if timeout is not None else None
         try:
-            return int(self.line(deadline)["exit"])
+            return int(self.channel.line(deadline)["exit"])
         except subprocess.TimeoutExpired:
             _kill_group(pid)
             try:
-                self.line(time.monotonic() + 60)  # the killed child's exit: the zygote serves on
+                self.channel.line(time.monotonic() + 60)  # the killed child's exit: the zygote serves on
             except BaseException:
                 self.close()
                 raise
@@ -103,15 +115,19 @@ class Zygote(Server):
             self.close()
             raise
 
+    def close(self) -> None:
+        self.channel.close()
+
 
 _Key = tuple[str, tuple[str, ...], frozenset[tuple[str, str]]]
 _zygotes: OrderedDict[_Key, Zygote] = OrderedDict()
 _without: set[_Key] = set()  # interpreters that could not run one
 _early: dict[tuple[str, tuple[str, ...]], _Key] = {}  # (python, preload) -> the key a start() made a zygote for
-_lock = threading.Lock()
+_lock = threading.RLock()  # a branch's zygote makes its parent's under it
 
 
-def start(python: str, env: Mapping[str, str], preload: tuple[str, ...] = TORCH) -> None:
+def start(python: str, env: Mapping[str, str], preload: tuple[str, ...] = TORCH,
+          branch_from: str | None = None) -> None:
     """Start, on a thread of its own, the zygote that a later ``run`` with these arguments forks from, so its imports
     overlap what the caller does meanwhile (the verification's, the quantization: issue 41). Returns at once; a
     ``run`` that comes before it is ready waits for it (sooner than a fresh one), and one whose environment differs by
@@ -124,7 +140,8 @@ def start(python: str, env: Mapping[str, str], preload: tuple[str, ...] = TORCH)
             return
         _early[python, preload] = key
     # a daemon thread: a process that ends before the zygote is ready does not wait for it (atexit closes it)
-    threading.Thread(target=_zygote, args=(python, dict(env), preload), name="zygote-start", daemon=True).start()
+    threading.Thread(target=_zygote, args=(python, dict(env), preload, None, branch_from), name="zygote-start",
+                     daemon=True).start()
 
 
 def prestart(python: str, env: Mapping[str, str], preload: tuple[str, ...] = TORCH, count: int = 1) -> int:
@@ -141,7 +158,8 @@ def prestart(python: str, env: Mapping[str, str], preload: tuple[str, ...] = TOR
 
 def run(python: str, script: Path, args: Sequence[str], *, env: Mapping[str, str], timeout: float | None,
         outputs: Path, forked: bool = True, cwd: Path | None = None, preload: tuple[str, ...] = TORCH,
-        fallback: tuple[str, ...] | None = None, remember: Path | None = None) -> subprocess.CompletedProcess[str]:
+        fallback: tuple[str, ...] | None = None, remember: Path | None = None,
+        branch_from: str | None = None) -> subprocess.CompletedProcess[str]:
     """``python script args...`` with ``env`` in ``cwd`` (default: ours), like ``procs.run`` (stdout and stderr in
     the result; a timeout raises ``subprocess.TimeoutExpired`` after the kill), forked from a zygote that imported
     ``preload`` where there is one and ``forked``; not ``forked``, in an interpreter ``prestart`` started with these
@@ -149,13 +167,16 @@ def run(python: str, script: Path, args: Sequence[str], *, env: Mapping[str, str
     which are read back. ``fallback``: the imports of a zygote to fork from where one of ``preload`` cannot start in
     that interpreter (an import that fails there), before a fresh interpreter. ``remember``: a file where such a
     failure is kept for later processes (of an interpreter whose packages never change: a spec-built environment's),
-    so they start the ``fallback`` zygote at once instead of making ``preload``'s imports up to the one that fails."""
+    so they start the ``fallback`` zygote at once instead of making ``preload``'s imports up to the one that fails.
+    ``branch_from``: an interpreter whose torch zygote the zygote of ``python`` may branch from, past torch's import:
+    ``python`` itself, or one it may be a layer over (a built environment: publisher/verify/envs.py;
+    publisher/runtime/zygote.py says when a layer is refused)."""
     argv = [str(script), *args]
     files = (outputs.with_name(outputs.name + ".stdout"), outputs.with_name(outputs.name + ".stderr"))
     workdir = str(cwd or os.getcwd())
-    z = _zygote(python, env, preload, remember) if forked else None
+    z = _zygote(python, env, preload, remember, branch_from) if forked else None
     if z is None and forked and fallback is not None and fallback != preload:
-        z = _zygote(python, env, fallback, remember)
+        z = _zygote(python, env, fallback, remember, branch_from)
     if z is not None:
         with z.lock:
             try:
@@ -166,7 +187,7 @@ def run(python: str, script: Path, args: Sequence[str], *, env: Mapping[str, str
             else:
                 return subprocess.CompletedProcess([python, *argv], code, _read(files[0]), _read(files[1]))
             finally:
-                if z.proc.poll() is not None:
+                if z.channel.ended():
                     _forget(z)
     p = None if forked else _prestarted(python, env, preload)
     if p is not None:
@@ -202,7 +223,8 @@ def _enabled(env: Mapping[str, str]) -> bool:
     return sys.platform == "linux" and env.get(SWITCH) != "0"
 
 
-def _zygote(python: str, env: Mapping[str, str], preload: tuple[str, ...], remember: Path | None = None) -> Zygote | None:
+def _zygote(python: str, env: Mapping[str, str], preload: tuple[str, ...], remember: Path | None = None,
+            branch_from: str | None = None) -> Zygote | None:
     if not _enabled(env):
         return None
     key = _key(python, env, preload)
@@ -226,7 +248,8 @@ def _zygote(python: str, env: Mapping[str, str], preload: tuple[str, ...], remem
             _without.add(key)
             return None
         try:  # the zygote gets none of the libraries' variables (no token): its children get the caller's
-            z = Zygote(python, dict(key[2]), preload)
+            z = _branch(key, branch_from) if branch_from is not None else None
+            z = z or Zygote(Server(python, dict(key[2]), preload))
         except (OSError, Gone, subprocess.TimeoutExpired) as exc:
             log.debug("no zygote for %s (%s): fresh interpreters", python, exc)
             _without.add(key)
@@ -234,9 +257,38 @@ def _zygote(python: str, env: Mapping[str, str], preload: tuple[str, ...], remem
                 keptfile.keep(remember, {" ".join(preload): {"module": exc.module}}, REMEMBER_TTL_S)
             return None
         _zygotes[key] = z
-        while len(_zygotes) > max_zygotes():
+        budget = zygote_budget()
+        while len(_zygotes) > 1 and sum(_bytes(v) for v in _zygotes.values()) > budget:
             _zygotes.popitem(last=False)[1].close()
         return z
+
+
+def _branch(key: _Key, base: str) -> Zygote | None:
+    """The zygote for ``key`` forked from ``base``'s torch zygote, past torch's import; None where that zygote cannot
+    be had or ``key``'s interpreter is no layer over ``base`` (the caller then starts one in that interpreter).
+    ``Unimportable``: an import of the rest of the list failed there, as it would in a zygote of its own."""
+    python, preload, env = key
+    rest = preload[len(TORCH):]
+    if preload[:len(TORCH)] != TORCH or not rest:
+        return None
+    parent = _zygote(base, dict(env), TORCH)  # what the torch zygote is keyed by: the variables torch could read
+    if parent is None:
+        return None
+    with parent.lock:
+        try:
+            z = Zygote(Branch(parent.channel, python, dict(env), rest))
+        except (Unimportable, NotReady):  # a zygote of its own would say the same
+            raise
+        except NotALayer as exc:
+            log.debug("no branch of the zygote of %s for %s (%s): a zygote of its own", base, python, exc)
+            return None
+        except (OSError, Gone, subprocess.TimeoutExpired) as exc:
+            log.debug("no branch of the zygote of %s for %s (%s): a zygote of its own", base, python, exc)
+            if parent.channel.ended():
+                _forget(parent)
+            return None
+    log.debug("the zygote of %s branched from the zygote of %s", python, base)
+    return z
 
 
 def _key(python: str, env: Mapping[str, str], preload: tuple[str, ...]) -> _Key:
@@ -245,12 +297,20 @@ def _key(python: str, env: Mapping[str, str], preload: tuple[str, ...]) -> _Key:
     return python, preload, frozenset((k, v) for k, v in env.items() if not k.startswith(unread))
 
 
-def max_zygotes() -> int:
-    """How many zygotes may live at once: enough for this interpreter and every environment of the default
-    compatibility matrix (up to 6) and the card snippets' (8), so that a run measuring several recipes, or a process
-    running several publishes, starts each once; fewer where they would take more than a sixth of the memory
-    available (each holds about ZYGOTE_BYTES), never under 3."""
-    return max(3, min(8, _affordable()))
+def zygote_budget() -> int:
+    """The memory the zygotes that live at once may hold (the least recently used are closed past it): enough for
+    this interpreter's and every environment of the default compatibility matrix (up to 6) and the card snippets' (8
+    zygotes of their own, or many more branches: ``_bytes``), a sixth of the memory available where that is less, never
+    under 3 zygotes."""
+    import psutil
+
+    return int(max(3 * ZYGOTE_BYTES, min(8 * ZYGOTE_BYTES, psutil.virtual_memory().available / 6)))
+
+
+def _bytes(z: Zygote) -> int:
+    """What a zygote holds of its own: a branch shares its torch zygote's pages (measured: 105 MB unique against 267 MB
+    for a zygote of its own of the same imports, and 62 MB for the torch zygote beside its branches)."""
+    return BRANCH_BYTES if isinstance(z.channel, Branch) else ZYGOTE_BYTES
 
 
 def max_prestarted() -> int:

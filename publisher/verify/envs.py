@@ -271,20 +271,27 @@ def _load(folder: Path, spec: EnvSpec) -> BuiltEnv | None:
                     float(record.get("seconds") or 0.0), reused=True, import_error=str(record.get("import_error") or ""))
 
 
-def _build_into(folder: Path, spec: EnvSpec, heavy_torch: bool = True) -> tuple[dict[str, str], list[dict[str, str]]]:
-    """The layer's packages (name -> version) and what pip downloaded for it (name, version, url, bytes)."""
+def make_layer(folder: Path, spec: EnvSpec) -> tuple[Path, str]:
+    """An empty layer over this environment in ``folder``: a venv without pip whose ``PTH`` appends this environment's
+    site-packages after its own. Its interpreter and its own site-packages folder."""
     import venv
 
-    try:
-        import pip  # noqa: F401 - the layer runs this environment's pip
-    except ImportError:
-        raise EnvBuildError(f"cannot build the verification environment {spec.text}: this environment has no pip "
-                            "(python -m pip); install pip, or pass the path of a Python interpreter to --verify-env") from None
     venv.EnvBuilder(with_pip=False, symlinks=os.name != "nt", clear=True).create(folder)
     python = layer_python(folder)
     own_site = _run([str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"], spec, "inspect").strip()
     lines = [f"import site; site.addsitedir({d!r})" for d in parent_site_dirs()]
     Path(own_site, PTH).write_text("\n".join(lines) + "\n")
+    return python, own_site
+
+
+def _build_into(folder: Path, spec: EnvSpec, heavy_torch: bool = True) -> tuple[dict[str, str], list[dict[str, str]]]:
+    """The layer's packages (name -> version) and what pip downloaded for it (name, version, url, bytes)."""
+    try:
+        import pip  # noqa: F401 - the layer runs this environment's pip
+    except ImportError:
+        raise EnvBuildError(f"cannot build the verification environment {spec.text}: this environment has no pip "
+                            "(python -m pip); install pip, or pass the path of a Python interpreter to --verify-env") from None
+    python, own_site = make_layer(folder, spec)
     constraints = folder / "constraints.txt"
     current = installed_versions()
     pins = [f"torch=={current['torch']}"] if "torch" in current and "torch" not in spec.names else []

@@ -68,7 +68,7 @@ def start_early(token: str | None, device: str, mode: str, largest: int, recipes
 
         if largest + 2**30 > 0.8 * psutil.virtual_memory().available:
             return
-    zygotes.start(sys.executable, worker_env(token), zygotes.LIBRARIES)
+    zygotes.start(sys.executable, worker_env(token), zygotes.LIBRARIES, branch_from=sys.executable)
 
 
 def preload_for(libraries: Collection[str]) -> tuple[str, ...]:
@@ -144,7 +144,9 @@ def _spawn(exps: Sequence[Expected], path: str, python: str, where: str, revisio
         # started ahead (start_early) or a new one
         proc = zygotes.run(python, WORKER, [str(req_file)], env=env, timeout=timeout, outputs=work / f"output-{batch}",
                            forked=device == "cpu", preload=zygotes.LIBRARIES,
-                           fallback=preload_for({e.library for e in exps}), remember=envs.zygote_notes(python))
+                           fallback=preload_for({e.library for e in exps}), remember=envs.zygote_notes(python),
+                           branch_from=(sys.executable if python == sys.executable or envs.built_folder(python) is not None
+                                        else None))
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
             failure = {"ok": False, "error": f"interpreter {python} failed: {last[:300]}"}
