@@ -13,10 +13,13 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from publisher.quality import perceptual
 from publisher.quality.budget import Deadline
+
+if TYPE_CHECKING:  # types only
+    from publisher.quality.grid import GridFigures
 
 log = logging.getLogger(__name__)
 FULL_FOLDER = "quality"  # --eval-full-images: the grid's images at full size, lossless
@@ -77,7 +80,7 @@ CELL_MIN, CELL_MAX = 256, 512  # each image's side in the card's grid: small ima
 MAX_BYTES = 2_000_000  # the grid's file at most (a card shows it inline; the full images are not kept)
 
 
-def perceptual_figures(figures: Any, pairs: list[tuple[Any, Any]], deadline: Deadline) -> None:
+def perceptual_figures(figures: GridFigures, pairs: list[tuple[Any, Any]], deadline: Deadline) -> None:
     """LPIPS of every pair into ``figures.lpips``, or why not into ``figures.lpips_reason``: its weights are not on this
     machine, or the pairs do not fit what is left of --eval-budget (all pairs or none, so that the figure the card and
     the gate read is the worst of all images)."""
@@ -106,7 +109,7 @@ def perceptual_figures(figures: Any, pairs: list[tuple[Any, Any]], deadline: Dea
              ", ".join(f"{v:.4f}" for v in values))
 
 
-def metrics_note(figures: Any) -> str:
+def metrics_note(figures: GridFigures) -> str:
     """Which metrics the card's figures are, for its text."""
 
     if figures.lpips:
@@ -114,7 +117,7 @@ def metrics_note(figures: Any) -> str:
     return f"PSNR and SSIM against the base's image; LPIPS not computed: {figures.lpips_reason}"
 
 
-def grid(rows: list[tuple[Any, Any]], figures: Any, recipe: str) -> Any:
+def grid(rows: list[tuple[Any, Any]], figures: GridFigures, recipe: str) -> Any:
     """One labelled image for the card: column heads (the bf16 base, this repo), a row per prompt with the prompt
     under it, and each quantized image's PSNR, SSIM (and LPIPS) under it. Images are shown at 256-512 px (enlarged
     without smoothing, so a tiny test image stays a grid of pixels, or reduced)."""

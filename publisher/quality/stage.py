@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from publisher import adapters
 from publisher.errors import SourceError, UsageError
-from publisher.handoffs.plan import DENOISERS
+from publisher.handoffs.plan import DENOISERS, Component
 from publisher.io.jsonfile import read_object
 from publisher.quality import grid, lm, memory, options, perceptual
 from publisher.quality import images as im
@@ -45,11 +45,13 @@ from publisher.verify.streaming import BLOCK_BUDGET
 if TYPE_CHECKING:  # types only
     from collections.abc import Iterator
 
-    from publisher.handoffs.artifacts import Artifacts
+    from publisher.handoffs.artifacts import Artifacts, QuantizedComponent
     from publisher.handoffs.plan import Plan
     from publisher.recipes import Recipe
 
 log = logging.getLogger(__name__)
+
+Figures = lm.LmFigures | grid.GridFigures  # what an evaluation measured (None: nothing it can measure)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".msgpack", ".h5", ".onnx")
 NO_TOKENIZER = "no tokenizer in the base (the text is tokenized with the base's own tokenizer, and it has none)"
@@ -173,7 +175,7 @@ class Evaluation:
                 raise SourceError(f"--eval-dataset {self.text.spec.text()}: {exc}; name a dataset with more text") from None
             self.text_reason = f"the evaluation text {self.text.spec.text()} is too short: {exc}"
 
-    def observer(self, comp: Any, config: dict[str, Any]) -> Any:
+    def observer(self, comp: Component, config: dict[str, Any]) -> Any:
         """The in-pass perplexity observer for a streamed causal LM (None otherwise)."""
         if self.ids is None or not adapters.of(comp.library).token_inputs:
             return None
@@ -188,7 +190,7 @@ class Evaluation:
             return None
         return lm.observer(comp.library, comp.class_name, config, self.ids, comp.label)
 
-    def run(self, artifacts: Artifacts, base_sources: dict[str, Any], pass_seconds: float, recipe: Recipe) -> Any:
+    def run(self, artifacts: Artifacts, base_sources: dict[str, Any], pass_seconds: float, recipe: Recipe) -> Figures | None:
         deadline = Deadline(self.budget_s)
         if self.kind == options.CAUSAL_LM:
             return self._lm(artifacts, base_sources, pass_seconds, recipe, deadline)
@@ -197,7 +199,7 @@ class Evaluation:
         return None
 
     # ------------------------------------------------------------------ language models
-    def _weights(self, comp: Any, artifacts: Artifacts, base_sources: dict[str, Any], recipe: Recipe) -> tuple[Weights, Weights]:
+    def _weights(self, comp: QuantizedComponent, artifacts: Artifacts, base_sources: dict[str, Any], recipe: Recipe) -> tuple[Weights, Weights]:
         folder = artifacts.folder / comp.name if comp.name else artifacts.folder
         config_dir = self.configs / comp.name if comp.name else self.configs
         return component_weights(comp.library, comp.class_name, base_sources[comp.name], config_dir, recipe,
@@ -228,7 +230,7 @@ class Evaluation:
                      (comp.library, comp.class_name, config), self.configs, step, deadline, self.budget_s)
         return figures
 
-    def _perplexity(self, figures: lm.LmFigures, comp: Any, config: dict[str, Any], base_w: Weights, quant_w: Weights,
+    def _perplexity(self, figures: lm.LmFigures, comp: QuantizedComponent, config: dict[str, Any], base_w: Weights, quant_w: Weights,
                     deadline: Deadline, recipe: str) -> None:
         started = time.monotonic()
         ids = self.ids
@@ -406,7 +408,7 @@ class Evaluation:
         return models, sizes, how
 
 
-def gate(settings: Settings, figures: Any, recipe: str) -> None:
+def gate(settings: Settings, figures: Figures | None, recipe: str) -> None:
     if not settings.bounds:
         return
     values: dict[str, float | None] = {}
@@ -423,7 +425,7 @@ def gate(settings: Settings, figures: Any, recipe: str) -> None:
     options.gate(settings.bounds, values, missing, recipe)
 
 
-def to_json(figures: Any) -> dict[str, Any] | None:
+def to_json(figures: Figures | None) -> dict[str, Any] | None:
     if figures is None:
         return None
     data = asdict(figures)
