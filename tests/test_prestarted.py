@@ -47,7 +47,9 @@ def _none_waiting(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 def _waiting(pid: int | None = None) -> set[int]:
     """The interpreters started ahead that are still running, children of ``pid`` (default: this process). A child
-    just started may not have exec'd yet (its command line is still its parent's): waited for, up to 10 s."""
+    just started may not have its own command line yet: before its exec it is still its parent's, and in the exec,
+    after Popen has returned (the exec closed Popen's pipe) but before the kernel has set up the new one, it reads
+    empty. Waited for, up to 10 s."""
     import psutil
 
     parent = psutil.Process(pid)
@@ -56,10 +58,12 @@ def _waiting(pid: int | None = None) -> set[int]:
         found, unborn = set(), False
         for p in parent.children():
             try:
+                if p.status() == psutil.STATUS_ZOMBIE:
+                    continue
                 cmdline = p.cmdline()
-                if "--once" in cmdline and p.status() != psutil.STATUS_ZOMBIE:
+                if "--once" in cmdline:
                     found.add(p.pid)
-                unborn = unborn or cmdline == parent.cmdline()
+                unborn = unborn or not cmdline or cmdline == parent.cmdline()
             except psutil.NoSuchProcess:
                 continue
         if not unborn or time.monotonic() > deadline:
