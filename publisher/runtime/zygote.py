@@ -120,6 +120,13 @@ def _prepare(preload, once):
     os.dup2(null, 1)
     os.close(null)
     del sys.path[0]  # this script's folder: nothing in it may stand in for a module torch imports
+    printed = _ready_after(preload, proto, once)
+    return None if printed is None else (proto, printed)
+
+
+def _ready_after(preload, proto, once):
+    """Make the imports and say on ``proto`` whether this process can serve: what they printed by fd, or None when
+    not ready (the caller runs the script in a fresh interpreter instead)."""
     gc.disable()
     try:
         printed, failed = _import(preload)
@@ -136,7 +143,7 @@ def _prepare(preload, once):
         os.write(proto, b'{"ready": false}\n')
         return None
     os.write(proto, b'{"ready": true}\n')
-    return proto, printed
+    return printed
 
 
 def _holds_cuda(torch, once):
@@ -206,18 +213,9 @@ def _branch(spec, parent_proto, printed):
         return 1
     os.environ.clear()
     os.environ.update(spec["env"])  # what the libraries read when imported (torch read ours, alike for it)
-    gc.disable()
-    more, failed = _import(spec["preload"])
-    if failed is not None:
-        os.write(proto, json.dumps({"ready": False, "unimportable": failed}).encode() + b"\n")
+    more = _ready_after(spec["preload"], proto, False)
+    if more is None:
         return 1
-    gc.collect()
-    gc.enable()
-    gc.freeze()
-    if _holds_cuda(sys.modules.get("torch"), False):
-        os.write(proto, b'{"ready": false}\n')
-        return 1
-    os.write(proto, b'{"ready": true}\n')
     return _serve(open(0, "rb", closefd=False), proto, {fd: printed[fd] + more[fd] for fd in (1, 2)})  # noqa: SIM115
 
 
