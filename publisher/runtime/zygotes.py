@@ -57,7 +57,7 @@ from pathlib import Path
 
 from publisher.io import keptfile
 from publisher.runtime import prestarted, procs, zygote
-from publisher.runtime.zygote_pipe import READY_TIMEOUT_S, Branch, Channel, Gone, NotALayer, NotReady, Server, Unimportable
+from publisher.runtime.zygote_pipe import READY_TIMEOUT_S, Branch, Channel, Gone, NotReady, Server, Unimportable
 
 log = logging.getLogger(__name__)
 
@@ -279,10 +279,7 @@ def _branch(key: _Key, base: str) -> Zygote | None:
             z = Zygote(Branch(parent.channel, python, dict(env), rest))
         except (Unimportable, NotReady):  # a zygote of its own would say the same
             raise
-        except NotALayer as exc:
-            log.debug("no branch of the zygote of %s for %s (%s): a zygote of its own", base, python, exc)
-            return None
-        except (OSError, Gone, subprocess.TimeoutExpired) as exc:
+        except (OSError, Gone, subprocess.TimeoutExpired) as exc:  # NotALayer included: no layer over ``base``
             log.debug("no branch of the zygote of %s for %s (%s): a zygote of its own", base, python, exc)
             if parent.channel.ended():
                 _forget(parent)

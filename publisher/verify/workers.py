@@ -145,8 +145,7 @@ def _spawn(exps: Sequence[Expected], path: str, python: str, where: str, revisio
         proc = zygotes.run(python, WORKER, [str(req_file)], env=env, timeout=timeout, outputs=work / f"output-{batch}",
                            forked=device == "cpu", preload=zygotes.LIBRARIES,
                            fallback=preload_for({e.library for e in exps}), remember=envs.zygote_notes(python),
-                           branch_from=(sys.executable if python == sys.executable or envs.built_folder(python) is not None
-                                        else None))
+                           branch_from=sys.executable)  # a layer over this interpreter (envs.py) branches
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
             failure = {"ok": False, "error": f"interpreter {python} failed: {last[:300]}"}
