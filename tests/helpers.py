@@ -13,6 +13,7 @@ import hashlib
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -155,3 +156,25 @@ def write_probe(folder: Path, modules: tuple[str, ...]) -> Path:
     script.parent.mkdir()
     script.write_text(_PROBE.replace("MODULES", repr(modules), 1))
     return script
+
+
+def ended(pid: int) -> bool:
+    """Gone, or a zombie (ended, not yet reaped by whoever is its parent now); a process reaped between two looks
+    counts as gone."""
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_ended(pid: int, seconds: float) -> bool:
+    """Whether ``pid`` has ended within ``seconds``: a process killed, closed or left without its caller ends a moment
+    later, longer on a loaded machine."""
+    deadline = time.monotonic() + seconds
+    while not ended(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True

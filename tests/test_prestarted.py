@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import write_probe
+from helpers import ended, wait_ended, write_probe
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="interpreters started ahead: Linux only, as zygotes")
 
@@ -71,12 +71,6 @@ def _waiting(pid: int | None = None) -> set[int]:
         time.sleep(0.05)
 
 
-def _gone(pid: int) -> bool:
-    import psutil
-
-    return not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-
-
 def _run(probe: Path, tmp_path: Path, *args: str, env: dict[str, str], timeout: float = 120, name: str = "facts",
          preload: tuple[str, ...] | None = None) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
     from publisher.runtime import zygotes
@@ -102,7 +96,7 @@ def test_the_interpreter_started_ahead_becomes_the_script_once(probe: Path, tmp_
     mine = {**env, "HF_TOKEN": "tok_one"}
     done, facts = _run(probe, tmp_path, "7", env=mine)
     # that very process ran the script, torch imported before it started; the process ended with it
-    assert facts["pid"] == ahead and facts["imported"] == ["torch", "torch._dynamo"] and _gone(ahead)
+    assert facts["pid"] == ahead and facts["imported"] == ["torch", "torch._dynamo"] and ended(ahead)
     assert facts["pgid"] == facts["pid"] != os.getpgid(0)  # its own process group, which a kill takes whole
 
     # what a new interpreter running the script gives (procs.run's: stdin from /dev/null, the same folder)
@@ -159,7 +153,7 @@ def test_a_timeout_kills_its_group_and_a_crash_is_its_exit_status(probe: Path, t
         _run(probe, tmp_path, "sleep", env=env, timeout=2, name="slow")
     assert time.monotonic() - start < 60
     slow = json.loads((tmp_path / "slow.json").read_text())
-    assert slow["pid"] in ahead and _gone(slow["pid"])
+    assert slow["pid"] in ahead and ended(slow["pid"])
     with pytest.raises(ProcessLookupError):
         os.killpg(slow["pgid"], 0)
     done, crashed = _run(probe, tmp_path, "crash", env=env, name="crash")
@@ -189,7 +183,7 @@ def test_what_the_imports_print_and_an_import_that_fails(probe: Path, tmp_path: 
     done, facts = _run(probe, tmp_path, env=env, preload=("no_such_module",), name="fresh")
     assert done.returncode == 0 and facts["pid"] not in failing and facts["imported"] == []
     assert done.stdout == "to stdout\n" and done.stderr == "to stderr\n"
-    assert all(_gone(pid) for pid in failing)  # its sibling would not be ready either: killed
+    assert all(ended(pid) for pid in failing)  # its sibling would not be ready either: killed
     assert zygotes.prestart(sys.executable, env, ("no_such_module",), count=2) == 0  # and none started again
 
 
@@ -222,7 +216,7 @@ def test_what_the_imports_leave_of_cuda(probe: Path, tmp_path: Path, cuda: str) 
     if cuda == "initialized":
         assert len(ahead) == 1 and facts["pid"] in ahead and facts["imported"] == ["torch"]
     else:
-        assert facts["pid"] not in ahead and facts["imported"] == [] and all(_gone(p) for p in ahead)
+        assert facts["pid"] not in ahead and facts["imported"] == [] and all(ended(p) for p in ahead)
 
 
 def test_start_early_for_a_gpu_load_runs_the_load_path_workers_in_interpreters_started_ahead(
@@ -263,7 +257,7 @@ def test_start_early_for_a_gpu_load_runs_the_load_path_workers_in_interpreters_s
         unforked = load(path, False)
         assert unforked == load(path, True)
         assert unforked["linear_classes"] and unforked["digests"]
-    assert all(_gone(pid) for pid in ahead) and not _waiting()  # each ran one load path
+    assert all(ended(pid) for pid in ahead) and not _waiting()  # each ran one load path
 
 
 def test_sigterm_kills_the_script_and_the_interpreters_never_used(probe: Path, tmp_path: Path) -> None:
@@ -297,7 +291,7 @@ def test_sigterm_kills_the_script_and_the_interpreters_never_used(probe: Path, t
         if caller.poll() is None:
             caller.kill()
             caller.wait()
-    assert all(_gone(pid) for pid in ahead)
+    assert all(ended(pid) for pid in ahead)
     with pytest.raises(ProcessLookupError):
         os.killpg(script["pgid"], 0)
 
@@ -314,7 +308,4 @@ def test_one_never_used_ends_with_its_caller(tmp_path: Path) -> None:
     finally:
         caller.kill()
         caller.wait()
-    deadline = time.monotonic() + 60
-    while not _gone(ahead):
-        assert time.monotonic() < deadline, "the interpreter started ahead outlived its caller"
-        time.sleep(0.1)
+    assert wait_ended(ahead, 60), "the interpreter started ahead outlived its caller"

@@ -8,21 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
-
-
-def _dead(pid: int) -> bool:
-    """Gone, or a zombie waiting for whoever inherited it to reap it."""
-    import psutil
-
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
-                return True
-        except psutil.NoSuchProcess:
-            return True
-        time.sleep(0.05)
-    return False
+from helpers import wait_ended
 
 
 def test_a_timeout_kills_the_whole_group_and_a_normal_run_returns_its_output(tmp_path: Path) -> None:
@@ -36,6 +22,6 @@ def test_a_timeout_kills_the_whole_group_and_a_normal_run_returns_its_output(tmp
         procs.run([sys.executable, "-c", script], timeout=3)
     assert time.monotonic() - started < 30
     grandchild = int(pid_file.read_text())
-    assert _dead(grandchild)  # the child's own child died with the group
+    assert wait_ended(grandchild, 10)  # the child's own child died with the group
     done = procs.run([sys.executable, "-c", "import os, sys; print(os.getpgid(0) == os.getpid()); sys.exit(3)"])
     assert done.returncode == 3 and done.stdout.strip() == "True"  # it led a process group of its own

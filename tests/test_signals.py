@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import IN_PROCESS, SKIP_EVAL_AND_MATRIX, seed
+from helpers import IN_PROCESS, SKIP_EVAL_AND_MATRIX, ended, seed
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -133,11 +133,7 @@ def _the_line(stderr: str, signame: str) -> str:
 
 
 def _gone(pid: int, pgid: int) -> None:
-    import time
-
-    import psutil
-
-    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert ended(pid)
     # no process at all is left in the worker's group; a member the kill reached counts until it is reaped, which on a
     # loaded machine can come a moment after the CLI has exited, so the group gets 5 s to empty
     deadline = time.monotonic() + 5

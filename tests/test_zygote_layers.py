@@ -16,11 +16,11 @@ import os
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import wait_ended
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="zygotes fork: Linux only")
 
@@ -97,10 +97,7 @@ def test_a_layer_zygote_branches_from_the_torch_zygote_and_its_scripts_see_the_l
     assert two["layered"][1] == "two" and _zygote_of(two).parent().pid == parent.pid
     zygotes.close_all()  # closed like any zygote: its connection, then its group
     # its connection closes as it exits, a moment before the kernel makes it a zombie: on a loaded machine, waited for
-    deadline = time.monotonic() + 5
-    while not _ended(branch) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert _ended(branch)
+    assert wait_ended(branch.pid, 5)
 
 
 @pytest.mark.parametrize("case", ["shadows", "pth"])
@@ -146,17 +143,4 @@ def test_a_branch_ends_with_its_caller(tmp_path: Path) -> None:
     finally:
         caller.kill()
         caller.wait()
-    deadline = time.monotonic() + 30
-    while not _ended(branch):
-        assert time.monotonic() < deadline, "the branch outlived its caller"
-        time.sleep(0.1)
-
-
-def _ended(proc: Any) -> bool:
-    """Gone, or a zombie (ended, not yet reaped by whoever is its parent now)."""
-    import psutil
-
-    try:
-        return not proc.is_running() or proc.status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
+    assert wait_ended(branch.pid, 30), "the branch outlived its caller"

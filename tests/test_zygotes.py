@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import write_probe
+from helpers import ended, wait_ended, write_probe
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="zygotes fork: Linux only")
 
@@ -178,7 +178,6 @@ def test_what_the_imports_print_every_child_prints_first(probe: Path, tmp_path: 
 
 
 def test_a_crash_and_a_timeout(probe: Path, tmp_path: Path) -> None:
-    import psutil
 
     done, _ = _run(probe, tmp_path, "crash")
     # as subprocess reports a signal; what was written before the crash is there
@@ -188,7 +187,7 @@ def test_a_crash_and_a_timeout(probe: Path, tmp_path: Path) -> None:
         _run(probe, tmp_path, "sleep", timeout=2, name="slow")
     assert time.monotonic() - start < 60
     facts = json.loads((tmp_path / "slow.json").read_text())
-    assert not psutil.pid_exists(facts["pid"]) or psutil.Process(facts["pid"]).status() == psutil.STATUS_ZOMBIE
+    assert ended(facts["pid"])
     with pytest.raises(ProcessLookupError):
         os.killpg(facts["pgid"], 0)
     done, after = _run(probe, tmp_path, name="after")  # the zygote serves on
@@ -229,7 +228,4 @@ def test_the_zygote_ends_with_its_caller(tmp_path: Path, probe: Path) -> None:
     finally:
         caller.kill()
         caller.wait()
-    deadline = time.monotonic() + 30
-    while psutil.pid_exists(zygote) and psutil.Process(zygote).status() != psutil.STATUS_ZOMBIE:
-        assert time.monotonic() < deadline, "the zygote outlived its caller"
-        time.sleep(0.1)
+    assert wait_ended(zygote, 30), "the zygote outlived its caller"
