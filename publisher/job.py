@@ -13,27 +13,26 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from publisher import recipes as recipe_registry
-from publisher.errors import Interrupted, PublishError, RunFailed, SourceError, TargetError, VerificationError
+from publisher.errors import Interrupted, PublishError, RunFailed, TargetError, VerificationError
 from publisher.handoffs.artifacts import Artifacts
 from publisher.handoffs.report import ForwardInputs, VerifyReport, require_passed
 from publisher.io import hub
-from publisher.io.tokens import TokenRights
+from publisher.io.tokens import resolve_token
 from publisher.messages import describe
 from publisher.quality import stage as quality
 from publisher.recipes import Recipe
-from publisher.request import Outcome, PublishRequest
+from publisher.request import NO_TARGET, Outcome, PublishRequest
 from publisher.runtime.gcfreeze import frozen_after
 from publisher.runtime.heap import bound_heap, peak_rss_bytes
 from publisher.stages import card, fetch, planning, preflight, unfinished
 from publisher.stages import push as pushing
 from publisher.stages import quantize as quantize_stage
-from publisher.stages import source as source_stage
 from publisher.stages.measure import Bf16Rows, measure
 from publisher.stages.output import OutputTarget, PushOptions, RecipeOutput
 from publisher.stages.output import choose as choose_output
@@ -52,68 +51,13 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def resolve_token(token: str | None) -> str | None:
-    """--token, else HF_TOKEN / the stored login (huggingface_hub's own lookup)."""
-    if token:
-        return token
-    from huggingface_hub import get_token
-
-    return get_token()
-
-
-def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = True) -> planning.Plan:
-    """Everything that can fail cheaply fails here, before any weight is downloaded. ``check_hardware=False``
-    when the job runs elsewhere (Hugging Face Jobs: the flavor is checked instead of this machine)."""
-    units = planning.precheck_recipes(req.make.quant, req.make.layer_config, check_hardware=check_hardware)  # no torchao yet
-    components = planning.mapped_components(units, req.base.components)
-    components_from = "--quant" if components and not req.base.components else "--components"
-    matrix.check(req.checks.verify_envs, req.checks.compat)
-    if req.target.repo_id:
-        planning.check_target_id(req.target.repo_id.replace("{recipe}", "x"))
-    source_stage.check_named_folder(req.base.model)
-    from huggingface_hub import constants
-
-    offline = constants.HF_HUB_OFFLINE  # an air-gapped run: nothing of ours asks the Hub
-    if req.target.push and offline:
-        raise TargetError("HF_HUB_OFFLINE is set and pushing needs the Hub; unset HF_HUB_OFFLINE, or use --no-push")
-    if req.target.push and not token:
-        raise TargetError("pushing needs a Hub token with write access; set HF_TOKEN (or pass --token), or use --no-push")
-    if req.target.output_dir is not None:
-        unfinished.check_output_dir(req.target.output_dir)
-    src = source_stage.resolve(req.base.model, req.base.revision, token)
-    user, who = None, None  # before any file of the base is read: a gated base needs the token's gated access
-    if token and not offline:  # offline (no push): no default repo id is asked for, the card says none was chosen
-        who = hub.call(hub.client(token).whoami, what="checking the token")
-        user = who.get("name")
-        if src.gated and src.repo_id and (reason := TokenRights.of(who).gated_reason(src.repo_id)) is not None:
-            raise SourceError(reason)
-    planning.check_layout(src, components, token, req.base.trust_remote_code, components_from)  # model_index.json alone
-    recipes = planning.parse_recipes(req.make.quant, req.make.layer_config)  # torchao reads every config: one it rejects stops here
-    for recipe in recipes if check_hardware else ():
-        recipe_registry.check_can_quantize(recipe)
-    targets = planning.target_ids(src, recipes, req.target.repo_id, user)
-    options = {"components": req.base.components, "exclude": req.base.exclude}
-    plan = planning.build_plan(
-        src, recipes, components=components, exclude=list(req.base.exclude), targets=targets, token=token,
-        trust_remote_code=req.base.trust_remote_code, options=options, components_from=components_from,
-    )
-    plan = replace(plan, options={**options, "card": req.card_options(plan.kind)})
-    if req.checks.evaluation is not None:  # a bound on a figure this model has not, or cannot get: a usage error, before any download
-        quality.options.check_applicable(req.checks.evaluation.bounds, quality.kind_of(plan), f"{req.base.model} ({plan.quantized[0].class_name})")
-        quality.check_measurable(req.checks.evaluation, plan, token)
-    if req.target.push:  # after the base checks, in the order the preflight promises
-        for target in targets.values():
-            pushing.check_writable(str(target), token, who)  # a push has a token, so every target is named
-    return plan
-
-
 def run(req: PublishRequest) -> list[Outcome]:
     """The publish: plan, then every recipe through the stages; each recipe's Outcome is made from what its stages
     returned (RecipeRun.outcome)."""
     bound_heap()  # before any worker thread exists: they would each get a heap arena
     token = resolve_token(req.token)
     with frozen_after():  # the plan imports torch & co (runtime/gcfreeze.py)
-        plan = make_plan(req, token)
+        plan = planning.make_plan(req, token)
     runs = [RecipeRun(r, plan.targets[r.name], state_for(plan, r)) for r in plan.recipes]
     try:
         todo = [r for r in runs if not r.up_to_date(req, token)]
@@ -299,7 +243,7 @@ class RecipeRun:
 
     def target(self) -> str:  # the repo id a push writes to (a push always has one: it needs a token)
         if self.repo_id is None:
-            raise TargetError(f"{self.recipe.name}: {planning.NO_TARGET}")
+            raise TargetError(f"{self.recipe.name}: {NO_TARGET}")
         return self.repo_id
 
     def outcome(self) -> Outcome:

@@ -11,15 +11,41 @@ from publisher.errors import UsageError
 from publisher.handoffs.report import Mode, VerifyReport
 from publisher.quality import stage as quality
 from publisher.runtime.heap import peak_rss
-from publisher.stages import planning
-from publisher.stages.lowdisk_push import size_bytes
-from publisher.stages.preflight import low_disk_conflict
 
 if TYPE_CHECKING:  # types only
     from publisher.quality.grid import GridFigures
     from publisher.quality.lm import LmFigures
 
 Engine = Literal["auto", "streaming", "library"]
+NO_TARGET = ("no repo id was chosen: there is no --repo-id, and the Hub was not asked whose the default "
+             "<user>/<base>-torchao-<recipe> would be (no token, or HF_HUB_OFFLINE set); pass --repo-id NAMESPACE/NAME, "
+             "or set HF_TOKEN and reach the Hub")
+
+
+def size_bytes(value: str | int) -> int:
+    """A size as save_pretrained takes it ("2GB", "500MB", "10KB": decimal units; or a number of bytes), in bytes."""
+    text = str(value).strip().upper()
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+    number, unit = (text[:-2], units[text[-2:]]) if text[-2:] in units else (text, 1)
+    try:
+        size = int(float(number) * unit)
+    except ValueError:
+        raise ValueError(f"{value!r} is not a size") from None
+    if size <= 0:
+        raise ValueError(f"{value!r} is not a positive size")
+    return size
+
+
+def low_disk_conflict(*, benchmark: bool, verify_envs: bool, push: bool) -> str | None:
+    """What cannot run when the base's weights are read by HTTP range and each output shard is uploaded and deleted as
+    it is made: the one rule, which the request says for --low-disk (a usage error) and the preflight when it chooses
+    low-disk because the download would not fit (a failure). None when nothing conflicts."""
+    if benchmark:
+        return "--benchmark runs the whole bf16 base, which --low-disk does not download"
+    if verify_envs and push:
+        return ("with --low-disk a push uploads and deletes each shard as it is made, so --verify-env has nothing to "
+                "reload")
+    return None
 
 
 @dataclass(frozen=True)
@@ -158,7 +184,7 @@ class Outcome:
     def to_json(self) -> dict[str, Any]:
         return {
             "repo_id": self.repo_id,
-            "repo_id_note": None if self.repo_id else planning.NO_TARGET,
+            "repo_id_note": None if self.repo_id else NO_TARGET,
             "url": self.url,
             "commit": self.commit,
             "pr_url": self.pr_url,

@@ -75,7 +75,7 @@ def _invoke(args: list[str], env: dict[str, str] | None = None) -> None:
 def _what_reaches_the_job(req: PublishRequest) -> tuple[Any, ...]:
     """The request as the job reads it: each recipe's configs (per component, per layer; how they were given left
     out: a file here is inline in a Job) and the evaluation's settings."""
-    from publisher.stages.planning import parse_recipes
+    from publisher.recipe_args import parse as parse_recipes
 
     def configs(value: Any) -> Any:  # how a config was given (a file here, inline in a Job) left out
         if isinstance(value, dict):
@@ -114,7 +114,7 @@ def test_the_same_request_reaches_the_job_from_every_entry_point(form: str, reco
     _invoke([MODEL, *cli_args, "--on-hf-jobs", "cpu-basic"], budget)
     jobs = recorded["jobs"][-1]
     assert _what_reaches_the_job(jobs.publish) == local, "the --on-hf-jobs request"
-    from publisher.stages.planning import parse_recipes
+    from publisher.recipe_args import parse as parse_recipes
 
 
     reached = []

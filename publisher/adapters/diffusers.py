@@ -148,3 +148,21 @@ class DiffusersAdapter(LibraryAdapter):
 
     def record_origin(self, name_or_path: str) -> None:
         self.model.register_to_config(_name_or_path=name_or_path)  # saved in config.json
+
+
+def output_kind(pipeline_class: str | None) -> str:
+    """"video" when the pipeline's output has ``frames``, "audio" when it has ``audios``, else "image"; read from
+    the output dataclasses of the pipeline's own module."""
+    import dataclasses
+    import sys
+
+    import diffusers
+    from diffusers.utils import BaseOutput
+
+    cls = getattr(diffusers, pipeline_class or "", None)
+    module = sys.modules.get(getattr(cls, "__module__", ""), None)
+    fields: set[str] = set()
+    for obj in vars(module).values() if module else ():
+        if isinstance(obj, type) and issubclass(obj, BaseOutput) and obj is not BaseOutput and dataclasses.is_dataclass(obj):
+            fields |= {f.name for f in dataclasses.fields(obj)}
+    return "video" if "frames" in fields else "audio" if "audios" in fields else "image"

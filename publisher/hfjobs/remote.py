@@ -23,9 +23,10 @@ from publisher.flavors import Flavor
 from publisher.hfjobs import bootstrap, hardware, jobchecks, package
 from publisher.hfjobs.follow import Follower, JobFailed, RemoteOutcome, stage_name, terminate_as_interrupt
 from publisher.io import hub
-from publisher.job import make_plan, resolve_token
+from publisher.io.tokens import resolve_token
+from publisher.recipe_args import parse as parse_recipes
 from publisher.request import PublishRequest
-from publisher.stages.planning import parse_recipes
+from publisher.stages.planning import make_plan
 from publisher.stages.source import is_local
 
 if TYPE_CHECKING:

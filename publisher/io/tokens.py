@@ -22,6 +22,15 @@ WORDING = {
 }
 
 
+def resolve_token(token: str | None) -> str | None:
+    """--token, else HF_TOKEN / the stored login (huggingface_hub's own lookup)."""
+    if token:
+        return token
+    from huggingface_hub import get_token
+
+    return get_token()
+
+
 @dataclass(frozen=True)
 class TokenRights:
     role: str | None  # None: whoami did not say (an older Hub): the Hub decides at each call

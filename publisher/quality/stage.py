@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from publisher import adapters
+from publisher.adapters.diffusers import output_kind
 from publisher.errors import SourceError, UsageError
 from publisher.handoffs.plan import DENOISERS, Component
 from publisher.io.jsonfile import read_object
@@ -38,7 +39,6 @@ from publisher.quality.reference import References, Step, continuation
 from publisher.quality.sources import Weights, component_weights, local_shards
 from publisher.quality.text import MIN_WINDOW, EvalText, unreadable, windows
 from publisher.quality.text import read_text as read
-from publisher.stages.card_usage import output_kind
 from publisher.streaming.shards import HubShards, build_index
 from publisher.verify.streaming import BLOCK_BUDGET
 

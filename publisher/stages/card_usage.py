@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from publisher import adapters, loadpath
+from publisher.adapters.diffusers import output_kind
 
 CPU_SIZE, CPU_STEPS, CPU_FRAMES = 256, 4, 9  # a CPU run in minutes for a multi-billion-parameter model
 GPU_FRAMES = 49  # valid for CogVideoX, Wan and LTX-Video ((n - 1) divisible by 8)
@@ -28,24 +29,6 @@ class Usage:
     def same(self) -> bool:
         """The card's size and steps fit a CPU already: the snippet has one line for both devices."""
         return self.gpu == self.cpu
-
-
-def output_kind(pipeline_class: str | None) -> str:
-    """"video" when the pipeline's output has ``frames``, "audio" when it has ``audios``, else "image"; read from
-    the output dataclasses of the pipeline's own module."""
-    import dataclasses
-    import sys
-
-    import diffusers
-    from diffusers.utils import BaseOutput
-
-    cls = getattr(diffusers, pipeline_class or "", None)
-    module = sys.modules.get(getattr(cls, "__module__", ""), None)
-    fields: set[str] = set()
-    for obj in vars(module).values() if module else ():
-        if isinstance(obj, type) and issubclass(obj, BaseOutput) and obj is not BaseOutput and dataclasses.is_dataclass(obj):
-            fields |= {f.name for f in dataclasses.fields(obj)}
-    return "video" if "frames" in fields else "audio" if "audios" in fields else "image"
 
 
 def usage(pipeline_class: str | None, size: int, steps: int) -> Usage:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from publisher.errors import VerificationError
 from publisher.io import hub
+from publisher.request import size_bytes
 from publisher.stages.hubcopy import HubCopy, base_hashes, unchanged_files
 from publisher.stages.push import PushResult, commit_operations, published_state
 from publisher.streaming.shards import LocalShards
@@ -236,20 +237,6 @@ class _Component:
                 self.pending[f].discard(name)
         self.up.checked[self.name] = self.up.checked.get(self.name, 0) + tc.checked
         self.up.classes[self.name] = self.up.classes.get(self.name, 0) + tc.of_class
-
-
-def size_bytes(value: str | int) -> int:
-    """A size as save_pretrained takes it ("2GB", "500MB", "10KB": decimal units; or a number of bytes), in bytes."""
-    text = str(value).strip().upper()
-    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
-    number, unit = (text[:-2], units[text[-2:]]) if text[-2:] in units else (text, 1)
-    try:
-        size = int(float(number) * unit)
-    except ValueError:
-        raise ValueError(f"{value!r} is not a size") from None
-    if size <= 0:
-        raise ValueError(f"{value!r} is not a positive size")
-    return size
 
 
 def staging(plan: Plan, staged: bool, max_shard_size: str | None) -> tuple[int | None, frozenset[str]]:

@@ -9,38 +9,79 @@ from __future__ import annotations
 
 import logging
 import re
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from publisher import adapters, recipe_args
-from publisher.errors import SourceError, UsageError
+from publisher.errors import SourceError, TargetError, UsageError
 from publisher.handoffs.plan import DENOISERS, Component, Plan, Source
+from publisher.io import hub
 from publisher.io.jsonfile import weight_map
 from publisher.io.localfiles import plain_name
-from publisher.recipes import Recipe
+from publisher.io.tokens import TokenRights
+from publisher.quality.options import check_applicable
+from publisher.quality.stage import check_measurable, kind_of
+from publisher.recipes import Recipe, check_can_quantize
+from publisher.request import PublishRequest
 from publisher.stages import layercheck, prequantized
 from publisher.stages.basecheck import check_base
-from publisher.stages.source import read_json
+from publisher.stages.push import check_writable
+from publisher.stages.source import check_named_folder, read_json, resolve
+from publisher.stages.unfinished import check_output_dir
+from publisher.verify import matrix
 
 log = logging.getLogger(__name__)
 
-NO_TARGET = ("no repo id was chosen: there is no --repo-id, and the Hub was not asked whose the default "
-             "<user>/<base>-torchao-<recipe> would be (no token, or HF_HUB_OFFLINE set); pass --repo-id NAMESPACE/NAME, "
-             "or set HF_TOKEN and reach the Hub")
 _TARGET_RE = re.compile(r"^[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}$")
 
 
-def parse_recipes(values: tuple[str, ...] | list[str], layer_values: tuple[str, ...] | list[str] = ()) -> list[Recipe]:
-    """`--quant a --quant b` and `--quant a,b` both work (split on top-level commas only: a config's own commas stay);
-    `COMPONENT=CONFIG` pairs make one per-component recipe; order kept, duplicates dropped (publisher/recipes.py)."""
-    return recipe_args.parse(values, layer_values)
+def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = True) -> Plan:
+    """Everything that can fail cheaply fails here, before any weight is downloaded, in the order a user wants it
+    answered: the recipes' syntax and hardware, the environments, the target id, the folders, then the base.
+    ``check_hardware=False`` when the job runs elsewhere (Hugging Face Jobs: the flavor is checked instead)."""
+    units = recipe_args.precheck(req.make.quant, req.make.layer_config, check_hardware=check_hardware)  # no torchao yet
+    components = mapped_components(units, req.base.components)
+    components_from = "--quant" if components and not req.base.components else "--components"
+    matrix.check(req.checks.verify_envs, req.checks.compat)
+    if req.target.repo_id:
+        check_target_id(req.target.repo_id.replace("{recipe}", "x"))
+    check_named_folder(req.base.model)
+    from huggingface_hub import constants
 
+    offline = constants.HF_HUB_OFFLINE  # an air-gapped run: nothing of ours asks the Hub
+    if req.target.push and offline:
+        raise TargetError("HF_HUB_OFFLINE is set and pushing needs the Hub; unset HF_HUB_OFFLINE, or use --no-push")
+    if req.target.push and not token:
+        raise TargetError("pushing needs a Hub token with write access; set HF_TOKEN (or pass --token), or use --no-push")
+    if req.target.output_dir is not None:
+        check_output_dir(req.target.output_dir)
+    src = resolve(req.base.model, req.base.revision, token)
+    user, who = None, None  # before any file of the base is read: a gated base needs the token's gated access
+    if token and not offline:  # offline (no push): no default repo id is asked for, the card says none was chosen
+        who = hub.call(hub.client(token).whoami, what="checking the token")
+        user = who.get("name")
+        if src.gated and src.repo_id and (reason := TokenRights.of(who).gated_reason(src.repo_id)) is not None:
+            raise SourceError(reason)
+    check_layout(src, components, token, req.base.trust_remote_code, components_from)  # model_index.json alone
+    recipes = recipe_args.parse(req.make.quant, req.make.layer_config)  # torchao reads every config: one it rejects stops here
+    for recipe in recipes if check_hardware else ():
+        check_can_quantize(recipe)
+    targets = target_ids(src, recipes, req.target.repo_id, user)
+    options = {"components": req.base.components, "exclude": req.base.exclude}
+    plan = build_plan(
+        src, recipes, components=components, exclude=list(req.base.exclude), targets=targets, token=token,
+        trust_remote_code=req.base.trust_remote_code, options=options, components_from=components_from,
+    )
+    plan = replace(plan, options={**options, "card": req.card_options(plan.kind)})
+    if req.checks.evaluation is not None:  # a bound on a figure this model has not, or cannot get: a usage error, before any download
+        check_applicable(req.checks.evaluation.bounds, kind_of(plan), f"{req.base.model} ({plan.quantized[0].class_name})")
+        check_measurable(req.checks.evaluation, plan, token)
+    if req.target.push:  # after the base checks, in the order the preflight promises
+        for target in targets.values():
+            check_writable(str(target), token, who)  # a push has a token, so every target is named
+    return plan
 
-def precheck_recipes(values: tuple[str, ...] | list[str], layer_values: tuple[str, ...] | list[str] = (), *,
-                     check_hardware: bool = True) -> list[tuple[str, ...]]:
-    """The --quant and --layer-config checks that need no torchao (recipes.precheck: syntax, names, the device rules);
-    each unit's mapped components."""
-    return recipe_args.precheck(values, layer_values, check_hardware=check_hardware)
 
 
 def mapped_components(units: list[tuple[str, ...]], components: list[str] | None) -> list[str] | None:

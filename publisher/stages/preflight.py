@@ -11,9 +11,10 @@ from pathlib import Path
 
 from publisher.errors import ResourceError
 from publisher.handoffs.plan import Plan
+from publisher.request import low_disk_conflict, size_bytes
 from publisher.stages.fetch import weight_files
 from publisher.stages.hubcopy import unchanged_files
-from publisher.stages.lowdisk_push import LOW_DISK_SHARD, OVERLAP, size_bytes
+from publisher.stages.lowdisk_push import LOW_DISK_SHARD, OVERLAP
 
 log = logging.getLogger(__name__)
 
@@ -118,18 +119,6 @@ def check(plan: Plan, output_root: Path, cache_dir: Path, engine: str = "auto", 
             f"this machine has {total / GiB:.1f} GiB; use a machine with more memory"
         )
     return est
-
-
-def low_disk_conflict(*, benchmark: bool, verify_envs: bool, push: bool) -> str | None:
-    """What cannot run when the base's weights are read by HTTP range and each output shard is uploaded and deleted as
-    it is made: the one rule, which the request says for --low-disk (a usage error) and the preflight when it chooses
-    low-disk because the download would not fit (a failure). None when nothing conflicts."""
-    if benchmark:
-        return "--benchmark runs the whole bf16 base, which --low-disk does not download"
-    if verify_envs and push:
-        return ("with --low-disk a push uploads and deletes each shard as it is made, so --verify-env has nothing to "
-                "reload")
-    return None
 
 
 def check_low_disk(low_disk: bool, push: bool, *, benchmark: bool, verify_envs: bool) -> None:
