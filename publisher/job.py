@@ -218,6 +218,7 @@ class RecipeRun:
     same: PushResult | None = None  # the target already holds this state: nothing to do
     compat_envs: list[matrix.Env] | None = field(default_factory=list)  # its compatibility matrix (None: --compat none)
     folder: Path | None = None  # its final repo folder, once prepared
+    partial: Path | None = None  # where it is built until it is finished (stages/unfinished.py), once prepared
     folder_kept: bool = True  # False once a temporary output folder was removed
     cache: ComponentCache | None = None  # its resume cache, once quantizing began
     output: RecipeOutput | None = None  # where its files go, once its build began
@@ -277,13 +278,14 @@ class RecipeRun:
     def open(self, ctx: RunContext) -> None:
         """Its final folder's name, and where its files go (a staged target: the repo exists from here on)."""
         self.folder = prepare_output(ctx.out_root, self.recipe, len(ctx.plan.recipes) > 1)
-        self.output = ctx.output.open(self.recipe, self.repo_id, partial_folder(self.folder, ctx.out_root))
+        self.partial = partial_folder(self.folder, ctx.out_root)
+        self.output = ctx.output.open(self.recipe, self.repo_id, self.partial)
 
     def quantize_target(self, ctx: RunContext) -> RecipeTarget:
         """What the quantize stage needs of this recipe: its unfinished folder, device, resume cache, uploader."""
-        assert self.folder is not None and self.output is not None  # opened
+        assert self.partial is not None and self.output is not None  # opened
         self.cache = ComponentCache(default_root(), bytes_key(self.state))
-        return RecipeTarget(self.recipe, partial_folder(self.folder, ctx.out_root),
+        return RecipeTarget(self.recipe, self.partial,
                             recipe_registry.device(self.recipe, ctx.capability), self.cache, self.output.uploader,
                             self.state["fingerprint"])
 
@@ -333,8 +335,8 @@ class RecipeRun:
         self.error = str(exc)
         if isinstance(exc, VerificationError) and self.cache is not None:
             self.cache.drop([c.name for c in ctx.plan.quantized])
-        if self.folder is not None:
-            shutil.rmtree(partial_folder(self.folder, ctx.out_root), ignore_errors=True)
+        if self.partial is not None:
+            shutil.rmtree(self.partial, ignore_errors=True)
 
     def finish(self, ctx: RunContext) -> None:
         """The built folder takes its final name, with its report; without a push it is the result."""

@@ -11,7 +11,7 @@ import logging
 import re
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from publisher import adapters, recipe_args
 from publisher.errors import SourceError, TargetError, UsageError
@@ -63,14 +63,14 @@ def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = 
         user = who.get("name")
         if src.gated and src.repo_id and (reason := TokenRights.of(who).gated_reason(src.repo_id)) is not None:
             raise SourceError(reason)
-    check_layout(src, components, token, req.base.trust_remote_code, components_from)  # model_index.json alone
+    layout = check_layout(src, components, token, req.base.trust_remote_code, components_from)  # model_index.json alone
     recipes = recipe_args.parse(req.make.quant, req.make.layer_config)  # torchao reads every config: one it rejects stops here
     for recipe in recipes if check_hardware else ():
         check_can_quantize(recipe)
     targets = target_ids(src, recipes, req.target.repo_id, user)
     options = {"components": req.base.components, "exclude": req.base.exclude}
     plan = build_plan(
-        src, recipes, components=components, exclude=list(req.base.exclude), targets=targets, token=token,
+        src, layout, recipes, components=components, exclude=list(req.base.exclude), targets=targets, token=token,
         trust_remote_code=req.base.trust_remote_code, options=options, components_from=components_from,
     )
     plan = replace(plan, options={**options, "card": req.card_options(plan.kind)})
@@ -131,8 +131,16 @@ def target_ids(source: Source, recipes: list[Recipe], repo_id: str | None, user:
     return out
 
 
-def detect_layout(source: Source, token: str | None, trust_remote_code: bool) -> tuple[str, str | None, list[tuple[str, str, str]]]:
-    """(kind, pipeline class, [(component name, library, class name)]) for the base."""
+class Layout(NamedTuple):
+    """What model_index.json (or config.json) says the base is: read once, before any library is imported."""
+
+    kind: str  # "pipeline" | "transformers"
+    pipeline_class: str | None
+    components: list[tuple[str, str, str]]  # (component name, library, class name)
+
+
+def detect_layout(source: Source, token: str | None, trust_remote_code: bool) -> Layout:
+    """The base's Layout, from model_index.json or config.json."""
     files = set(source.sizes)
     if "model_index.json" in files:
         index = read_json(source, "model_index.json", token)
@@ -156,7 +164,7 @@ def detect_layout(source: Source, token: str | None, trust_remote_code: bool) ->
             if library not in adapters.LIBRARIES:
                 _refuse_remote_code(source, f"component {name} from {library!r}", trust_remote_code)
             comps.append((name, library, class_name))
-        return "pipeline", pipeline_class, comps
+        return Layout("pipeline", pipeline_class, comps)
     if "config.json" in files:
         config = read_json(source, "config.json", token)
         if "_class_name" in config or "_diffusers_version" in config:
@@ -172,7 +180,7 @@ def detect_layout(source: Source, token: str | None, trust_remote_code: bool) ->
         if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
             raise SourceError(f"{source.where('config.json')}: architectures is {archs!r}, not a list of class names; "
                               "fix the file")
-        return "transformers", None, [("", "transformers", archs[0])]
+        return Layout("transformers", None, [("", "transformers", archs[0])])
     raise SourceError(
         f"{source.display} is neither a diffusers pipeline (model_index.json) nor a transformers model (config.json)"
     )
@@ -206,6 +214,7 @@ def weight_files(source: Source, folder: str) -> tuple[str, ...]:
 
 def build_plan(
     source: Source,
+    layout: Layout,
     recipes: list[Recipe],
     *,
     components: list[str] | None,
@@ -216,9 +225,9 @@ def build_plan(
     options: dict[str, Any] | None = None,
     components_from: str = "--components",
 ) -> Plan:
-    """``components_from``: the option that chose ``components`` (a per-component --quant names them), for messages."""
-    kind, pipeline_class, found = detect_layout(source, token, trust_remote_code)
-    check_component_names(source, kind, [name for name, _, _ in found], components, components_from)  # before any import
+    """``layout``: check_layout's (the component names already checked against it); ``components_from``: the option
+    that chose ``components`` (a per-component --quant names them), for messages."""
+    kind, pipeline_class, found = layout
     # an already-quantized base is refused first, by its configs (its weights' headers are read below)
     prequantized.refuse_quantized_configs(source, [name for name, _, _ in found], token)
     model_comps = {name: (lib, cls) for name, lib, cls in found if _model_class(lib, cls) is not None}
@@ -280,11 +289,12 @@ def build_plan(
 
 
 def check_layout(source: Source, components: list[str] | None, token: str | None, trust_remote_code: bool,
-                 components_from: str = "--components") -> None:
+                 components_from: str = "--components") -> Layout:
     """The base's layout and the component names, from model_index.json / config.json alone (no library imported):
     run before torchao reads the configs, so a misspelt component fails in seconds."""
-    kind, _, found = detect_layout(source, token, trust_remote_code)
-    check_component_names(source, kind, [name for name, _, _ in found], components, components_from)
+    layout = detect_layout(source, token, trust_remote_code)
+    check_component_names(source, layout.kind, [name for name, _, _ in layout.components], components, components_from)
+    return layout
 
 
 def check_component_names(source: Source, kind: str, names: list[str], components: list[str] | None,
