@@ -75,14 +75,14 @@ def _invoke(args: list[str], env: dict[str, str] | None = None) -> None:
 def _what_reaches_the_job(req: PublishRequest) -> tuple[Any, ...]:
     """The request as the job reads it: each recipe's configs (per component, per layer; how they were given left
     out: a file here is inline in a Job) and the evaluation's settings."""
-    from publisher.recipe_args import parse as parse_recipes
+    from publisher import recipe_args
 
     def configs(value: Any) -> Any:  # how a config was given (a file here, inline in a Job) left out
         if isinstance(value, dict):
             return {k: configs(v) for k, v in value.items() if k not in ("given", "source", "file", "origin")}
         return [configs(v) for v in value] if isinstance(value, list) else value
 
-    recipes = [(r.name, configs(r.quant_json()), r.python) for r in parse_recipes(req.make.quant, req.make.layer_config)]
+    recipes = [(r.name, configs(r.quant_json()), r.python) for r in recipe_args.parse(req.make.quant, req.make.layer_config)]
     return req.base.model, recipes, req.checks.evaluation, req.checks.compat
 
 
@@ -114,11 +114,11 @@ def test_the_same_request_reaches_the_job_from_every_entry_point(form: str, reco
     _invoke([MODEL, *cli_args, "--on-hf-jobs", "cpu-basic"], budget)
     jobs = recorded["jobs"][-1]
     assert _what_reaches_the_job(jobs.publish) == local, "the --on-hf-jobs request"
-    from publisher.recipe_args import parse as parse_recipes
+    from publisher import recipe_args
 
 
     reached = []
-    for recipe in parse_recipes(jobs.publish.make.quant, jobs.publish.make.layer_config):  # one job per recipe
+    for recipe in recipe_args.parse(jobs.publish.make.quant, jobs.publish.make.layer_config):  # one job per recipe
         argv = remote.job_args(jobs, recipe, f"alice/x-{recipe.name}", "0" * 40)
         assert not any(a == str(file) for a in argv)  # no local file named: a job cannot read it
         _invoke(argv)  # the job's machine has none of our variables

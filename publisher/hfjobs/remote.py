@@ -18,13 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from publisher import recipe_args
 from publisher.errors import RunFailed, TargetError, UsageError
 from publisher.flavors import Flavor
 from publisher.hfjobs import bootstrap, hardware, jobchecks, package
 from publisher.hfjobs.follow import Follower, JobFailed, RemoteOutcome, stage_name, terminate_as_interrupt
 from publisher.io import hub
 from publisher.io.tokens import resolve_token
-from publisher.recipe_args import parse as parse_recipes
 from publisher.request import PublishRequest
 from publisher.stages.planning import make_plan
 from publisher.stages.source import is_local
@@ -116,7 +116,7 @@ def publish_all(requests: list[JobsRequest]) -> list[RemoteOutcome]:
         if is_local(request.publish.base.model):
             raise UsageError(f"{request.publish.base.model} is a local folder, which a Job cannot read; upload it to the "
                              "Hub first (hf upload NAMESPACE/NAME FOLDER) and pass the repo id")
-    recipes = {r.name: r for request in requests for r in parse_recipes(request.publish.make.quant, request.publish.make.layer_config)}
+    recipes = {r.name: r for request in requests for r in recipe_args.parse(request.publish.make.quant, request.publish.make.layer_config)}
     token = resolve_token(first.token)
     if not token:
         raise TargetError("a publish on Hugging Face Jobs needs a Hub token that can write and start Jobs; set "
