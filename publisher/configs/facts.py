@@ -10,12 +10,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from publisher.configs import probe
 from publisher.configs.render import canonical
 from publisher.configs.syntax import first_line
 from publisher.errors import UsageError
+
+if TYPE_CHECKING:
+    from publisher.flavors import Flavor
 
 # torchao 0.18's safetensors support: the only tensor classes a published repo can hold
 SAFETENSORS_CLASSES = frozenset({"Float8Tensor", "Int4Tensor", "Int4TilePackedTo4dTensor", "IntxUnpackedToInt8Tensor",
@@ -40,8 +43,8 @@ class Needs:
             text += " and " + ", ".join(self.packages)
         return text
 
-    def fits(self, flavor: Any) -> bool:
-        """True when a Jobs flavor (publisher.flavors.Flavor) offers this (a CPU flavor fits only what needs no GPU)."""
+    def fits(self, flavor: Flavor) -> bool:
+        """True when a Jobs flavor offers this (a CPU flavor fits only what needs no GPU)."""
         if not self.cuda:
             return True
         cc = flavor.capability

@@ -10,7 +10,7 @@ import functools
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from publisher import __version__, adapters
 from publisher.handoffs.artifacts import Artifacts
@@ -20,6 +20,10 @@ from publisher.runtime import logs
 from publisher.stages import card_config
 from publisher.stages.card_usage import manual_functions, usage
 from publisher.verify import claims
+
+if TYPE_CHECKING:
+    from publisher.quality.grid import GridFigures
+    from publisher.quality.lm import LmFigures
 
 TEMPLATE_NAME = "modelcard.md.j2"
 COMPAT_TEMPLATE = "compatibility.md.j2"  # its Software requirements and Compatibility sections (recheck renders them alone)
@@ -305,14 +309,15 @@ def write_cards(plan: Plan, built: dict[str, Built], settings: CardSettings, onl
     return written
 
 
-def _variant_quality(figures: Any, report: VerifyReport) -> str:
+def _variant_quality(figures: LmFigures | GridFigures | None, report: VerifyReport) -> str:
     """One recipe's quality in the table of sibling variants: its perplexity recovery or lowest grid PSNR, else the
     verification's relative error."""
     recovery = getattr(figures, "recovery", None)
     if recovery is not None:
         return f"perplexity recovery {recovery:.2f}%"
-    if getattr(figures, "psnr", None):
-        return f"PSNR {min(figures.psnr):.2f} dB (lowest of the grid)"
+    psnr = getattr(figures, "psnr", None)
+    if psnr:
+        return f"PSNR {min(psnr):.2f} dB (lowest of the grid)"
     return ", ".join(f"{q.component} rel. error {q.rel_error:.4f}" for q in report.quality) or "n/a"
 
 

@@ -15,7 +15,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from publisher import __version__
 from publisher.errors import InputError, TargetError, VerificationError
@@ -26,6 +26,9 @@ from publisher.io import hub
 from publisher.io.jsonfile import read_object
 from publisher.io.tokens import TokenRights
 from publisher.verify.commit_hashes import CommitFile, check_uploaded, of_file
+
+if TYPE_CHECKING:
+    from huggingface_hub import HfApi
 
 log = logging.getLogger(__name__)
 
@@ -203,7 +206,7 @@ def push(
     return PushResult(repo_id, str(repo_url), oid, pr_url, False, created, ours)
 
 
-def commit_operations(api: Any, repo_id: str, folder: Path, head: str | None,
+def commit_operations(api: HfApi, repo_id: str, folder: Path, head: str | None,
                       uploaded: list[Any] = ()) -> tuple[list[Any], list[Any]]:  # type: ignore[assignment]
     """(additions from ``folder``, every operation of the commit): ``uploaded`` adds already pre-uploaded files;
     a republish replaces the previous content, so files we no longer produce are deleted in the same commit."""

@@ -29,6 +29,7 @@ import json
 import math
 import re
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -174,7 +175,7 @@ def _typed(doc: Any, name: str) -> tuple[dict[str, str], dict[str, _Tensor], lis
     return metadata, tensors, dups
 
 
-def _tensor(key: str, info: Any, fail: Any) -> _Tensor:
+def _tensor(key: str, info: Any, fail: Callable[[str], Exception]) -> _Tensor:
     if isinstance(info, _Obj):
         fields: dict[str, Any] = {}
         for field, value in info.pairs:
@@ -209,7 +210,7 @@ def _usize(value: Any) -> bool:
     return type(value) is int and 0 <= value <= _USIZE_MAX
 
 
-def _walk(doc: _Obj, fail: Any) -> None:
+def _walk(doc: _Obj, fail: Callable[[str], Exception]) -> None:
     """serde_json's limits that Python's json does not have: nesting depth and unpaired surrogates."""
     stack: list[tuple[Any, int]] = [(doc, 1)]
     while stack:

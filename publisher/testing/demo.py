@@ -21,6 +21,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 DEMO_TOKENS = {"demo-token-bfl": "black-forest-labs", "demo-token-you": "demo-user"}
@@ -67,7 +68,7 @@ def _serve(hub: Any, work: Path, snippets: list[Path]) -> None:
              *(f"{python} {path}" for path in snippets), ""]
     print("\n".join(lines), file=sys.stderr, flush=True)
 
-    def _stop(signum: int, frame: Any) -> None:
+    def _stop(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, _stop)

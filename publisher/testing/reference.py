@@ -7,10 +7,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from publisher.recipes import Recipe
 
 
-def library_quantize(src_dir: Path, dst_dir: Path, *, library: str, recipe: Any, exclude: Sequence[str] = (),
+def library_quantize(src_dir: Path, dst_dir: Path, *, library: str, recipe: Recipe, exclude: Sequence[str] = (),
                      class_name: str | None = None, device: str | None = None,
                      max_shard_size: int | str | None = None) -> Any:
     """``Cls.from_pretrained(src, quantization_config=TorchAoConfig(...), bf16)`` then ``save_pretrained(dst)``.

@@ -12,12 +12,15 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from publisher import loadpath
 from publisher.errors import VerificationError
 from publisher.handoffs.report import PathResult
 from publisher.io import hub
+
+if TYPE_CHECKING:
+    from huggingface_hub import CommitOperationAdd
 
 CHUNK = 8 << 20
 
@@ -51,7 +54,7 @@ def of_file(path: Path, small: int = 10 << 20) -> CommitFile:
     return CommitFile(size, h.hexdigest())
 
 
-def check_uploaded(op: Any, ours: CommitFile, repo_id: str) -> None:
+def check_uploaded(op: CommitOperationAdd, ours: CommitFile, repo_id: str) -> None:
     """After a pre-upload: the sha256 the uploader computed from the bytes it read (hf_xet while chunking, or
     huggingface_hub before an LFS upload) must be the one taken here of the verified file; the commit names that
     digest, so a mismatch is refused before anything is committed."""
@@ -65,13 +68,15 @@ def check_uploaded(op: Any, ours: CommitFile, repo_id: str) -> None:
                                 "nothing was committed")
 
 
-def of_operation(op: Any) -> CommitFile:
+def of_operation(op: CommitOperationAdd) -> CommitFile:
     """The hashes of a ``CommitOperationAdd``'s own bytes (a local path or bytes), taken here: never the sha256 an
     uploader reported (hf_xet's), which is what these are checked against."""
     source = op.path_or_fileobj
     if isinstance(source, bytes):
         return of_bytes(source)
-    return of_file(Path(source))
+    if isinstance(source, (str, Path)):
+        return of_file(Path(source))
+    raise TypeError(f"{op.path_in_repo}: an operation made from a file object has no bytes to hash here")  # none of ours
 
 
 def check_commit(repo_id: str, revision: str, expected: dict[str, CommitFile], token: str | None,

@@ -19,7 +19,10 @@ head is loaded whole, as before).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from publisher.streaming.shards import TensorReader
 
 ROW_CHUNK_BYTES = 32 << 20  # the head's rows read at once (Llama-3-8B: 4,096 rows of 8 KB)
 
@@ -36,7 +39,7 @@ def candidate(module: Any, budget: int) -> bool:
 class RowEmbedding:
     """Pre- and post-hook of an embedding: only the rows of the ids it is called with are read, for that call."""
 
-    def __init__(self, module: Any, reader: Any, name: str, cast: Callable[[str, Any], Any]) -> None:
+    def __init__(self, module: Any, reader: TensorReader, name: str, cast: Callable[[str, Any], Any]) -> None:
         self.module, self.reader, self.name, self.cast = module, reader, name, cast
         self.original = module._parameters["weight"]
         self.rows_read = 0
@@ -71,9 +74,12 @@ class RowLinear:
     """The forward of an output head read a chunk of vocabulary rows at a time (installed as the module's ``forward``;
     ``nll`` for perplexity)."""
 
-    def __init__(self, module: Any, reader: Any, name: str, bias: str | None, cast: Callable[[str, Any], Any]) -> None:
+    def __init__(self, module: Any, reader: TensorReader, name: str, bias: str | None, cast: Callable[[str, Any], Any]) -> None:
         self.module, self.reader, self.name, self.bias, self.cast = module, reader, name, bias, cast
-        self.rows = reader.plain_rows(name)
+        rows = reader.plain_rows(name)
+        if rows is None:  # the caller installs this head only on a plain matrix (verify/streaming.py)
+            raise ValueError(f"{name} is not a plain matrix; its rows cannot be read alone")
+        self.rows = rows
         row_bytes = module.weight.shape[1] * module.weight.element_size()
         self.chunk = max(1, ROW_CHUNK_BYTES // max(row_bytes, 1))
         self.passes = 0  # how often the whole weight was read

@@ -11,7 +11,7 @@ import argparse
 import json
 import signal
 import sys
-from typing import Any
+from types import FrameType
 
 from publisher.testing.hubserver.server import HubServer
 
@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
                        discard_lfs=args.discard_lfs, scopes=scopes, multipart_threshold=args.multipart_threshold,
                        bridge_port=args.bridge_port, bridge_public_url=args.bridge_url)
 
-    def _terminate(signum: int, frame: Any) -> None:
+    def _terminate(signum: int, frame: FrameType | None) -> None:
         raise KeyboardInterrupt  # unwinds serve_forever so sockets are closed cleanly
 
     signal.signal(signal.SIGTERM, _terminate)
