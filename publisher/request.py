@@ -17,6 +17,7 @@ if TYPE_CHECKING:  # types only
     from publisher.quality.lm import LmFigures
 
 Engine = Literal["auto", "streaming", "library"]
+# Outcome's note, and the refusal of a push that has no target (job.py)
 NO_TARGET = ("no repo id was chosen: there is no --repo-id, and the Hub was not asked whose the default "
              "<user>/<base>-torchao-<recipe> would be (no token, or HF_HUB_OFFLINE set); pass --repo-id NAMESPACE/NAME, "
              "or set HF_TOKEN and reach the Hub")
