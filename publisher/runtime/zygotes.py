@@ -297,11 +297,9 @@ def _key(python: str, env: Mapping[str, str], preload: tuple[str, ...]) -> _Key:
 def zygote_budget() -> int:
     """The memory the zygotes that live at once may hold (the least recently used are closed past it): enough for
     this interpreter's and every environment of the default compatibility matrix (up to 6) and the card snippets' (8
-    zygotes of their own, or many more branches: ``_bytes``), a sixth of the memory available where that is less, never
-    under 3 zygotes."""
-    import psutil
-
-    return int(max(3 * ZYGOTE_BYTES, min(8 * ZYGOTE_BYTES, psutil.virtual_memory().available / 6)))
+    zygotes of their own, or many more branches: ``_bytes``), ``_spare_bytes`` where that is less, never under 3
+    zygotes."""
+    return int(max(3 * ZYGOTE_BYTES, min(8 * ZYGOTE_BYTES, _spare_bytes())))
 
 
 def _bytes(z: Zygote) -> int:
@@ -313,14 +311,15 @@ def _bytes(z: Zygote) -> int:
 def max_prestarted() -> int:
     """How many single-use interpreters may wait at once: at most as many as zygotes, and none past the memory
     bound (each is a head start only: a script with none runs fresh)."""
-    return min(8, _affordable())
+    return min(8, int(_spare_bytes() // ZYGOTE_BYTES))
 
 
-def _affordable() -> int:
-    """How many processes of ZYGOTE_BYTES fit in a sixth of the memory available."""
+def _spare_bytes() -> float:
+    """What the processes kept for later (zygotes, interpreters started ahead) may hold: a sixth of the memory
+    available."""
     import psutil
 
-    return int(psutil.virtual_memory().available / 6 // ZYGOTE_BYTES)
+    return psutil.virtual_memory().available / 6
 
 
 def _forget(z: Zygote) -> None:

@@ -78,6 +78,7 @@ def make_plan(req: PublishRequest, token: str | None, *, check_hardware: bool = 
         check_applicable(req.checks.evaluation.bounds, kind_of(plan), f"{req.base.model} ({plan.quantized[0].class_name})")
         check_measurable(req.checks.evaluation, plan, token)
     if req.target.push:  # after the base checks, in the order the preflight promises
+        assert token is not None  # a push without one was refused above
         for target in targets.values():
             check_writable(str(target), token, who)  # a push has a token, so every target is named
     return plan

@@ -226,13 +226,10 @@ def _pr_url(repo_id: str, pr: tuple[int, str] | None) -> str | None:
     return hub.pr_url(repo_id, pr[0] if pr else None)
 
 
-def check_writable(repo_id: str, token: str | None, who: dict[str, Any] | None = None) -> str:
+def check_writable(repo_id: str, token: str, who: dict[str, Any] | None = None) -> None:
     """Preflight: the token is valid and may create or write the target (its namespace membership and, for a
-    read-only or fine-grained token, its permissions). ``who``: whoami-v2's answer, when already read. Returns the
-    user name."""
-
-    if not token:
-        raise TargetError("pushing needs a Hub token with write access; set HF_TOKEN (or pass --token), or use --no-push")
+    read-only or fine-grained token, its permissions). ``who``: whoami-v2's answer, when already read. A push without
+    a token is refused before the base is read (stages/planning.make_plan)."""
     api = hub.client(token)
     who = who if who is not None else hub.call(api.whoami, what="checking the token")
     namespace = repo_id.split("/")[0]
@@ -248,7 +245,6 @@ def check_writable(repo_id: str, token: str | None, who: dict[str, Any] | None =
     if reason is not None and not (rights.allows("repo.write", repo_id)
                                    and hub.call(api.repo_exists, repo_id, what=f"checking {repo_id}")):
         raise TargetError(reason)
-    return str(who.get("name"))
 
 
 def commit_text(source: Source, recipe: str, previous: dict[str, Any] | None, state: dict[str, Any], *,
